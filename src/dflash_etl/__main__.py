@@ -1,0 +1,3 @@
+from dflash_etl.cli import main
+
+raise SystemExit(main())

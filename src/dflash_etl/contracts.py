@@ -1,0 +1,223 @@
+"""Load the contracts in contracts/*.toml as pandera (polars) schemas and run them.
+
+The contract files say which columns, types and named checks a stage output must satisfy; the
+named checks are polars expressions here, so a contract runs at columnar speed on any output.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandera.polars as pa
+import polars as pl
+from pandera.config import ValidationDepth, config_context
+from pandera.errors import SchemaError, SchemaErrors
+
+from dflash_etl import roles
+from dflash_etl.errors import ContractError
+
+CONTRACTS_DIR = Path(__file__).resolve().parents[2] / "contracts"
+
+MESSAGE = pl.Struct(
+    {
+        "role": pl.String, "content": pl.String, "reasoning": pl.String,
+        "tool_calls": pl.String, "tool_call_id": pl.String, "name": pl.String,
+    }
+)
+DTYPES: dict[str, pl.DataType] = {
+    "string": pl.String(), "int64": pl.Int64(), "int32": pl.Int32(), "bool": pl.Boolean(),
+    "list[message]": pl.List(MESSAGE), "list[int32]": pl.List(pl.Int32),
+    "list[int8]": pl.List(pl.Int8), "list[int64]": pl.List(pl.Int64),
+}
+
+
+def contracts_dir() -> Path:
+    """contracts/ of the source tree (editable install) or the packaged copy."""
+    if CONTRACTS_DIR.is_dir():
+        return CONTRACTS_DIR
+    return Path(__file__).resolve().parent / "_contracts"
+
+
+# --------------------------------------------------------------- named checks (polars)
+def _letters(col: str) -> pl.Expr:
+    msg = pl.element()
+    return pl.col(col).list.eval(
+        pl.when(msg.struct.field("role") == "assistant")
+        .then(pl.when(msg.struct.field("tool_calls").is_not_null()).then(pl.lit("C"))
+              .otherwise(pl.lit("A")))
+        .when(msg.struct.field("role") == "system").then(pl.lit("S"))
+        .when(msg.struct.field("role") == "user").then(pl.lit("U"))
+        .when(msg.struct.field("role") == "tool").then(pl.lit("T"))
+        .otherwise(pl.lit("?"))
+    ).list.join("")
+
+
+def role_letters(frame: pl.DataFrame | pl.LazyFrame, col: str = "messages"):
+    """The S/U/A/C/T spelling of every row's roles (see dflash_etl.roles)."""
+    return frame.select(_letters(col).alias("letters"))
+
+
+NAMED_CHECKS: dict[str, tuple[Callable[[str], pl.Expr], str]] = {
+    "hex_id": (lambda c: pl.col(c).str.contains(r"^[0-9a-f]{16,64}$"), "a hex content hash"),
+    "non_empty_string": (lambda c: pl.col(c).str.len_chars() > 0, "a non-empty string"),
+    "roles_known": (
+        lambda c: pl.col(c).list.eval(
+            pl.element().struct.field("role").is_in(["system", "user", "assistant", "tool"])
+        ).list.all(),
+        "every role is system, user, assistant or tool",
+    ),
+    "role_order_valid": (
+        lambda c: ~_letters(c).str.contains(roles.ROLE_ORDER_PATTERN),
+        "role order: system? user, assistant after user/tool, tool after a tool call",
+    ),
+    "content_non_empty": (
+        lambda c: pl.col(c).list.eval(
+            (pl.element().struct.field("content").str.strip_chars().str.len_chars() > 0)
+            | ((pl.element().struct.field("role") == "assistant")
+               & pl.element().struct.field("tool_calls").is_not_null())
+        ).list.all(),
+        "non-empty content (except an assistant turn with tool calls)",
+    ),
+    "tool_calls_json": (
+        lambda c: pl.col(c).list.eval(
+            pl.element().struct.field("tool_calls").is_null()
+            | pl.element().struct.field("tool_calls").str.starts_with("[")
+        ).list.all(),
+        "tool_calls is null or JSON text of a list",
+    ),
+    "json_list_or_null": (
+        lambda c: pl.col(c).is_null() | pl.col(c).str.starts_with("["),
+        "null or JSON text of a list",
+    ),
+    "needs_response_matches_last_role": (
+        lambda c: pl.col(c) == _letters("messages").str.contains(r"[UT]$"),
+        "needs_response is true exactly when the last turn is user or tool",
+    ),
+}
+
+
+def register_check(name: str, expr: Callable[[str], pl.Expr], description: str) -> None:
+    """Later stages add their own named checks (e.g. mask coverage) here."""
+    NAMED_CHECKS[name] = (expr, description)
+
+
+def _pandera_check(name: str) -> pa.Check:
+    if name not in NAMED_CHECKS:
+        raise KeyError(f"contract names an unknown check {name!r}; known: {sorted(NAMED_CHECKS)}")
+    build, description = NAMED_CHECKS[name]
+
+    def check(data: Any) -> pl.LazyFrame:
+        return data.lazyframe.select(build(data.key))
+
+    return pa.Check(check, name=name, error=description)
+
+
+# --------------------------------------------------------------- contract files
+@dataclass(frozen=True)
+class Contract:
+    name: str
+    schema: pa.DataFrameSchema
+    unique: tuple[str, ...]
+    min_rows: int
+    spec: dict[str, Any]
+
+
+def load_contract(name: str) -> Contract:
+    path = contracts_dir() / f"{name}.toml"
+    spec = tomllib.loads(path.read_text())
+    columns = {}
+    unique = []
+    for col, cspec in spec["columns"].items():
+        checks = [_pandera_check(c) for c in cspec.get("checks", [])]
+        if "isin" in cspec:
+            checks.append(pa.Check.isin(cspec["isin"]))
+        if "ge" in cspec:
+            checks.append(pa.Check.ge(cspec["ge"]))
+        if "le" in cspec:
+            checks.append(pa.Check.le(cspec["le"]))
+        if cspec.get("unique"):
+            unique.append(col)
+        columns[col] = pa.Column(
+            DTYPES[cspec["dtype"]], checks=checks, nullable=cspec.get("nullable", False),
+            required=cspec.get("required", True),
+        )
+    schema = pa.DataFrameSchema(columns, strict=spec.get("strict", False), name=spec["name"])
+    return Contract(spec["name"], schema, tuple(unique), int(spec.get("min_rows", 1)), spec)
+
+
+# --------------------------------------------------------------- running a contract
+def _failures(exc: SchemaErrors | SchemaError, shard: str) -> list[dict[str, Any]]:
+    cases = getattr(exc, "failure_cases", None)
+    if cases is None or not isinstance(cases, pl.DataFrame) or cases.height == 0:
+        return [{"shard": shard, "check": "schema", "column": None, "count": 1,
+                 "samples": [str(exc)[:500]]}]
+    out = []
+    for (check, column), group in cases.group_by(["check", "column"], maintain_order=True):
+        samples = [str(v)[:300] for v in group["failure_case"].head(5).to_list()]
+        rows = group["index"].head(5).to_list() if "index" in group.columns else []
+        out.append({"shard": shard, "check": str(check), "column": column,
+                    "count": group.height, "samples": samples, "rows": rows})
+    return out
+
+
+def validate_files(contract: Contract, files: list[Path]) -> dict[str, Any]:
+    """Run a contract shard by shard (bounded memory) plus the cross-shard checks."""
+    failures: list[dict[str, Any]] = []
+    rows = 0
+    with config_context(validation_depth=ValidationDepth.SCHEMA_AND_DATA):
+        for path in files:
+            frame = pl.read_parquet(path)
+            rows += frame.height
+            try:
+                contract.schema.validate(frame, lazy=True)
+            except (SchemaErrors, SchemaError) as exc:
+                failures.extend(_failures(exc, path.name))
+    for col in contract.unique:
+        if not files:
+            break
+        ids = pl.scan_parquet([str(f) for f in files]).select(col)
+        dupes = ids.filter(pl.col(col).is_duplicated()).unique().collect()
+        if dupes.height:
+            failures.append({"shard": "*", "check": "unique", "column": col,
+                             "count": dupes.height, "samples": dupes[col].head(5).to_list()})
+    if rows < contract.min_rows:
+        failures.append({"shard": "*", "check": "min_rows", "column": None, "count": rows,
+                         "samples": [f"{rows} rows; the contract needs >= {contract.min_rows}"]})
+    return {"contract": contract.name, "rows": rows, "shards": len(files),
+            "passed": not failures, "failures": failures}
+
+
+def format_failures(report: dict[str, Any], limit: int = 8) -> str:
+    lines = []
+    for f in report["failures"][:limit]:
+        where = f"column {f['column']!r}" if f.get("column") else "table"
+        lines.append(
+            f"  - {f['check']} on {where} in {f['shard']}: {f['count']} failing; "
+            f"e.g. {f['samples'][:3]}"
+        )
+    extra = len(report["failures"]) - limit
+    if extra > 0:
+        lines.append(f"  … and {extra} more")
+    return "\n".join(lines)
+
+
+def validate_conversations(conversations_dir: Path, report_dir: Path | None = None) -> dict:
+    """The conversations contract on a directory of shards; raises ContractError on failure."""
+    contract = load_contract("conversations")
+    files = sorted(Path(conversations_dir).glob("*.parquet"))
+    report = validate_files(contract, files)
+    if report_dir is not None:
+        (Path(report_dir) / "contract.json").write_text(json.dumps(report, indent=2, default=str))
+    if not report["passed"]:
+        raise ContractError(
+            f"the conversations contract failed on {conversations_dir}:\n"
+            + format_failures(report)
+            + f"\nFull report: {Path(report_dir or conversations_dir) / 'contract.json'}",
+            report,
+        )
+    return report

@@ -1,0 +1,134 @@
+"""Message lists: OpenAI (role/content, parts, tool_calls), ShareGPT (from/value) and
+LLaMA-Factory parts ({type: text|reasoning|tool_call, value}) share one parser, since real
+files mix these spellings freely."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from dflash_etl import schema as S
+from dflash_etl.formats.common import (
+    Conversation,
+    Message,
+    RowError,
+    map_role,
+    parse_call_json,
+    parse_openai_tool_calls,
+    require_list,
+    split_hermes_calls,
+    split_think,
+    strip_tool_response,
+    type_name,
+)
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _parts(parts: list[Any], conv: Conversation, where: str) -> tuple[str, str | None, list]:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for k, part in enumerate(parts):
+        at = f"{where}.content[{k}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise RowError(S.Q_WRONG_TYPE, f"{at}: expected an object, got {type_name(part)}")
+        kind = part.get("type", "text")
+        value = part.get("text", part.get("value"))
+        if kind in _TEXT_PARTS or kind in ("reasoning", "thinking"):
+            if not isinstance(value, str):
+                raise RowError(S.Q_WRONG_TYPE, f"{at}: {kind} part without a string value")
+            (texts if kind in _TEXT_PARTS else reasoning).append(value)
+        elif kind == "tool_call":
+            if isinstance(value, dict):
+                value = orjson.dumps(value).decode()
+            calls.append(parse_call_json(require_text(value, at), conv, at))
+        else:
+            raise RowError(
+                S.Q_WRONG_TYPE, f"{at}: unsupported content part type {kind!r} (text only)"
+            )
+    return "".join(texts), ("\n".join(reasoning) if reasoning else None), calls
+
+
+def require_text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise RowError(S.Q_WRONG_TYPE, f"{where}: expected a string, got {type_name(value)}")
+    return value
+
+
+def parse_message(item: Any, conv: Conversation, where: str) -> Message:
+    if not isinstance(item, dict):
+        raise RowError(S.Q_WRONG_TYPE, f"{where}: expected an object, got {type_name(item)}")
+    raw_role = item.get("role", item.get("from"))
+    if raw_role is None:
+        raise RowError(S.Q_MISSING_FIELD, f"{where}: no 'role' (or 'from'); keys: {sorted(item)}")
+    role = map_role(raw_role, conv, where)
+    content: Any = item["content"] if "content" in item else item.get("value")
+    reasoning = item.get("reasoning_content") or item.get("reasoning") or item.get("thinking")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise RowError(S.Q_WRONG_TYPE, f"{where}.reasoning: expected a string")
+    calls: list[dict[str, Any]] = []
+    if isinstance(content, list):
+        content, part_reasoning, calls = _parts(content, conv, where)
+        reasoning = reasoning or part_reasoning
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise RowError(S.Q_WRONG_TYPE, f"{where}.content: expected a string or a list of parts, "
+                       f"got {type_name(content)}")
+    if isinstance(raw_role, str) and raw_role.lower() == "function_call":
+        calls.append(parse_call_json(content, conv, where))
+        content = ""
+    if role == "assistant":
+        raw_calls = item.get("tool_calls")
+        if isinstance(raw_calls, str):
+            try:
+                raw_calls = orjson.loads(raw_calls)
+            except orjson.JSONDecodeError as exc:
+                raise RowError(S.Q_BAD_TOOL_CALL, f"{where}.tool_calls: invalid JSON ({exc})")
+        if raw_calls:
+            calls.extend(parse_openai_tool_calls(raw_calls, conv, where))
+        legacy = item.get("function_call")
+        if isinstance(legacy, dict):
+            calls.extend(parse_openai_tool_calls([legacy], conv, f"{where}.function_call"))
+        if reasoning is None:
+            reasoning, content = split_think(content)
+        content, hermes = split_hermes_calls(content, conv, where)
+        calls.extend(hermes or [])
+    elif role == "tool":
+        content = strip_tool_response(content)
+    tool_call_id = item.get("tool_call_id")
+    name = item.get("name")
+    return Message(
+        role=role,
+        content=content,
+        reasoning=reasoning or None,
+        tool_calls=calls or None,
+        tool_call_id=str(tool_call_id) if tool_call_id is not None else None,
+        name=name if isinstance(name, str) else None,
+    )
+
+
+def parse_messages(items: Any, conv: Conversation, where: str) -> list[Message]:
+    """Parse a message list, folding a bare tool-call turn into the assistant turn before it."""
+    out: list[Message] = []
+    for k, item in enumerate(require_list(items, where)):
+        msg = parse_message(item, conv, f"{where}[{k}]")
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and prev.role == "assistant"
+            and msg.role == "assistant"
+            and msg.tool_calls
+            and not msg.content.strip()
+            and msg.reasoning is None
+        ):
+            prev.tool_calls = (prev.tool_calls or []) + msg.tool_calls
+            conv.role_mapping["merged_tool_call_turn"] += 1
+            continue
+        out.append(msg)
+    return out

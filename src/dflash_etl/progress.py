@@ -1,0 +1,32 @@
+"""Progress bars that draw on a terminal and stay silent in logs and CI."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class _Bar:
+    def __init__(self, progress=None, task=None) -> None:
+        self._progress, self._task = progress, task
+
+    def advance(self, n: int = 1) -> None:
+        if self._progress is not None and n:
+            self._progress.advance(self._task, n)
+
+
+@contextmanager
+def progress_bar(label: str, total: int, enabled: bool | None = None) -> Iterator[_Bar]:
+    """A rich progress bar when stderr is a terminal (or `enabled`), otherwise a no-op."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        yield _Bar()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    ) as progress:
+        yield _Bar(progress, progress.add_task(label, total=total))

@@ -1,0 +1,71 @@
+"""Arrow schemas of the stage outputs and the reason codes rows are counted under.
+
+The canonical conversation is the contract between ingest and every later stage, so it lives in
+one place and is kept stable.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+ROLES = ("system", "user", "assistant", "tool")
+
+MESSAGE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("reasoning", pa.string()),
+        ("tool_calls", pa.string()),  # JSON text: [{"id", "type", "function": {"name", "arguments": {}}}]
+        ("tool_call_id", pa.string()),
+        ("name", pa.string()),
+    ]
+)
+
+CONVERSATIONS = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("format", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("tools", pa.string()),
+        ("needs_response", pa.bool_()),
+        ("tool_arguments", pa.string()),  # how the source wrote tool-call arguments
+        ("file", pa.string()),
+        ("line", pa.int64()),
+    ]
+)
+
+QUARANTINE = pa.schema(
+    [
+        ("source", pa.string()),
+        ("file", pa.string()),
+        ("line", pa.int64()),
+        ("reason", pa.string()),
+        ("message", pa.string()),
+        ("raw", pa.string()),  # the original text (lossy-escaped when the bytes are not UTF-8)
+        ("raw_bytes", pa.binary()),  # the exact original bytes, only when they are not UTF-8
+    ]
+)
+
+# Quarantine reason codes (a row that is wrong and must be looked at).
+Q_INVALID_UTF8 = "invalid_utf8"
+Q_MALFORMED_JSON = "malformed_json"
+Q_NOT_AN_OBJECT = "not_an_object"
+Q_LINE_TOO_LONG = "line_too_long"
+Q_UNKNOWN_FORMAT = "unknown_format"
+Q_FORMAT_MISMATCH = "format_mismatch"
+Q_WRONG_TYPE = "wrong_type"
+Q_MISSING_FIELD = "missing_field"
+Q_UNKNOWN_ROLE = "unknown_role"
+Q_EMPTY_CONVERSATION = "empty_conversation"
+Q_EMPTY_CONTENT = "empty_content"
+Q_ROLE_ORDER = "role_order"
+Q_BAD_TOOL_CALL = "bad_tool_call"
+Q_BAD_TOOLS = "bad_tools"
+Q_UNPARSEABLE_CHAT = "unparseable_chat"
+
+# Filter reasons (a row that is fine but deliberately not kept).
+F_BLANK_LINE = "blank_line"
+F_DUPLICATE = "duplicate"
+F_MAX_ROWS = "max_rows"
+F_MIX_WEIGHT = "mix_weight"

@@ -1,0 +1,335 @@
+"""ingest: source files (any supported format) -> canonical conversations + quarantine.
+
+Core: `normalize_records` (records -> rows, quarantine, stats) and `plan_mix` (which rows to keep:
+dedup, max_rows, weights) are pure. The shell around them plans work units, runs them in worker
+processes, writes Parquet shards under a partial directory and publishes it once the contract
+passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_etl import readers
+from dflash_etl import schema as S
+from dflash_etl.accounting import Stats, stats_document
+from dflash_etl.config import PipelineConfig, SourceConfig, load_config
+from dflash_etl.errors import StageError
+from dflash_etl.formats import RowError, normalize_row
+from dflash_etl.progress import progress_bar
+from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+
+STAGE = "ingest"
+_ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
+UNIT_SCHEMA = pa.schema(list(S.CONVERSATIONS) + list(_ORDER))
+
+
+# ---------------------------------------------------------------- pure core
+def normalize_records(
+    records: Iterable[readers.Record], source: SourceConfig, file: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Stats]:
+    """Decoded records -> canonical rows, quarantine rows, and their accounting."""
+    rows: list[dict[str, Any]] = []
+    quarantine: list[dict[str, Any]] = []
+    stats = Stats()
+    role_mapping: Counter[str] = Counter()
+    formats: Counter[str] = Counter()
+    keys_seen: Counter[str] = Counter()
+    for record in records:
+        stats.rows_in += 1
+        if record.blank:
+            stats.filter(S.F_BLANK_LINE)
+            continue
+        error = record.error
+        if error is None:
+            try:
+                row, mapping = normalize_row(record.value, source.format, source.fields)
+            except RowError as exc:
+                error = (exc.code, exc.message)
+                if isinstance(record.value, dict) and len(keys_seen) < 50:
+                    keys_seen.update(record.value.keys())
+            else:
+                row.update(source=source.name, file=file, line=record.line)
+                rows.append(row)
+                role_mapping.update(mapping)
+                formats[row["format"]] += 1
+                continue
+        code, message = error
+        raw, raw_bytes = readers.raw_text(record)
+        quarantine.append(
+            {"source": source.name, "file": file, "line": record.line, "reason": code,
+             "message": message, "raw": raw, "raw_bytes": raw_bytes}
+        )
+        stats.quarantine(code)
+    stats.rows_out = len(rows)
+    stats.extra = {"role_mapping": role_mapping, "formats": formats, "keys_seen": keys_seen}
+    return rows, quarantine, stats
+
+
+def plan_mix(
+    index: pl.DataFrame, sources: tuple[SourceConfig, ...], seed: int, dedup: bool
+) -> tuple[pl.DataFrame, dict[str, Counter[str]], dict[str, dict[str, Any]]]:
+    """Which rows to keep. `index` has id, source, _unit, _line in output order.
+
+    Returns the kept (_unit, _line) keys, the filtered counts per source and reason, and what
+    the mix reached per source. Deterministic for a given seed and input order.
+    """
+    filtered: dict[str, Counter[str]] = {s.name: Counter() for s in sources}
+    mix: dict[str, dict[str, Any]] = {}
+    frame = index.with_row_index("_pos")
+    if dedup:
+        first = frame.select(pl.col("id").is_first_distinct()).to_series()
+        for name, n in frame.filter(~first).group_by("source").len().iter_rows():
+            filtered[name][S.F_DUPLICATE] += n
+        frame = frame.filter(first)
+    parts: dict[str, pl.DataFrame] = {}
+    for k, source in enumerate(sources):
+        part = frame.filter(pl.col("source") == source.name)
+        if source.max_rows is not None and part.height > source.max_rows:
+            part = _sample(part, source.max_rows, seed, k)
+            filtered[source.name][S.F_MAX_ROWS] += frame.filter(
+                pl.col("source") == source.name
+            ).height - part.height
+        parts[source.name] = part
+    weighted = [s for s in sources if s.weight is not None]
+    if weighted:
+        total_weight = sum(s.weight or 0 for s in weighted)
+        scale = min(parts[s.name].height / ((s.weight or 0) / total_weight) for s in weighted)
+        for k, source in enumerate(sources):
+            if source.weight is None:
+                continue
+            share = source.weight / total_weight
+            target = min(parts[source.name].height, int(scale * share + 1e-9))
+            available = parts[source.name].height
+            if target < available:
+                parts[source.name] = _sample(parts[source.name], target, seed, k)
+                filtered[source.name][S.F_MIX_WEIGHT] += available - target
+            mix[source.name] = {"weight": source.weight, "target_share": round(share, 6),
+                                "rows_available": available, "rows_kept": target}
+    kept = pl.concat([p for p in parts.values()]).sort("_pos").select("_unit", "_line")
+    return kept, filtered, mix
+
+
+def _sample(part: pl.DataFrame, k: int, seed: int, salt: int) -> pl.DataFrame:
+    """A seeded sample of k rows that keeps their original order."""
+    rng = np.random.default_rng([seed, salt])
+    chosen = np.sort(rng.permutation(part.height)[:k])
+    return part[chosen]
+
+
+# ---------------------------------------------------------------- worker
+def ingest_unit(
+    source: SourceConfig, unit: readers.Unit, unit_id: int, out_dir: str, max_line_bytes: int
+) -> dict[str, Any]:
+    """Normalize one unit and write its rows and quarantine as Parquet (runs in a worker)."""
+    records = readers.read_unit(unit, max_line_bytes)
+    rows, quarantine, stats = normalize_records(records, source, unit.path)
+    for row in rows:
+        row["_unit"] = unit_id
+        row["_line"] = row["line"]
+    base = Path(out_dir) / f"u{unit_id:06d}"
+    pq.write_table(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA), f"{base}.rows.parquet.tmp")
+    pq.write_table(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE), f"{base}.q.parquet.tmp")
+    os.replace(f"{base}.rows.parquet.tmp", f"{base}.rows.parquet")
+    os.replace(f"{base}.q.parquet.tmp", f"{base}.q.parquet")
+    result = {"unit_id": unit_id, "source": source.name, "stats": stats.to_dict()}
+    write_json_atomic(Path(f"{base}.done.json"), result)
+    return result
+
+
+# ---------------------------------------------------------------- shell
+def _inputs(config: PipelineConfig) -> list[tuple[SourceConfig, list[str]]]:
+    found = []
+    for source in config.sources:
+        paths = readers.resolve_paths(source.path, config.base_dir)
+        if not paths:
+            raise StageError(
+                f"source {source.name!r}: path {source.path!r} (relative to "
+                f"{config.base_dir}) matched no {'/'.join(readers.SUFFIXES)} files — check the "
+                "path in the config"
+            )
+        found.append((source, paths))
+    return found
+
+
+def _empty_output_message(per_source: dict[str, Stats], problem: list[str]) -> str:
+    lines = []
+    for name in problem:
+        stats = per_source[name]
+        reasons = stats.quarantine_reasons.most_common(3)
+        keys = [k for k, _ in stats.extra.get("keys_seen", Counter()).most_common(12)]
+        hint = "set format= or [sources.fields]"
+        if any(code == S.Q_FORMAT_MISMATCH for code, _ in reasons):
+            hint = "the rows are in another format than the configured one: set format='auto'"
+        lines.append(
+            f"0 of {stats.rows_in} rows of source {name!r} were kept "
+            f"(quarantined: {dict(reasons)}; filtered: {dict(stats.rows_filtered)}); "
+            f"keys seen: {keys} — {hint}. See quarantine.parquet for each row's reason."
+        )
+    return "\n".join(lines)
+
+
+def run(
+    config: PipelineConfig,
+    run_dir: str | Path,
+    force: bool = False,
+    progress: bool | None = None,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """Run ingest into `run_dir/ingest`; returns the stats document. Skips when complete."""
+    from dflash_etl.contracts import validate_conversations
+
+    run = RunDir(run_dir)
+    timer = Timer()
+    sources = _inputs(config)
+    inputs = [
+        {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
+        for s, paths in sources for p in paths
+    ]
+    fingerprint = hashlib.sha256(
+        (config.digest() + ":" + ",".join(i["sha256"] for i in inputs)).encode()
+    ).hexdigest()
+    run.update_manifest(config=config.to_dict(), config_hash=config.digest(), inputs=inputs)
+    if not force and run.is_complete(STAGE, fingerprint):
+        doc = _read_json(run.stage_dir(STAGE) / "stats.json")
+        doc["skipped"] = True
+        return doc
+    partial = run.begin(STAGE, fingerprint)
+    units_dir = partial / "units"
+    units_dir.mkdir(exist_ok=True)
+    jobs = [
+        (source, unit)
+        for source, paths in sources
+        for path in paths
+        for unit in readers.plan_units(path)
+    ]
+    results = _run_units(config, jobs, units_dir, progress, workers)
+    try:
+        doc = _finish(config, jobs, results, partial, units_dir)
+        validate_conversations(partial / "conversations", partial)
+    except StageError as exc:
+        run.fail(STAGE, str(exc))
+        raise
+    write_json_atomic(partial / "stats.json", doc)
+    shutil.rmtree(units_dir)
+    run.commit(STAGE, doc["total"], timer.seconds)
+    return doc
+
+
+def _run_units(config, jobs, units_dir: Path, progress, workers) -> list[dict[str, Any]]:
+    results: dict[int, dict[str, Any]] = {}
+    todo = []
+    for unit_id, (source, unit) in enumerate(jobs):
+        done = units_dir / f"u{unit_id:06d}.done.json"
+        if done.exists():  # resume: this unit finished before an interruption
+            results[unit_id] = _read_json(done)
+        else:
+            todo.append((unit_id, source, unit))
+    n_workers = workers or config.run.workers or os.cpu_count() or 1
+    n_workers = max(1, min(n_workers, len(todo)))
+    args = (str(units_dir), config.run.max_line_bytes)
+    with progress_bar("ingest", total=len(jobs), enabled=progress) as bar:
+        bar.advance(len(results))
+        if n_workers == 1:
+            for unit_id, source, unit in todo:
+                results[unit_id] = ingest_unit(source, unit, unit_id, *args)
+                bar.advance(1)
+        else:
+            with ProcessPoolExecutor(n_workers) as pool:
+                futures = [
+                    pool.submit(ingest_unit, source, unit, unit_id, *args)
+                    for unit_id, source, unit in todo
+                ]
+                for future in futures:
+                    result = future.result()
+                    results[result["unit_id"]] = result
+                    bar.advance(1)
+    return [results[k] for k in sorted(results)]
+
+
+def _finish(config, jobs, results, partial: Path, units_dir: Path) -> dict[str, Any]:
+    per_source = {s.name: Stats() for s in config.sources}
+    for result in results:
+        per_source[result["source"]].merge(Stats.from_dict(result["stats"]))
+    row_files = [str(units_dir / f"u{k:06d}.rows.parquet") for k in range(len(jobs))]
+    q_files = [str(units_dir / f"u{k:06d}.q.parquet") for k in range(len(jobs))]
+    index = pl.concat(
+        [pl.read_parquet(f, columns=["id", "source", "_unit", "_line"]) for f in row_files]
+    ) if row_files else pl.DataFrame()
+    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
+    for name, counts in filtered.items():
+        stats = per_source[name]
+        for reason, n in counts.items():
+            stats.filter(reason, n)
+        stats.rows_out -= sum(counts.values())
+        if name in mix:
+            stats.extra["mix"] = mix[name]
+    _write_shards(row_files, kept, partial / "conversations", config.run.shard_rows)
+    quarantine = pa.concat_tables([pq.read_table(f, schema=S.QUARANTINE) for f in q_files])
+    pq.write_table(quarantine, partial / "quarantine.parquet")
+    empty = [n for n, s in per_source.items() if s.rows_out == 0 and s.rows_quarantined]
+    if kept.height == 0 or empty:
+        raise StageError(
+            "ingest produced no conversations from some sources:\n"
+            + _empty_output_message(per_source, empty or list(per_source))
+        )
+    for stats in per_source.values():
+        stats.extra.pop("keys_seen", None)
+    doc = stats_document(per_source, "ingest")
+    doc["total"]["shards"] = len(list((partial / "conversations").glob("*.parquet")))
+    return doc
+
+
+def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_rows: int) -> None:
+    """Stream the kept rows, unit by unit, into part-NNNNN.parquet shards."""
+    out.mkdir(exist_ok=True)
+    by_unit = kept.partition_by("_unit", as_dict=True)
+    writer: pq.ParquetWriter | None = None
+    shard, in_shard = 0, 0
+    for k, path in enumerate(row_files):
+        keys = by_unit.get((k,))
+        if keys is None:
+            continue
+        table = pl.read_parquet(path).join(keys, on=["_unit", "_line"], how="semi")
+        table = table.drop("_unit", "_line").to_arrow().cast(S.CONVERSATIONS)
+        offset = 0
+        while offset < table.num_rows:
+            if writer is None:
+                writer = pq.ParquetWriter(out / f"part-{shard:05d}.parquet", S.CONVERSATIONS)
+            take = min(shard_rows - in_shard, table.num_rows - offset)
+            writer.write_table(table.slice(offset, take))
+            offset += take
+            in_shard += take
+            if in_shard >= shard_rows:
+                writer.close()
+                writer, shard, in_shard = None, shard + 1, 0
+    if writer is not None:
+        writer.close()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_etl.cli import main as cli_main
+
+    return cli_main(["ingest", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""Chat-template probing and verified loss masks: the core of the tokenize stage (pure functions)."""
+
+from dflash_etl.templates.masks import (
+    FILTER_CODES,
+    QUARANTINE_CODES,
+    MaskPolicy,
+    MaskRefused,
+    TokenizedRow,
+    tokenize_conversation,
+    verify_row,
+)
+from dflash_etl.templates.probe import TemplateProbe, TemplateUnusable, probe_template
+
+__all__ = [
+    "FILTER_CODES",
+    "QUARANTINE_CODES",
+    "MaskPolicy",
+    "MaskRefused",
+    "TemplateProbe",
+    "TemplateUnusable",
+    "TokenizedRow",
+    "probe_template",
+    "tokenize_conversation",
+    "verify_row",
+]

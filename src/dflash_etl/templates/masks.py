@@ -1,0 +1,742 @@
+"""Tokenize a canonical conversation with the target's chat template and build a verified loss mask.
+
+A mask is either verifiably right or the row is refused with a reason code (DESIGN principle 2).
+The supervised span of an assistant turn is what the model would generate after the prompt: the
+text of `render(history<=k)` after `render(history<k, add_generation_prompt=True)`, cut at the
+template's end-of-turn marker. Everything after that marker (a newline, an assistant header some
+templates append) is prompt. Each row is re-checked by `verify_row` before it is returned.
+
+Decisions (documented so reviewers can check them):
+- A token is supervised iff its first character lies inside a reply span. A token that straddles
+  a span boundary (a BPE merge across prompt/reply) refuses the row (`token_straddles_boundary`).
+- An empty think block (`<think>\\n\\n</think>\\n\\n`) is never supervised for a turn without
+  reasoning: for such turns the thinking-off generation prompt is tried first (Qwen3.6:
+  `enable_thinking=False`), which puts the empty block in the prompt; a variant whose reply would
+  start by closing an empty think block is rejected.
+- A generation prompt that pre-fills a *closed empty* think block the rendered turn lacks
+  (QwQ / DeepSeek-R1 distills with thinking off) is prompt: the row is that prompt + the reply as
+  rendered. Any other pre-fill mismatch is refused (`generation_prompt_mismatch`), never guessed.
+- Without a template end-of-turn marker the eos token (tokenizer, else generation_config.json) is
+  appended and supervised when `include_eot`; such rows are always one row per turn, so no eos is
+  ever inserted into a history the target would not see.
+- `turns="all"`: one row for the whole conversation when every turn's prompt+reply is a prefix of
+  the full render (by default, else with the template's stable kwarg such as
+  `preserve_thinking=True`); otherwise one row per assistant turn with its exact history.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dflash_etl.templates.probe import (
+    STRATEGY_GENERATION,
+    STRATEGY_PER_TURN,
+    STRATEGY_RENDER_DIFF,
+    TemplateProbe,
+)
+from dflash_etl.templates.render import (
+    LEADING_EMPTY_THINK_RE,
+    TRAILING_MARKER_RE,
+    RenderError,
+    inline_reasoning,
+    parse_json_list,
+    render,
+)
+
+# --- reason codes -----------------------------------------------------------------------------
+# Filters: the row is fine but there is nothing (or too little) to train on; counted as filtered.
+R_NEEDS_RESPONSE = "needs_response"
+R_NO_ASSISTANT_TURN = "no_assistant_turn"
+R_TOO_FEW_SUPERVISED = "too_few_supervised_tokens"
+R_EXCEEDS_SEQ_LENGTH = "exceeds_seq_length"
+# Quarantine: the row (or the template) cannot be masked correctly; someone must look at it.
+R_INVALID_CONVERSATION = "invalid_conversation"
+R_EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
+R_ROLE_ORDER = "template_rejects_role_order"
+R_RENDER_ERROR = "template_render_error"
+R_DROPS_SYSTEM = "template_drops_system"
+R_DROPS_TOOLS = "template_drops_tools"
+R_DROPS_TOOL_CALLS = "template_drops_tool_calls"
+R_DROPS_TOOL_MESSAGES = "template_drops_tool_messages"
+R_REASONING_NOT_RENDERED = "reasoning_not_rendered"
+R_NOT_PREFIX_STABLE = "template_not_prefix_stable"
+R_GENERATION_PROMPT_MISMATCH = "generation_prompt_mismatch"
+R_EMPTY_THINK_SUPERVISED = "would_supervise_empty_think"
+R_REPLY_MISSING_CONTENT = "reply_missing_content"
+R_EOT_NOT_FOUND = "eot_not_found"
+R_NO_EOS = "no_eos_token"
+R_GENERATION_TAGS_UNUSABLE = "generation_tags_unusable"
+R_TOKEN_STRADDLES_BOUNDARY = "token_straddles_boundary"
+R_MASK_VERIFICATION_FAILED = "mask_verification_failed"
+
+FILTER_CODES = frozenset(
+    {R_NEEDS_RESPONSE, R_NO_ASSISTANT_TURN, R_TOO_FEW_SUPERVISED, R_EXCEEDS_SEQ_LENGTH}
+)
+QUARANTINE_CODES = frozenset(
+    {
+        R_INVALID_CONVERSATION,
+        R_EMPTY_ASSISTANT_TURN,
+        R_ROLE_ORDER,
+        R_RENDER_ERROR,
+        R_DROPS_SYSTEM,
+        R_DROPS_TOOLS,
+        R_DROPS_TOOL_CALLS,
+        R_DROPS_TOOL_MESSAGES,
+        R_REASONING_NOT_RENDERED,
+        R_NOT_PREFIX_STABLE,
+        R_GENERATION_PROMPT_MISMATCH,
+        R_EMPTY_THINK_SUPERVISED,
+        R_REPLY_MISSING_CONTENT,
+        R_EOT_NOT_FOUND,
+        R_NO_EOS,
+        R_GENERATION_TAGS_UNUSABLE,
+        R_TOKEN_STRADDLES_BOUNDARY,
+        R_MASK_VERIFICATION_FAILED,
+    }
+)
+
+_EMPTY_THINK_AT_END_RE = re.compile(r"<(think|thinking|reasoning)>\s*</\1>\s*$")
+
+
+class MaskRefused(Exception):
+    """A row that cannot be tokenized with a verifiably right mask; `code` is a reason code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def is_filter(self) -> bool:
+        return self.code in FILTER_CODES
+
+
+@dataclass(frozen=True)
+class MaskPolicy:
+    """How to mask: which strategy, which turns, end-of-turn, reasoning and length handling."""
+
+    strategy: Literal["auto", "generation", "render_diff", "per_turn"] = "auto"
+    include_eot: bool = True
+    supervise_reasoning: bool = True
+    turns: Literal["all", "last"] = "all"
+    seq_length: int | None = None
+    truncation: Literal["right", "drop"] = "right"
+    min_supervised_tokens: int = 2
+
+
+@dataclass
+class TokenizedRow:
+    """One training row. `turn` is the assistant-turn ordinal supervised (-1: all turns)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    turn: int
+    normalizations: list[str]
+    strategy: str = ""
+    text: str = ""  # the rendered row text (before an appended eos and truncation)
+    char_spans: list[tuple[int, int]] = field(default_factory=list)  # reply spans in `text`
+    expected: list[str] = field(default_factory=list)  # decoded text each span must give
+    eos_appended: bool = False
+    truncated: bool = False
+
+
+@dataclass
+class _Turn:
+    """One assistant turn rendered as the final turn: prompt + the reply the model generates."""
+
+    ordinal: int
+    index: int
+    prompt: str
+    reply: str
+    append_eos: bool
+    kwargs: dict[str, Any]
+    notes: list[str]
+
+
+@dataclass
+class _Prepared:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    normalizations: list[str]
+    assistant_idx: list[int]
+    pieces: dict[int, list[str]]  # per message index: texts that must appear in its reply
+    reasoning_passed: dict[int, bool]
+
+
+# --- preparation ------------------------------------------------------------------------------
+
+
+def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> _Prepared:
+    """Canonical conversation → template-ready messages, normalizing per probe (and recording it)."""
+    raw = conv.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise MaskRefused(R_INVALID_CONVERSATION, "no messages")
+    roles = [m.get("role") if isinstance(m, dict) else None for m in raw]
+    bad = [r for r in roles if r not in ("system", "user", "assistant", "tool")]
+    if bad:
+        raise MaskRefused(R_INVALID_CONVERSATION, f"unknown roles {bad!r}")
+    if "assistant" not in roles:
+        raise MaskRefused(R_NO_ASSISTANT_TURN, "the conversation has no assistant turn")
+    if roles[-1] != "assistant":
+        raise MaskRefused(
+            R_NEEDS_RESPONSE, f"the conversation ends on a {roles[-1]} turn that awaits a reply"
+        )
+    fmt = probe.message_format
+    norms: list[str] = []
+    try:
+        tools = parse_json_list(conv.get("tools"))
+    except ValueError as exc:
+        raise MaskRefused(R_INVALID_CONVERSATION, f"tools is not a JSON list: {exc}") from exc
+    if tools:
+        wrapped = []
+        for t in tools:
+            if isinstance(t, dict) and "function" not in t and "name" in t:
+                wrapped.append({"type": "function", "function": t})
+            else:
+                wrapped.append(t)
+        if wrapped != tools:
+            norms.append("tools_wrapped_as_openai_functions")
+        tools = wrapped
+        if not probe.renders_tools:
+            raise MaskRefused(R_DROPS_TOOLS, "the template does not render the tool specs")
+
+    msgs: list[dict[str, Any]] = []
+    pieces: dict[int, list[str]] = {}
+    reasoning_passed: dict[int, bool] = {}
+    pending_system: str | None = None
+    for pos, m in enumerate(raw):
+        role = m["role"]
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise MaskRefused(R_INVALID_CONVERSATION, f"message {pos} content is not text")
+        if role == "system":
+            if fmt.system_mode == "native":
+                msgs.append({"role": "system", "content": content})
+            elif fmt.system_mode == "merge_into_user" and pos == 0:
+                pending_system = content
+            else:
+                raise MaskRefused(R_DROPS_SYSTEM, "the template rejects or drops system turns")
+            continue
+        if role == "user":
+            if pending_system is not None:
+                content = f"{pending_system}\n\n{content}"
+                pending_system = None
+                norms.append("system_merged_into_first_user")
+            msgs.append({"role": "user", "content": content})
+            continue
+        if role == "tool":
+            if probe.tool_role != "native":
+                raise MaskRefused(
+                    R_DROPS_TOOL_MESSAGES, f"the template's tool role is {probe.tool_role}"
+                )
+            tm: dict[str, Any] = {"role": "tool", "content": content}
+            for key in ("tool_call_id", "name"):
+                if m.get(key):
+                    tm[key] = m[key]
+            msgs.append(tm)
+            continue
+        # assistant
+        idx = len(msgs)
+        am: dict[str, Any] = {"role": "assistant"}
+        must: list[str] = []
+        try:
+            calls = parse_json_list(m.get("tool_calls"))
+        except ValueError as exc:
+            raise MaskRefused(R_INVALID_CONVERSATION, f"tool_calls is not a JSON list: {exc}") from exc
+        if calls:
+            if probe.tool_call_args is None:
+                raise MaskRefused(
+                    R_DROPS_TOOL_CALLS,
+                    "the template does not render tool calls"
+                    + (f" ({probe.tool_call_error})" if probe.tool_call_error else ""),
+                )
+            am["tool_calls"], call_norms, names = _normalize_calls(calls, fmt.tool_args)
+            norms.extend(n for n in call_norms if n not in norms)
+            must.extend(names)
+        orig_content = content
+        reasoning = (m.get("reasoning") or "").strip()
+        passed = False
+        if reasoning:
+            if not policy.supervise_reasoning:
+                norms.append("reasoning_dropped:policy")
+            elif probe.reasoning_placement == "never":
+                norms.append("reasoning_dropped:template_never_renders_reasoning")
+            elif fmt.reasoning_inline:
+                content = inline_reasoning(reasoning, content)
+                norms.append("reasoning_inlined_as_think_tags")
+                passed = True
+            else:
+                am[fmt.reasoning_key or "reasoning_content"] = reasoning
+                passed = True
+            if passed:
+                must.append(reasoning)
+        if content.strip():
+            am["content"] = content
+            must.append(orig_content.strip())
+        else:
+            if not calls:
+                if passed:
+                    am["content"] = ""
+                else:
+                    raise MaskRefused(R_EMPTY_ASSISTANT_TURN, f"assistant message {pos} is empty")
+            else:
+                am["content"] = None if fmt.empty_content == "none" else ""
+        must = [p for p in must if p]
+        msgs.append(am)
+        pieces[idx] = must
+        reasoning_passed[idx] = passed
+    if pending_system is not None:
+        raise MaskRefused(R_DROPS_SYSTEM, "system turn could not be merged: no user turn follows")
+    assistant_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    return _Prepared(msgs, tools, norms, assistant_idx, pieces, reasoning_passed)
+
+
+def _normalize_calls(calls: list[Any], want: str) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Tool calls in OpenAI shape with arguments as the template wants them (object or JSON)."""
+    out: list[dict[str, Any]] = []
+    norms: list[str] = []
+    names: list[str] = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise MaskRefused(R_INVALID_CONVERSATION, f"tool call without a function name: {c!r}")
+        args = fn.get("arguments", {})
+        if want == "object" and isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as exc:
+                raise MaskRefused(
+                    R_INVALID_CONVERSATION, f"tool-call arguments are not JSON: {args[:80]!r}"
+                ) from exc
+            norms.append("tool_arguments_json_to_object")
+        elif want == "string" and not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+            norms.append("tool_arguments_object_to_json")
+        call: dict[str, Any] = {"type": c.get("type") or "function",
+                                "function": {"name": fn["name"], "arguments": args}}
+        if c.get("id"):
+            call["id"] = c["id"]
+        out.append(call)
+        names.append(fn["name"])
+    return out, norms, names
+
+
+# --- per-turn rendering -----------------------------------------------------------------------
+
+
+class _TurnFailure(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _variants(probe: TemplateProbe, has_reasoning: bool) -> list[dict[str, Any]]:
+    """Thinking-mode kwargs to try for one turn, most faithful first."""
+    if has_reasoning:
+        return [{}] + [{k: True} for k in probe.thinking_kwargs]
+    return [{k: False} for k in probe.thinking_kwargs] + [{}]
+
+
+def _render_turn(
+    tokenizer: Any,
+    probe: TemplateProbe,
+    prep: _Prepared,
+    ordinal: int,
+    i: int,
+    base: dict[str, Any],
+    policy: MaskPolicy,
+    template: str | None,
+) -> _Turn:
+    """Prompt (history<i + generation prompt) and the reply of message i rendered as final turn."""
+    failures: list[tuple[str, str]] = []
+    msgs, tools = prep.messages, prep.tools
+
+    def r(m: list[dict[str, Any]], gen: bool, kw: dict[str, Any]) -> str:
+        return render(tokenizer, m, chat_template=template, tools=tools,
+                      add_generation_prompt=gen, kwargs=kw)
+
+    passed_reasoning = prep.reasoning_passed.get(i, False)
+    for variant in _variants(probe, passed_reasoning):
+        kw = {**probe.render_kwargs, **base, **variant}
+        try:
+            prompt = r(msgs[:i], True, kw)
+            before = r(msgs[:i], False, kw)
+            upto = r(msgs[: i + 1], False, kw)
+        except RenderError as exc:
+            failures.append((R_RENDER_ERROR, f"{variant or 'default'}: {exc}"))
+            continue
+        ok = _check_turn(probe, prep, i, prompt, before, upto, policy, failures, variant)
+        if ok is not None:
+            reply, append_eos, notes = ok
+            if variant:
+                notes.append(
+                    "generation_prompt_kwargs:" + ",".join(f"{k}={v}" for k, v in variant.items())
+                )
+            return _Turn(ordinal, i, prompt, reply, append_eos, variant, notes)
+    code, message = failures[0] if failures else (R_RENDER_ERROR, "no variant rendered")
+    detail = "; ".join(f"[{c}] {m}" for c, m in failures)
+    raise MaskRefused(
+        code,
+        f"assistant turn {ordinal}: {message}"
+        + (f" (all tries: {detail})" if len(failures) > 1 else ""),
+    )
+
+
+def _check_turn(
+    probe: TemplateProbe,
+    prep: _Prepared,
+    i: int,
+    prompt: str,
+    before: str,
+    upto: str,
+    policy: MaskPolicy,
+    failures: list[tuple[str, str]],
+    variant: dict[str, Any],
+) -> tuple[str, bool, list[str]] | None:
+    """(reply, append_eos, notes) for one variant, or None after recording why it failed."""
+    tag = str(variant or "default")
+    if not (prompt.startswith(before) and upto.startswith(before)):
+        failures.append((R_NOT_PREFIX_STABLE, f"{tag}: history render is not a prefix"))
+        return None
+    gen, turn = prompt[len(before) :], upto[len(before) :]
+    notes: list[str] = []
+    if turn.startswith(gen):
+        body = turn[len(gen) :]
+    else:
+        m = _EMPTY_THINK_AT_END_RE.search(gen)
+        if m and turn.startswith(gen[: m.start()]) and not prep.reasoning_passed.get(i):
+            body = turn[m.start() :]
+            notes.append("generation_prompt_empty_think_is_prompt")
+        else:
+            failures.append((
+                R_GENERATION_PROMPT_MISMATCH,
+                f"{tag}: generation prompt {gen[-60:]!r} is not how the turn is rendered "
+                f"({turn[:60]!r})",
+            ))
+            return None
+    if not prep.reasoning_passed.get(i) and LEADING_EMPTY_THINK_RE.match(body):
+        failures.append((R_EMPTY_THINK_SUPERVISED, f"{tag}: reply would start with an empty "
+                         "think block the model did not generate"))
+        return None
+    post = probe.post_eot
+    if post:
+        if not body.endswith(post):
+            failures.append((R_EOT_NOT_FOUND, f"{tag}: turn does not end with {post!r}"))
+            return None
+        body = body[: -len(post)]
+    append_eos = False
+    if probe.eot_source == "template":
+        m2 = TRAILING_MARKER_RE.search(body)
+        eot = probe.eot_text.strip()
+        if not (m2 or (eot and body.endswith(eot))):
+            failures.append((R_EOT_NOT_FOUND, f"{tag}: no end-of-turn marker at {body[-40:]!r}"))
+            return None
+        cut = m2.start() if m2 else len(body) - len(eot)
+        content_part = body[:cut]
+        reply = body if policy.include_eot else body[:cut]
+    else:
+        content_part = reply = body
+        if policy.include_eot:
+            if probe.eos_fallback_id is None:
+                failures.append((R_NO_EOS, "no end-of-turn marker and no eos token to supervise"))
+                return None
+            append_eos = True
+            notes.append(f"eot_appended:{probe.eos_fallback_token}({probe.eot_source})")
+    missing = [p for p in prep.pieces.get(i, []) if p not in content_part]
+    if missing:
+        code = R_REPLY_MISSING_CONTENT
+        if prep.reasoning_passed.get(i) and missing[0] in _reasoning_of(prep, i):
+            code = R_REASONING_NOT_RENDERED
+        failures.append((code, f"{tag}: rendered reply lacks {missing[0][:60]!r}"))
+        return None
+    if not reply:
+        failures.append((R_REPLY_MISSING_CONTENT, f"{tag}: empty reply"))
+        return None
+    return reply, append_eos, notes
+
+
+def _reasoning_of(prep: _Prepared, i: int) -> str:
+    m = prep.messages[i]
+    return " ".join(str(v) for k, v in m.items() if k in ("reasoning_content", "reasoning",
+                                                          "thinking", "content") and v)
+
+
+# --- tokenization and verification ------------------------------------------------------------
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def _build_row(
+    tokenizer: Any,
+    text: str,
+    spans: list[tuple[int, int]],
+    expected: list[str],
+    append_eos: bool,
+    probe: TemplateProbe,
+    turn: int,
+    norms: list[str],
+    strategy: str,
+    policy: MaskPolicy,
+) -> TokenizedRow:
+    """Encode the row text, mark tokens starting inside spans, truncate, verify."""
+    ids, offs = _encode(tokenizer, text)
+    mask = [0] * len(ids)
+    for s, e in spans:
+        for t, (a, b) in enumerate(offs):
+            if a < s < b or a < e < b:
+                raise MaskRefused(
+                    R_TOKEN_STRADDLES_BOUNDARY,
+                    f"token {t} {text[a:b]!r} straddles the reply boundary at char "
+                    f"{s if a < s < b else e}",
+                )
+            if s <= a < e:
+                mask[t] = 1
+    exp = list(expected)
+    if append_eos:
+        ids.append(int(probe.eos_fallback_id))  # type: ignore[arg-type]
+        mask.append(1)
+        exp[-1] = exp[-1] + str(probe.eos_fallback_token)
+    row = TokenizedRow(ids, mask, turn, list(norms), strategy, text, list(spans), exp, append_eos)
+    if policy.seq_length is not None and len(ids) > policy.seq_length:
+        if policy.truncation == "drop":
+            raise MaskRefused(
+                R_EXCEEDS_SEQ_LENGTH, f"{len(ids)} tokens > seq_length {policy.seq_length}"
+            )
+        row.normalizations.append(f"truncated_right:{len(ids)}->{policy.seq_length}")
+        row.input_ids = ids[: policy.seq_length]
+        row.loss_mask = mask[: policy.seq_length]
+        row.truncated = True
+    longest = _longest_run(row.loss_mask)
+    if longest < policy.min_supervised_tokens:
+        raise MaskRefused(
+            R_TOO_FEW_SUPERVISED,
+            f"longest supervised run is {longest} tokens < {policy.min_supervised_tokens}",
+        )
+    verify_row(row, tokenizer)
+    return row
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, v in enumerate(mask):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            out.append((start, i))
+            start = None
+    if start is not None:
+        out.append((start, len(mask)))
+    return out
+
+
+def _longest_run(mask: list[int]) -> int:
+    return max((e - s for s, e in _runs(mask)), default=0)
+
+
+def verify_row(row: TokenizedRow, tokenizer: Any) -> None:
+    """Re-check a row from its ids: spans decode to the replies, boundaries sit where they should.
+
+    Raises MaskRefused(mask_verification_failed) on any mismatch.
+    """
+
+    def fail(msg: str) -> None:
+        raise MaskRefused(R_MASK_VERIFICATION_FAILED, msg)
+
+    n = len(row.input_ids)
+    if len(row.loss_mask) != n or any(v not in (0, 1) for v in row.loss_mask):
+        fail("loss_mask is not a 0/1 list as long as input_ids")
+    runs = _runs(row.loss_mask)
+    if not runs:
+        fail("no supervised tokens")
+    if len(row.char_spans) != len(row.expected):
+        fail("row metadata is inconsistent")
+    if len(runs) != len(row.expected) and not (row.truncated and len(runs) < len(row.expected)):
+        fail(f"{len(runs)} supervised spans, expected {len(row.expected)}")
+    ids, offs = _encode(tokenizer, row.text)
+    ref = ids + ([row.input_ids[-1]] if row.eos_appended and len(ids) < n else [])
+    if row.eos_appended and not row.truncated and len(ids) + 1 != n:
+        fail("row has an appended eos but is not text + eos")
+    if ref[:n] != row.input_ids or (not row.truncated and len(ref) != n):
+        fail("input_ids are not the tokenization of the rendered text")
+    for j, (a, b) in enumerate(runs):
+        got = tokenizer.decode(
+            row.input_ids[a:b], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        want = row.expected[j]
+        last_cut = row.truncated and j == len(runs) - 1 and b == n
+        if last_cut:
+            if not want.startswith(got.rstrip("\ufffd")):
+                fail(f"truncated span {j} decodes to {got[:60]!r}, not a prefix of the reply")
+        elif got != want:
+            fail(f"span {j} decodes to {got[:80]!r} but the reply is {want[:80]!r}")
+        s, e = row.char_spans[j]
+        if a == 0:
+            fail(f"span {j} starts at the first token: no prompt before the reply")
+        if offs[a][0] != s:
+            fail(f"span {j}: first supervised token starts at char {offs[a][0]}, reply at {s}")
+        if offs[a - 1][1] > s:
+            fail(f"span {j}: the last prompt token runs into the reply")
+        if b < len(offs) and not last_cut and offs[b][0] < e:
+            fail(f"span {j}: the first token after the turn starts inside the reply")
+        if row.loss_mask[a - 1] != 0 or (b < n and row.loss_mask[b] != 0):
+            fail(f"span {j}: boundary tokens are supervised")
+
+
+# --- public entry -----------------------------------------------------------------------------
+
+
+def _classify_render_error(
+    tokenizer: Any, prep: _Prepared, kw: dict[str, Any], template: str | None, err: RenderError
+) -> MaskRefused:
+    """A render error is a role-order rejection if the bare role skeleton fails too."""
+    skeleton = [
+        {"role": m["role"], "content": f"skeleton text {k}"} for k, m in enumerate(prep.messages)
+    ]
+    try:
+        render(tokenizer, skeleton, chat_template=template, kwargs=kw)
+    except RenderError as exc2:
+        return MaskRefused(R_ROLE_ORDER, str(exc2))
+    return MaskRefused(R_RENDER_ERROR, str(err))
+
+
+def tokenize_conversation(
+    conv: dict[str, Any],
+    tokenizer: Any,
+    probe: TemplateProbe,
+    policy: MaskPolicy | None = None,
+    *,
+    chat_template: str | None = None,
+) -> list[TokenizedRow]:
+    """Rows with verified loss masks for one canonical conversation, or MaskRefused.
+
+    `chat_template` must be the template the probe was made with when it was not the tokenizer's.
+    """
+    policy = policy or MaskPolicy()
+    template = chat_template
+    prep = _prepare(conv, probe, policy)
+    base_kw = dict(probe.render_kwargs)
+    try:
+        full_default = render(tokenizer, prep.messages, chat_template=template, tools=prep.tools,
+                              kwargs=base_kw)
+    except RenderError as exc:
+        raise _classify_render_error(tokenizer, prep, base_kw, template, exc) from exc
+    del full_default
+    targets = prep.assistant_idx if policy.turns == "all" else prep.assistant_idx[-1:]
+    ordinals = {i: k for k, i in enumerate(prep.assistant_idx)}
+
+    strategy = policy.strategy
+    if strategy == "auto":
+        strategy = STRATEGY_GENERATION if probe.strategy == STRATEGY_GENERATION else "auto"
+    if strategy == STRATEGY_GENERATION and not (probe.has_generation_tags
+                                                and probe.generation_mask_usable):
+        raise MaskRefused(R_GENERATION_TAGS_UNUSABLE, "template has no usable {% generation %} tags")
+
+    bases: list[dict[str, Any]] = [{}]
+    if probe.stable_kwargs:
+        bases.append(dict(probe.stable_kwargs))
+    single_failure = ""
+    if strategy in ("auto", STRATEGY_RENDER_DIFF, STRATEGY_GENERATION) and len(targets) >= 1:
+        for base in bases:
+            turns = [_render_turn(tokenizer, probe, prep, ordinals[i], i, base, policy, template)
+                     for i in targets]
+            row_or_why = _single_row(tokenizer, probe, prep, turns, base, policy, template,
+                                     strategy)
+            if isinstance(row_or_why, TokenizedRow):
+                return [row_or_why]
+            single_failure = row_or_why
+        if strategy in (STRATEGY_RENDER_DIFF, STRATEGY_GENERATION):
+            raise MaskRefused(R_NOT_PREFIX_STABLE, single_failure)
+
+    rows: list[TokenizedRow] = []
+    for i in targets:
+        t = _render_turn(tokenizer, probe, prep, ordinals[i], i, {}, policy, template)
+        text = t.prompt + t.reply
+        norms = prep.normalizations + t.notes
+        if single_failure and strategy == "auto" and len(targets) > 1:
+            norms = [*norms, "per_turn_rows:not_prefix_stable"]
+        rows.append(_build_row(tokenizer, text, [(len(t.prompt), len(text))], [t.reply],
+                               t.append_eos, probe, t.ordinal, norms, STRATEGY_PER_TURN, policy))
+    return rows
+
+
+def _single_row(
+    tokenizer: Any,
+    probe: TemplateProbe,
+    prep: _Prepared,
+    turns: list[_Turn],
+    base: dict[str, Any],
+    policy: MaskPolicy,
+    template: str | None,
+    strategy: str,
+) -> TokenizedRow | str:
+    """One row holding every target turn, if each prompt+reply is a prefix of the full render."""
+    if any(t.append_eos for t in turns):
+        return "turns need an appended eos (no end-of-turn marker): one row per turn instead"
+    kw = {**probe.render_kwargs, **base}
+    full = render(tokenizer, prep.messages, chat_template=template, tools=prep.tools, kwargs=kw)
+    spans: list[tuple[int, int]] = []
+    for t in turns:
+        if not full.startswith(t.prompt):
+            return f"generation prompt before turn {t.ordinal} is not a prefix of the full render"
+        s = len(t.prompt)
+        if not full.startswith(t.reply, s):
+            return f"reply of turn {t.ordinal} is rendered differently inside the conversation"
+        spans.append((s, s + len(t.reply)))
+    text = full[: spans[-1][1]]
+    norms = list(prep.normalizations)
+    if base:
+        norms.append("render_kwargs:" + ",".join(f"{k}={v}" for k, v in base.items()))
+    for t in turns:
+        norms.extend(n for n in t.notes if n not in norms)
+    turn_id = -1 if len(turns) > 1 or policy.turns == "all" else turns[0].ordinal
+    if strategy == STRATEGY_GENERATION:
+        _check_generation_mask(tokenizer, prep, kw, template, spans, text)
+    name = STRATEGY_GENERATION if strategy == STRATEGY_GENERATION else STRATEGY_RENDER_DIFF
+    return _build_row(tokenizer, text, spans, [t.reply for t in turns], False, probe, turn_id,
+                      norms, name, policy)
+
+
+def _check_generation_mask(
+    tokenizer: Any,
+    prep: _Prepared,
+    kw: dict[str, Any],
+    template: str | None,
+    spans: list[tuple[int, int]],
+    text: str,
+) -> None:
+    """HF's {% generation %} mask must cover exactly the render-diff replies (content part)."""
+    try:
+        out = tokenizer.apply_chat_template(
+            prep.messages, tools=prep.tools, chat_template=template, tokenize=True,
+            return_dict=True, return_assistant_tokens_mask=True, **kw,
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise MaskRefused(R_GENERATION_TAGS_UNUSABLE, f"HF assistant mask failed: {exc}") from exc
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    got = [tokenizer.decode(ids[a:b], skip_special_tokens=False) for a, b in _runs(mask)]
+    want = [text[s:e] for s, e in spans]
+    if len(got) != len(want) or any(w.strip() and g.strip() and g.strip() not in w
+                                    for g, w in zip(got, want, strict=False)):
+        raise MaskRefused(
+            R_MASK_VERIFICATION_FAILED,
+            f"{{% generation %}} mask spans {got!r} disagree with the render diff {want!r}",
+        )
+
+
+__all__ = [
+    "FILTER_CODES",
+    "QUARANTINE_CODES",
+    "MaskPolicy",
+    "MaskRefused",
+    "TokenizedRow",
+    "tokenize_conversation",
+    "verify_row",
+]

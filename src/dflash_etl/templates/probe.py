@@ -1,0 +1,529 @@
+"""Probe a chat template by rendering valid sentinel conversations, and choose a mask strategy.
+
+Libraries often probe a template with an assistant-only conversation, which strict templates
+(Qwen3.6: "No user query found in messages.") reject, killing the run. Here every probe renders a
+*valid* conversation first, catches every exception, and records what the template does, so the
+tokenize stage can explain each choice (and each refusal) instead of guessing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.templates.render import (
+    EMPTY_THINK_RE,
+    LEADING_MARKER_RE,
+    THINK_CLOSE,
+    MessageFormat,
+    common_prefix_len,
+    inline_reasoning,
+    try_render,
+)
+
+STRATEGY_GENERATION = "generation"
+STRATEGY_RENDER_DIFF = "render_diff"
+STRATEGY_PER_TURN = "per_turn"
+
+# Kwargs some templates read to keep earlier turns' reasoning, making a prefix render stable.
+STABLE_KWARG_CANDIDATES: tuple[tuple[str, Any], ...] = (
+    ("preserve_thinking", True),
+    ("clear_thinking", False),
+    ("keep_thinking", True),
+    ("preserve_reasoning", True),
+)
+# Kwargs that switch a template's thinking mode (only passed when the template mentions them).
+THINKING_KWARGS = ("enable_thinking", "thinking", "reasoning")
+
+_S = "You are the probe system prompt."
+_U1, _U2 = "First probe question about apples?", "Second probe question about pears?"
+_A1, _A2 = "First probe answer about apples.", "Second probe answer about pears."
+_R1, _R2 = "First probe reasoning about apples.", "Second probe reasoning about pears."
+_TOOL_NAME, _TOOL_ARG = "probe_lookup_fn", "probe-argument-value"
+_TOOL_RESULT = "probe tool result 4217"
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": _TOOL_NAME,
+            "description": "Look a probe value up.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "what to look up"}},
+                "required": ["query"],
+            },
+        },
+    }
+]
+_GEN_TAG_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class TemplateUnusable(Exception):
+    """The template cannot render any valid conversation; `reason` says why."""
+
+    def __init__(self, reason: str, details: dict[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.details = details or {}
+
+
+@dataclass
+class TemplateProbe:
+    """What a chat template does, as observed by rendering valid conversations."""
+
+    template_sha256: str
+    template_source: str  # "tokenizer" | "argument"
+    render_kwargs: dict[str, Any]
+    supplied: list[str]
+    accepted_role_orders: list[str]
+    rejected_role_orders: dict[str, str]
+    system_mode: str
+    has_generation_tags: bool
+    generation_mask_usable: bool
+    renders_tools: bool
+    tool_role: str  # "native" | "dropped" | "rejected" | "untested"
+    tool_call_args: str | None  # "object" | "string" | None (tool calls not rendered)
+    tool_call_error: str | None
+    empty_content: str
+    reasoning_key: str | None
+    reasoning_inline: bool
+    reasoning_placement: str  # "all" | "after_last_user" | "never"
+    injects_empty_think: bool
+    thinking_kwargs: list[str]
+    prefix_stable: bool
+    stable_kwargs: dict[str, Any] | None
+    prefix_detail: str
+    generation_prompt: str
+    generation_prefill: str
+    appends_assistant_header: bool
+    template_uses_bos: bool
+    template_emits_bos: bool
+    tokenizer_adds_bos: bool
+    eot_text: str
+    post_eot: str
+    eot_source: str  # "template" | "tokenizer_eos" | "generation_config_eos" | "none"
+    eos_fallback_token: str | None
+    eos_fallback_id: int | None
+    strategy: str
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def message_format(self) -> MessageFormat:
+        return MessageFormat(
+            reasoning_key=self.reasoning_key,
+            reasoning_inline=self.reasoning_inline,
+            tool_args=self.tool_call_args or "object",
+            empty_content=self.empty_content,
+            system_mode=self.system_mode,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (for the run manifest)."""
+        d = asdict(self)
+        return json.loads(json.dumps(d, default=str))
+
+
+def _msg(role: str, content: str | None, **extra: Any) -> dict[str, Any]:
+    m: dict[str, Any] = {"role": role, "content": content}
+    m.update({k: v for k, v in extra.items() if v is not None})
+    return m
+
+
+def _tool_call(args: Any) -> dict[str, Any]:
+    return {
+        "id": "call_probe_1",
+        "type": "function",
+        "function": {"name": _TOOL_NAME, "arguments": args},
+    }
+
+
+def _load_generation_config(tokenizer: Any, model_dir: str | Path | None) -> dict[str, Any]:
+    base = model_dir or getattr(tokenizer, "name_or_path", None)
+    if not base:
+        return {}
+    path = Path(base) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return int(value) if isinstance(value, int) else None
+
+
+def _supply_special_tokens(
+    tokenizer: Any, source: str, gen_cfg: dict[str, Any], render_kwargs: dict[str, Any]
+) -> list[str]:
+    """Pass bos/eos the template reads when the tokenizer lacks them, from generation_config."""
+    notes: list[str] = []
+    for name in ("bos_token", "eos_token"):
+        if name in render_kwargs or name not in source:
+            continue
+        if getattr(tokenizer, name, None):
+            continue
+        tok_id = _first_id(gen_cfg.get(f"{name}_id"))
+        if tok_id is not None:
+            tok = tokenizer.convert_ids_to_tokens(tok_id)
+            if isinstance(tok, str):
+                render_kwargs[name] = tok
+                notes.append(f"{name}={tok!r} from generation_config.json {name}_id={tok_id}")
+                continue
+        notes.append(f"{name} is read by the template but the tokenizer has none; left undefined")
+    return notes
+
+
+def _eos_fallback(tokenizer: Any, gen_cfg: dict[str, Any]) -> tuple[str | None, int | None, str]:
+    """The token a model emits to stop when the template renders no end-of-turn marker."""
+    if getattr(tokenizer, "eos_token", None):
+        return tokenizer.eos_token, tokenizer.eos_token_id, "tokenizer_eos"
+    tok_id = _first_id(gen_cfg.get("eos_token_id"))
+    if tok_id is not None:
+        return tokenizer.convert_ids_to_tokens(tok_id), tok_id, "generation_config_eos"
+    return None, None, "none"
+
+
+def probe_template(
+    tokenizer: Any,
+    chat_template: str | None = None,
+    *,
+    render_kwargs: dict[str, Any] | None = None,
+    model_dir: str | Path | None = None,
+) -> TemplateProbe:
+    """Render valid sentinel conversations through the template and record its behaviour.
+
+    Raises TemplateUnusable when not even `[system?, user, assistant]` renders.
+    """
+    source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):  # named templates: use the default one
+        source = source.get("default") or next(iter(source.values()), None)
+    if not source or not isinstance(source, str):
+        raise TemplateUnusable("no chat template: the tokenizer has none and none was given")
+    template_source = "argument" if chat_template is not None else "tokenizer"
+    gen_cfg = _load_generation_config(tokenizer, model_dir)
+    kwargs: dict[str, Any] = dict(render_kwargs or {})
+    supplied = _supply_special_tokens(tokenizer, source, gen_cfg, kwargs)
+    notes: list[str] = []
+
+    def r(msgs: list[dict[str, Any]], gen: bool = False, tools: Any = None, **extra: Any):
+        return try_render(
+            tokenizer,
+            msgs,
+            chat_template=source,
+            tools=tools,
+            add_generation_prompt=gen,
+            kwargs={**kwargs, **extra},
+        )
+
+    u1, u2, s = _msg("user", _U1), _msg("user", _U2), _msg("system", _S)
+    a1, a2 = _msg("assistant", _A1), _msg("assistant", _A2)
+
+    # 1. role orders (valid ones first; the invalid ones only to report what the template rejects)
+    orders: dict[str, tuple[list[dict[str, Any]], bool]] = {
+        "user,assistant": ([u1, a1], False),
+        "system,user,assistant": ([s, u1, a1], False),
+        "user,assistant,user,assistant": ([u1, a1, u2, a2], False),
+        "user+generation_prompt": ([u1], True),
+        "assistant_only": ([a1], False),
+        "system,assistant": ([s, a1], False),
+        "user,user,assistant": ([u1, u2, a1], False),
+        "developer,user,assistant": ([_msg("developer", _S), u1, a1], False),
+    }
+    accepted: list[str] = []
+    rejected: dict[str, str] = {}
+    renders: dict[str, str] = {}
+    for name, (msgs, gen) in orders.items():
+        text, err = r(msgs, gen)
+        if err is None and text:
+            accepted.append(name)
+            renders[name] = text
+        else:
+            rejected[name] = err or "rendered empty text"
+    if "user,assistant" not in renders:
+        raise TemplateUnusable(
+            "template renders no valid conversation (user,assistant): "
+            + rejected.get("user,assistant", "?"),
+            rejected,
+        )
+    ua = renders["user,assistant"]
+    if _U1 not in ua or _A1 not in ua:
+        raise TemplateUnusable("template drops the user or assistant content of [user, assistant]")
+
+    # 2. system turn: native, or merged into the first user turn when rejected/dropped
+    sua = renders.get("system,user,assistant")
+    if sua is not None and _S in sua:
+        system_mode = "native"
+    else:
+        merged, err = r([_msg("user", f"{_S}\n\n{_U1}"), a1])
+        system_mode = "merge_into_user" if merged and _S in merged else "unsupported"
+        notes.append(
+            "system turn "
+            + ("rejected: " + rejected["system,user,assistant"] if sua is None else "dropped")
+        )
+
+    # 3. end of turn: what follows the final assistant content
+    base_u, _ = r([u1])
+    tail = ua[ua.rfind(_A1) + len(_A1) :]
+    eos_tok, eos_id, eos_src = _eos_fallback(tokenizer, gen_cfg)
+    m = LEADING_MARKER_RE.match(tail)
+    if m:
+        eot_text, post_eot, eot_source = tail[: m.end()], tail[m.end() :], "template"
+    elif eos_tok and tail.lstrip().startswith(eos_tok):
+        end = len(tail) - len(tail.lstrip()) + len(eos_tok)
+        eot_text, post_eot, eot_source = tail[:end], tail[end:], "template"
+    else:
+        eot_text, post_eot, eot_source = "", tail, eos_src
+        notes.append(
+            f"no end-of-turn marker after the assistant content (tail {tail!r}); "
+            f"falls back to {eos_src} {eos_tok!r}"
+        )
+
+    # 4. generation prompt and what it pre-fills compared with a rendered assistant turn
+    gen_text = renders.get("user+generation_prompt")
+    generation_prompt = prefill = ""
+    if gen_text is not None and base_u is not None and gen_text.startswith(base_u):
+        generation_prompt = gen_text[len(base_u) :]
+        turn = ua[len(base_u) :] if ua.startswith(base_u) else ""
+        prefill = generation_prompt[common_prefix_len(generation_prompt, turn) :]
+    header = generation_prompt[: len(generation_prompt) - len(prefill)]
+    appends_header = bool(header.strip()) and header.strip() in post_eot
+
+    # 5. reasoning: which field the template reads, and for which turns
+    thinking_kwargs = [k for k in THINKING_KWARGS if re.search(rf"\b{k}\b", source)]
+    reasoning_key, reasoning_inline, placement = None, False, "never"
+    candidates: list[tuple[str | None, bool]] = [
+        ("reasoning_content", False),
+        ("reasoning", False),
+        ("thinking", False),
+    ]
+    if THINK_CLOSE in source:
+        candidates.append((None, True))
+    for key, inline in candidates:
+        if inline:
+            ra1 = _msg("assistant", inline_reasoning(_R1, _A1))
+            ra2 = _msg("assistant", inline_reasoning(_R2, _A2))
+        else:
+            ra1 = _msg("assistant", _A1, **{key: _R1})  # type: ignore[arg-type]
+            ra2 = _msg("assistant", _A2, **{key: _R2})  # type: ignore[arg-type]
+        text, _ = r([u1, ra1, u2, ra2])
+        if not text:
+            continue
+        if _R2 in text:
+            reasoning_key, reasoning_inline = key, inline
+            placement = "all" if _R1 in text else "after_last_user"
+            break
+    single = ua[len(base_u) :] if base_u and ua.startswith(base_u) else ua
+    injects_empty_think = bool(re.search(r"<think>\s*</think>", single))
+
+    # 6. prefix stability: render(history<=k) is a prefix of render(all), with gen prompt too
+    def stable_under(extra: dict[str, Any]) -> tuple[bool, str]:
+        if reasoning_key or reasoning_inline:
+            conv = [s if system_mode == "native" else None, u1, _reason_msg(reasoning_key,
+                    reasoning_inline, _R1, _A1), u2, _reason_msg(reasoning_key, reasoning_inline,
+                    _R2, _A2)]
+        else:
+            conv = [s if system_mode == "native" else None, u1, a1, u2, a2]
+        conv = [c for c in conv if c is not None]
+        full, err = r(conv, **extra)
+        if full is None:
+            return False, f"full render failed: {err}"
+        for i, msg in enumerate(conv):
+            if msg["role"] != "assistant":
+                continue
+            upto, _ = r(conv[: i + 1], **extra)
+            if upto is None or not full.startswith(upto.rstrip()):
+                return False, f"render of messages[:{i + 1}] is not a prefix of the full render"
+            prompt, _ = r(conv[:i], gen=True, **extra)
+            if prompt is None or not full.startswith(prompt):
+                return False, f"generation prompt before message {i} is not a prefix of the render"
+        return True, "every history render and generation prompt is a prefix of the full render"
+
+    prefix_stable, prefix_detail = stable_under({})
+    stable_kwargs: dict[str, Any] | None = None
+    if not prefix_stable:
+        for name, value in STABLE_KWARG_CANDIDATES:
+            if re.search(rf"\b{name}\b", source) and stable_under({name: value})[0]:
+                stable_kwargs = {name: value}
+                break
+
+    # 7. tools, tool calls, tool role
+    renders_tools = False
+    with_tools, _ = r([u1, a1], tools=_TOOLS)
+    if with_tools and _TOOL_NAME in with_tools:
+        renders_tools = True
+    tool_call_args: str | None = None
+    tool_call_error: str | None = None
+    empty_content = "none"
+    tool_role = "untested"
+    for args_kind, args in (("object", {"query": _TOOL_ARG}), ("string", json.dumps({"query": _TOOL_ARG}))):
+        for ec, content in (("none", None), ("empty", "")):
+            call = _msg("assistant", content, tool_calls=[_tool_call(args)])
+            tmsg = _msg("tool", _TOOL_RESULT, tool_call_id="call_probe_1", name=_TOOL_NAME)
+            conv = [u1, call, tmsg, a2]
+            text, err = r(conv, tools=_TOOLS if renders_tools else None)
+            if text is None:
+                tool_call_error = tool_call_error or err
+                continue
+            if _TOOL_NAME in text and _TOOL_ARG in text and "None" not in text.replace(_S, ""):
+                tool_call_args, empty_content = args_kind, ec
+                tool_role = "native" if _TOOL_RESULT in text else "dropped"
+                break
+        if tool_call_args:
+            break
+    if tool_call_args is None and tool_call_error and "tool" in tool_call_error.lower():
+        tool_role = "rejected"
+
+    # 8. {% generation %} tags and HF's assistant mask
+    has_tags = bool(_GEN_TAG_RE.search(source))
+    mask_usable = False
+    if has_tags:
+        mask_usable = _generation_mask_ok(tokenizer, source, kwargs, [u1, a1], _A1)
+
+    # 9. BOS handling
+    bos = kwargs.get("bos_token") or getattr(tokenizer, "bos_token", None)
+    uses_bos = "bos_token" in source
+    emits_bos = bool(bos) and ua.startswith(bos)
+    try:
+        adds_bos = len(tokenizer("a")["input_ids"]) > len(
+            tokenizer("a", add_special_tokens=False)["input_ids"]
+        )
+    except Exception:  # noqa: BLE001 - a tokenizer without specials is fine
+        adds_bos = False
+    if adds_bos:
+        notes.append("tokenizer adds special tokens when asked; rows are encoded without them "
+                     "(the rendered template is authoritative)")
+
+    strategy, reason = _choose_strategy(
+        has_tags, mask_usable, prefix_stable, stable_kwargs, prefix_detail, prefill, eot_source
+    )
+    return TemplateProbe(
+        template_sha256=hashlib.sha256(source.encode("utf-8")).hexdigest(),
+        template_source=template_source,
+        render_kwargs=kwargs,
+        supplied=supplied,
+        accepted_role_orders=accepted,
+        rejected_role_orders=rejected,
+        system_mode=system_mode,
+        has_generation_tags=has_tags,
+        generation_mask_usable=mask_usable,
+        renders_tools=renders_tools,
+        tool_role=tool_role,
+        tool_call_args=tool_call_args,
+        tool_call_error=tool_call_error if tool_call_args is None else None,
+        empty_content=empty_content,
+        reasoning_key=reasoning_key,
+        reasoning_inline=reasoning_inline,
+        reasoning_placement=placement,
+        injects_empty_think=injects_empty_think,
+        thinking_kwargs=thinking_kwargs,
+        prefix_stable=prefix_stable,
+        stable_kwargs=stable_kwargs,
+        prefix_detail=prefix_detail,
+        generation_prompt=generation_prompt,
+        generation_prefill=prefill,
+        appends_assistant_header=appends_header,
+        template_uses_bos=uses_bos,
+        template_emits_bos=emits_bos,
+        tokenizer_adds_bos=adds_bos,
+        eot_text=eot_text,
+        post_eot=post_eot,
+        eot_source=eot_source,
+        eos_fallback_token=eos_tok,
+        eos_fallback_id=eos_id,
+        strategy=strategy,
+        reason=reason,
+        notes=notes,
+    )
+
+
+def _reason_msg(key: str | None, inline: bool, reasoning: str, content: str) -> dict[str, Any]:
+    if inline:
+        return _msg("assistant", inline_reasoning(reasoning, content))
+    return _msg("assistant", content, **{key or "reasoning_content": reasoning})
+
+
+def _generation_mask_ok(
+    tokenizer: Any, source: str, kwargs: dict[str, Any], conv: list[dict[str, Any]], answer: str
+) -> bool:
+    """HF's return_assistant_tokens_mask covers the assistant answer (and is not all zeros)."""
+    try:
+        out = tokenizer.apply_chat_template(
+            conv,
+            chat_template=source,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **kwargs,
+        )
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+    mask = out.get("assistant_masks") or []
+    ids = out.get("input_ids") or []
+    if not any(mask):
+        return False
+    picked = [t for t, k in zip(ids, mask, strict=False) if k]
+    return answer in tokenizer.decode(picked)
+
+
+def _choose_strategy(
+    has_tags: bool,
+    mask_usable: bool,
+    prefix_stable: bool,
+    stable_kwargs: dict[str, Any] | None,
+    prefix_detail: str,
+    prefill: str,
+    eot_source: str,
+) -> tuple[str, str]:
+    """Pick the default strategy and say why, in words a reviewer can check."""
+    eot = (
+        "the template ends assistant turns with its own marker"
+        if eot_source == "template"
+        else f"the template has no end-of-turn marker, so the {eot_source} token is appended"
+    )
+    pre = (
+        f"; its generation prompt pre-fills {prefill!r}, which rendered turns lack, "
+        "so each row is prompt-with-generation-prompt + the reply"
+        if prefill
+        else ""
+    )
+    if has_tags and mask_usable:
+        return STRATEGY_GENERATION, (
+            "{% generation %} tags give a usable assistant mask (cross-checked by render diff); "
+            + eot
+        )
+    tag_note = "{% generation %} tags present but the HF mask is unusable; " if has_tags else ""
+    if prefix_stable and not prefill and eot_source == "template":
+        return STRATEGY_RENDER_DIFF, (
+            tag_note + "prefix-stable: each assistant span is the render diff between the "
+            "generation prompt and the turn, one row per conversation; " + eot
+        )
+    if stable_kwargs and not prefill and eot_source == "template":
+        return STRATEGY_RENDER_DIFF, (
+            tag_note + f"not prefix-stable by default ({prefix_detail}) but stable with "
+            f"{stable_kwargs}; one row per conversation rendered that way; " + eot
+        )
+    why = prefix_detail if not prefix_stable else "prefix-stable"
+    return STRATEGY_PER_TURN, (
+        tag_note + f"one row per assistant turn with its exact history ({why}){pre}; " + eot
+    )
+
+
+__all__ = [
+    "EMPTY_THINK_RE",
+    "STRATEGY_GENERATION",
+    "STRATEGY_PER_TURN",
+    "STRATEGY_RENDER_DIFF",
+    "TemplateProbe",
+    "TemplateUnusable",
+    "probe_template",
+]

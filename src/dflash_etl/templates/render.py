@@ -1,0 +1,119 @@
+"""Rendering a conversation through a chat template, inside transformers' sandboxed Jinja.
+
+Chat templates are untrusted code (DESIGN principle 6), so every render goes through
+`tokenizer.apply_chat_template(..., tokenize=False)`, which compiles templates in an
+`ImmutableSandboxedEnvironment`. Any exception a template raises is turned into `RenderError`
+carrying the template's own text, so callers can report it instead of dying.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+# A prompt-side think block the model did not write: "<think>\n\n</think>\n\n" and variants.
+EMPTY_THINK_RE = re.compile(r"^\s*<(think|thinking|reasoning)>\s*</\1>\s*$")
+# A reply that starts by closing an empty think block (the model would not have generated it
+# when the turn has no reasoning).
+LEADING_EMPTY_THINK_RE = re.compile(r"^\s*(<(think|thinking|reasoning)>)?\s*</(think|thinking|reasoning)>")
+
+# Marker-shaped text that ends an assistant turn: <|im_end|>, <|eot_id|>, </s>, <end_of_turn>,
+# <｜end▁of▁sentence｜>, [/TOOL_CALLS]-like brackets.
+_MARKER = (
+    r"<\|[^|<>\s]{1,48}\|>"
+    r"|<｜[^｜<>]{1,48}｜>"
+    r"|</?[A-Za-z_][\w\-▁.:]{0,48}>"
+    r"|\[/?[A-Z_]{2,24}\]"
+)
+LEADING_MARKER_RE = re.compile(rf"^(\s*)({_MARKER})")
+TRAILING_MARKER_RE = re.compile(rf"({_MARKER})$")
+
+
+class RenderError(Exception):
+    """The template raised (or produced no text) while rendering a conversation."""
+
+
+@dataclass(frozen=True)
+class MessageFormat:
+    """How canonical messages are spelled for one template (decided by the probe)."""
+
+    reasoning_key: str | None = "reasoning_content"  # field the template reads, None = never
+    reasoning_inline: bool = False  # put reasoning into content as <think>..</think> instead
+    tool_args: str = "object"  # "object" | "string": how tool-call arguments are passed
+    empty_content: str = "none"  # "none" | "empty": content of a tool-call-only assistant turn
+    system_mode: str = "native"  # "native" | "merge_into_user"
+
+
+@dataclass
+class Prepared:
+    """Template-ready messages plus the normalizations made to get them."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    normalizations: list[str] = field(default_factory=list)
+
+
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Render `messages` to text; raise RenderError with the template's message on failure."""
+    try:
+        out = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(kwargs or {}),
+        )
+    except Exception as exc:  # templates raise anything: TemplateError, TypeError, KeyError...
+        raise RenderError(f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(out, list):  # batched return shape of some transformers versions
+        out = out[0] if out else ""
+    if not isinstance(out, str):
+        raise RenderError(f"template returned {type(out).__name__}, not text")
+    return out
+
+
+def try_render(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> tuple[str | None, str | None]:
+    """(text, None) on success, (None, error text) on failure."""
+    try:
+        return render(tokenizer, messages, **kw), None
+    except RenderError as exc:
+        return None, str(exc)
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def parse_json_list(text: str | None) -> list[Any] | None:
+    """Decode a JSON-text list field (tools, tool_calls); None/empty stays None."""
+    if text is None or text == "":
+        return None
+    value = json.loads(text) if isinstance(text, str) else text
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"expected a JSON list, got {type(value).__name__}")
+    return value or None
+
+
+def inline_reasoning(reasoning: str, content: str) -> str:
+    """Reasoning written into content the way think-aware templates split it back out."""
+    return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
