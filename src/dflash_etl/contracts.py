@@ -63,7 +63,7 @@ def role_letters(frame: pl.DataFrame | pl.LazyFrame, col: str = "messages"):
 
 
 NAMED_CHECKS: dict[str, tuple[Callable[[str], pl.Expr], str]] = {
-    "hex_id": (lambda c: pl.col(c).str.contains(r"^[0-9a-f]{16,64}$"), "a hex content hash"),
+    "hex_id": (lambda c: pl.col(c).str.contains(r"^[0-9a-f]{16,64}(-[0-9]+)?$"), "a hex content hash"),
     "non_empty_string": (lambda c: pl.col(c).str.len_chars() > 0, "a non-empty string"),
     "roles_known": (
         lambda c: pl.col(c).list.eval(
@@ -114,7 +114,7 @@ def _pandera_check(name: str) -> pa.Check:
     def check(data: Any) -> pl.LazyFrame:
         return data.lazyframe.select(build(data.key))
 
-    return pa.Check(check, name=name, error=description)
+    return pa.Check(check, name=name)
 
 
 # --------------------------------------------------------------- contract files
@@ -160,7 +160,9 @@ def _failures(exc: SchemaErrors | SchemaError, shard: str) -> list[dict[str, Any
     for (check, column), group in cases.group_by(["check", "column"], maintain_order=True):
         samples = [str(v)[:300] for v in group["failure_case"].head(5).to_list()]
         rows = group["index"].head(5).to_list() if "index" in group.columns else []
-        out.append({"shard": shard, "check": str(check), "column": column,
+        description = NAMED_CHECKS.get(str(check), (None, ""))[1]
+        out.append({"shard": shard, "check": str(check), "description": description,
+                    "column": column,
                     "count": group.height, "samples": samples, "rows": rows})
     return out
 

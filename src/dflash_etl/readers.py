@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import gzip
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import orjson
 
 from dflash_etl import schema as S
+from dflash_etl.errors import StageError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".json", ".json.gz", ".parquet")
 RAW_KEEP_BYTES = 64 * 1024  # quarantine keeps this much of a huge line; file+line find the rest
@@ -128,8 +130,14 @@ def read_unit(unit: Unit, max_bytes: int) -> Iterator[Record]:
         yield from _parquet(path)
         return
     if path.endswith(".gz"):
-        with gzip.open(path, "rb") as fh:
-            data = fh.read()
+        try:
+            with gzip.open(path, "rb") as fh:
+                data = fh.read()
+        except (OSError, EOFError, zlib.error) as exc:
+            raise StageError(
+                f"{path}: cannot decompress ({exc}); the file is truncated or not gzip — "
+                "re-create or re-download it"
+            ) from None
     else:
         with open(path, "rb") as fh:
             fh.seek(unit.start)

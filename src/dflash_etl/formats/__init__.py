@@ -98,7 +98,14 @@ def _apply_fields(row: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]
     for key, path in fields.items():
         if key == "response":
             continue
-        out[key] = get_path(row, path)
+        value = get_path(row, path)
+        if value is None and key in ("messages", "prompt"):
+            raise RowError(
+                S.Q_MISSING_FIELD,
+                f"[sources.fields] {key} = {path!r}: no such field in this row; "
+                f"keys: {sorted(row)[:20]}",
+            )
+        out[key] = value
     return out
 
 

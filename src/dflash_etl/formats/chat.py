@@ -63,11 +63,17 @@ def require_text(value: Any, where: str) -> str:
 def parse_message(item: Any, conv: Conversation, where: str) -> Message:
     if not isinstance(item, dict):
         raise RowError(S.Q_WRONG_TYPE, f"{where}: expected an object, got {type_name(item)}")
-    raw_role = item.get("role", item.get("from"))
+    # role/content or from/value; a null in one spelling falls back to the other, since
+    # Parquet structs carry every field of the file's schema (null where a row has none)
+    raw_role = item.get("role")
+    if raw_role is None:
+        raw_role = item.get("from")
     if raw_role is None:
         raise RowError(S.Q_MISSING_FIELD, f"{where}: no 'role' (or 'from'); keys: {sorted(item)}")
     role = map_role(raw_role, conv, where)
-    content: Any = item["content"] if "content" in item else item.get("value")
+    content: Any = item.get("content")
+    if content is None:
+        content = item.get("value")
     reasoning = item.get("reasoning_content") or item.get("reasoning") or item.get("thinking")
     if reasoning is not None and not isinstance(reasoning, str):
         raise RowError(S.Q_WRONG_TYPE, f"{where}.reasoning: expected a string")
@@ -89,7 +95,9 @@ def parse_message(item: Any, conv: Conversation, where: str) -> Message:
             try:
                 raw_calls = orjson.loads(raw_calls)
             except orjson.JSONDecodeError as exc:
-                raise RowError(S.Q_BAD_TOOL_CALL, f"{where}.tool_calls: invalid JSON ({exc})")
+                raise RowError(
+                    S.Q_BAD_TOOL_CALL, f"{where}.tool_calls: invalid JSON ({exc})"
+                ) from None
         if raw_calls:
             calls.extend(parse_openai_tool_calls(raw_calls, conv, where))
         legacy = item.get("function_call")

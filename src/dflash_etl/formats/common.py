@@ -93,17 +93,25 @@ def require_list(value: Any, where: str) -> list[Any]:
     return value
 
 
-_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
 def split_think(content: str) -> tuple[str | None, str]:
-    """Inline `<think>…</think>` at the start of a reply -> (reasoning, rest)."""
+    """Inline `<think>…</think>` at the start of a reply -> (reasoning, rest).
+
+    Consecutive leading blocks are all taken (their non-empty texts joined), so the rest never
+    starts with a think block and normalizing the result again changes nothing.
+    """
     if "<think>" not in content:
         return None, content
-    match = _THINK.match(content)
-    if match is None:
+    parts: list[str] = []
+    end = 0
+    while (match := _THINK.match(content, end)) is not None:
+        parts.append(match.group(1).strip())
+        end = match.end()
+    if not end:
         return None, content
-    return match.group(1).strip(), content[match.end() :]
+    return "\n\n".join(p for p in parts if p), content[end:]
 
 
 def tool_call(name: Any, arguments: Any, conv: Conversation, where: str, call_id: Any = None):
@@ -193,9 +201,12 @@ def parse_tools(raw: Any, where: str = "tools") -> list[dict[str, Any]] | None:
         if not isinstance(spec, dict):
             raise RowError(S.Q_BAD_TOOLS, f"{where}[{k}]: expected an object")
         if "function" not in spec:
-            if "name" not in spec:
-                raise RowError(S.Q_BAD_TOOLS, f"{where}[{k}]: a tool needs a name")
             spec = {"type": "function", "function": spec}
+        fn = spec["function"]
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RowError(
+                S.Q_BAD_TOOLS, f"{where}[{k}]: a tool needs a function object with a name"
+            )
         tools.append(spec)
     return tools or None
 

@@ -3,6 +3,7 @@ USER: / ASSISTANT: / FUNCTION RESPONSE: markers, `<functioncall>` and `<|endofte
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -13,6 +14,7 @@ from dflash_etl.formats.common import (
     RowError,
     parse_tools,
     require_str,
+    split_think,
     tool_call,
 )
 
@@ -24,19 +26,21 @@ _CALL = re.compile(
     r"(?:'(.*)'|(\{.*\}))\s*\}\s*$",
     re.DOTALL,
 )
-_TOOLS_IN_SYSTEM = re.compile(r"(\{.*\})", re.DOTALL)
 
 
 def _assistant(text: str, conv: Conversation, where: str) -> Message:
+    reasoning, text = split_think(text)  # inline <think>, as in every other format
     if "<functioncall>" not in text:
-        return Message("assistant", text.strip())
+        return Message("assistant", text.strip(), reasoning=reasoning)
     head, _, call_text = text.partition("<functioncall>")
     match = _CALL.match("<functioncall>" + call_text.strip())
     if match is None:
-        raise RowError(S.Q_BAD_TOOL_CALL, f"{where}: cannot parse <functioncall> {call_text[:80]!r}")
+        raise RowError(
+            S.Q_BAD_TOOL_CALL, f"{where}: cannot parse <functioncall> {call_text[:80]!r}"
+        )
     name, quoted, bare = match.groups()
     call = tool_call(name, quoted if quoted is not None else bare, conv, where)
-    return Message("assistant", head.strip(), tool_calls=[call])
+    return Message("assistant", head.strip(), reasoning=reasoning, tool_calls=[call])
 
 
 def glaive(row: dict[str, Any], conv: Conversation) -> list[Message]:
@@ -65,11 +69,20 @@ def glaive(row: dict[str, Any], conv: Conversation) -> list[Message]:
 
 
 def _tools_from_system(system: str) -> list[dict[str, Any]] | None:
-    """Glaive embeds the function specs as JSON in the system prompt; recover them if they parse."""
-    match = _TOOLS_IN_SYSTEM.search(system)
-    if match is None:
-        return None
+    """Glaive embeds the function specs as JSON objects in the system prompt (one after another
+    when there are several); recover them when they parse."""
+    decoder = json.JSONDecoder()
+    specs: list[Any] = []
+    pos = system.find("{")
+    while pos != -1:
+        try:
+            obj, end = decoder.raw_decode(system, pos)
+        except ValueError:
+            pos = system.find("{", pos + 1)
+            continue
+        specs.append(obj)
+        pos = system.find("{", end)
     try:
-        return parse_tools(match.group(1))
+        return parse_tools(specs)
     except RowError:
         return None

@@ -6,7 +6,14 @@ from typing import Any
 
 from dflash_etl import schema as S
 from dflash_etl.formats.chat import parse_messages
-from dflash_etl.formats.common import Conversation, Message, RowError, require_str, split_think
+from dflash_etl.formats.common import (
+    Conversation,
+    Message,
+    RowError,
+    require_str,
+    split_think,
+    type_name,
+)
 
 
 def _reply(text: str) -> list[Message]:
@@ -24,7 +31,24 @@ def alpaca(row: dict[str, Any], conv: Conversation) -> list[Message]:
     prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     system = row.get("system")
     head = [Message("system", require_str(system, "system"))] if system else []
-    return [*head, Message("user", prompt), *_reply(output)]
+    return [*head, *_history(row.get("history")), Message("user", prompt), *_reply(output)]
+
+
+def _history(value: Any) -> list[Message]:
+    """LLaMA-Factory's alpaca `history`: earlier [instruction, response] pairs, oldest first."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RowError(S.Q_WRONG_TYPE, "history: expected a list of [instruction, response] pairs")
+    out: list[Message] = []
+    for k, pair in enumerate(value):
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise RowError(
+                S.Q_WRONG_TYPE, f"history[{k}]: expected an [instruction, response] pair"
+            )
+        out.append(Message("user", require_str(pair[0], f"history[{k}][0]")))
+        out.append(Message("assistant", require_str(pair[1], f"history[{k}][1]")))
+    return out
 
 
 def orca(row: dict[str, Any], conv: Conversation) -> list[Message]:
@@ -36,12 +60,21 @@ def orca(row: dict[str, Any], conv: Conversation) -> list[Message]:
 
 
 def prompt(row: dict[str, Any], conv: Conversation) -> list[Message]:
-    """`prompt` as text, or as a message list (chat-style prompt datasets)."""
+    """`prompt` as text, or as a message list (chat-style prompt datasets); a `completion` (or
+    `response`) next to it is kept as the reply, so prompt/completion rows lose nothing."""
     value = row.get("prompt")
+    key = "completion" if "completion" in row else "response"
+    reply = row.get(key)
     if isinstance(value, list):
-        return parse_messages(value, conv, "prompt")
-    if not isinstance(value, str):
-        raise RowError(S.Q_WRONG_TYPE, f"prompt: expected a string or a message list, got {value!r}"[:200])
-    system = row.get("system")
-    head = [Message("system", require_str(system, "system"))] if system else []
-    return [*head, Message("user", value)]
+        messages = parse_messages(value, conv, "prompt")
+    elif isinstance(value, str):
+        system = row.get("system")
+        head = [Message("system", require_str(system, "system"))] if system else []
+        messages = [*head, Message("user", value)]
+    else:
+        raise RowError(
+            S.Q_WRONG_TYPE, f"prompt: expected a string or a message list, got {type_name(value)}"
+        )
+    if isinstance(reply, list):
+        return messages + parse_messages(reply, conv, key)
+    return messages + _reply(require_str(reply, key, allow_none=True))

@@ -85,7 +85,7 @@ def plan_mix(
 ) -> tuple[pl.DataFrame, dict[str, Counter[str]], dict[str, dict[str, Any]]]:
     """Which rows to keep. `index` has id, source, _unit, _line in output order.
 
-    Returns the kept (_unit, _line) keys, the filtered counts per source and reason, and what
+    Returns the kept (_unit, _line, _occurrence) keys, the filtered counts per source and reason, and what
     the mix reached per source. Deterministic for a given seed and input order.
     """
     filtered: dict[str, Counter[str]] = {s.name: Counter() for s in sources}
@@ -120,7 +120,11 @@ def plan_mix(
                 filtered[source.name][S.F_MIX_WEIGHT] += available - target
             mix[source.name] = {"weight": source.weight, "target_share": round(share, 6),
                                 "rows_available": available, "rows_kept": target}
-    kept = pl.concat([p for p in parts.values()]).sort("_pos").select("_unit", "_line")
+    kept = pl.concat([p for p in parts.values()]).sort("_pos")
+    # Without dedup, repeated conversations stay: number them so ids remain unique.
+    kept = kept.select(
+        "_unit", "_line", pl.col("id").cum_count().over("id").cast(pl.Int32).alias("_occurrence")
+    )
     return kept, filtered, mix
 
 
@@ -304,8 +308,14 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
         keys = by_unit.get((k,))
         if keys is None:
             continue
-        table = pl.read_parquet(path).join(keys, on=["_unit", "_line"], how="semi")
-        table = table.drop("_unit", "_line").to_arrow().cast(S.CONVERSATIONS)
+        frame = pl.read_parquet(path).join(keys, on=["_unit", "_line"], how="inner")
+        frame = frame.with_columns(
+            pl.when(pl.col("_occurrence") > 1)
+            .then(pl.concat_str("id", pl.lit("-"), pl.col("_occurrence").cast(pl.String)))
+            .otherwise(pl.col("id"))
+            .alias("id")
+        )
+        table = frame.drop("_unit", "_line", "_occurrence").to_arrow().cast(S.CONVERSATIONS)
         offset = 0
         while offset < table.num_rows:
             if writer is None:

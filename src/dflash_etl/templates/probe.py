@@ -296,10 +296,15 @@ def probe_template(
         turn = ua[len(base_u) :] if ua.startswith(base_u) else ""
         prefill = generation_prompt[common_prefix_len(generation_prompt, turn) :]
     header = generation_prompt[: len(generation_prompt) - len(prefill)]
-    appends_header = bool(header.strip()) and header.strip() in post_eot
+    if header.strip():
+        appends_header = header.strip() in post_eot
+    else:  # no separate generation prompt: the header is always appended after the last turn
+        appends_header = bool(post_eot.strip()) and (base_u or "").rstrip().endswith(
+            post_eot.strip()
+        )
 
     # 5. reasoning: which field the template reads, and for which turns
-    thinking_kwargs = [k for k in THINKING_KWARGS if re.search(rf"\b{k}\b", source)]
+    thinking_kwargs = [k for k in THINKING_KWARGS if _reads_variable(source, k)]
     reasoning_key, reasoning_inline, placement = None, False, "never"
     candidates: list[tuple[str | None, bool]] = [
         ("reasoning_content", False),
@@ -352,7 +357,7 @@ def probe_template(
     stable_kwargs: dict[str, Any] | None = None
     if not prefix_stable:
         for name, value in STABLE_KWARG_CANDIDATES:
-            if re.search(rf"\b{name}\b", source) and stable_under({name: value})[0]:
+            if _reads_variable(source, name) and stable_under({name: value})[0]:
                 stable_kwargs = {name: value}
                 break
 
@@ -444,6 +449,15 @@ def probe_template(
         reason=reason,
         notes=notes,
     )
+
+
+def _reads_variable(source: str, name: str) -> bool:
+    """The template tests `name` as a variable (not merely mentions the word in its text)."""
+    pattern = (
+        rf"(?:\bif\s+(?:not\s+)?|\band\s+(?:not\s+)?|\bor\s+(?:not\s+)?|\(\s*)"
+        rf"{name}\b(?!\s*=[^=])|\b{name}\s+is\b|\b{name}\s*(?:==|!=)"
+    )
+    return re.search(pattern, source) is not None
 
 
 def _reason_msg(key: str | None, inline: bool, reasoning: str, content: str) -> dict[str, Any]:

@@ -1,0 +1,101 @@
+"""The CLI as a user runs it: the embedded default end to end, and `check` for CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_etl.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    """`dflash-etl run` exactly as the README's `make run` calls it (default config)."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    result = _cli("dflash_etl", "run", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    assert "ingest done" in result.stdout
+    assert str(Path("runs/default/ingest/conversations")) in result.stdout
+    return cwd / "runs" / "default"
+
+
+def test_run_writes_outputs_manifest_and_counts(default_run):
+    manifest = json.loads((default_run / "manifest.json").read_text())
+    stage = manifest["stages"]["ingest"]
+    assert stage["status"] == "complete" and stage["counts"]["rows_out"] > 300
+    assert {i["source"] for i in manifest["inputs"]} >= {"openai_chat", "glaive", "orca"}
+    assert all(len(i["sha256"]) == 64 for i in manifest["inputs"])
+    assert manifest["packages"]["polars"] and manifest["config_hash"]
+    assert not any(p.name.startswith(".") for p in default_run.iterdir() if p.is_dir())
+
+
+def test_check_passes_on_a_good_output_and_fails_on_a_corrupted_one(default_run, tmp_path,
+                                                                     capsys):
+    assert main(["check", str(default_run / "ingest")]) == 0
+    assert "PASS ingest" in capsys.readouterr().out
+
+    broken = tmp_path / "ingest"
+    import shutil
+
+    shutil.copytree(default_run / "ingest", broken)
+    shard = next((broken / "conversations").glob("*.parquet"))
+    frame = pl.read_parquet(shard)
+    swapped = frame["messages"].to_list()
+    swapped[0] = list(reversed(swapped[0]))  # assistant first: role order broken
+    frame = frame.with_columns(
+        pl.Series("messages", swapped, dtype=frame.schema["messages"]),
+        pl.when(pl.int_range(pl.len()) == 1).then(pl.lit("user")).otherwise(pl.col("source"))
+        .alias("source"),
+    )
+    frame = pl.concat([frame, frame.head(1)])  # a duplicated id
+    pq.write_table(frame.to_arrow().cast(pa.schema(pq.read_schema(shard))), shard)
+    report_path = tmp_path / "report.json"
+    assert main(["check", str(broken), "--json", str(report_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL ingest" in out and "role_order_valid" in out and "unique" in out
+    report = json.loads(report_path.read_text())
+    checks = {f["check"] for s in report["stages"] for f in s["failures"]}
+    assert {"role_order_valid", "unique"} <= checks
+
+    stats = json.loads((broken / "stats.json").read_text())
+    stats["total"]["rows_out"] += 1
+    (broken / "stats.json").write_text(json.dumps(stats))
+    assert main(["check", str(broken)]) == 1
+    assert "accounting" in capsys.readouterr().out
+
+
+def test_check_on_a_run_dir_and_on_nothing(default_run, tmp_path, capsys):
+    assert main(["check", str(default_run)]) == 0
+    assert main(["check", str(tmp_path)]) == 1
+    assert "no stage output found" in capsys.readouterr().out
+
+
+def test_stage_module_runs_like_the_subcommand(tmp_path):
+    result = _cli("dflash_etl.stages.ingest", "--config", str(REPO / "data" / "pipeline.toml"),
+                  "--run", str(tmp_path / "r"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "r" / "ingest" / "stats.json").exists()
+
+
+def test_errors_exit_nonzero_with_a_message(tmp_path, capsys):
+    (tmp_path / "bad.toml").write_text('[[sources]]\nname = "x"\npath = "x.jsonl"\nformat = "csv"\n')
+    assert main(["ingest", "--config", str(tmp_path / "bad.toml"), "--run", str(tmp_path)]) == 1
+    assert "format='csv'" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""The ingest stage end to end on real files: accounting, errors, skip/force/resume, mixing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from dflash_etl.config import load_config, parse_config
+from dflash_etl.errors import StageError
+from dflash_etl.stages import ingest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "data" / "pipeline.toml"
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _chat(k: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"question {k}"},
+                         {"role": "assistant", "content": f"answer {k}"}]}
+
+
+def _config(tmp_path: Path, sources: list[dict], **run) -> object:
+    return parse_config({"run": {"workers": 1, **run}, "sources": sources}, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("runs") / "default"
+    doc = ingest.run(load_config(DEFAULT_CONFIG), run_dir, workers=2)
+    return run_dir, doc
+
+
+def test_default_data_accounts_for_every_row(default_run):
+    run_dir, doc = default_run
+    stats = json.loads((run_dir / "ingest" / "stats.json").read_text())
+    assert stats == doc
+    for name, s in [("total", stats["total"]), *stats["sources"].items()]:
+        filtered = sum(s["rows_filtered"].values())
+        assert s["rows_in"] == s["rows_out"] + s["rows_quarantined"] + filtered, name
+    conversations = pl.read_parquet(run_dir / "ingest" / "conversations" / "*.parquet")
+    quarantine = pl.read_parquet(run_dir / "ingest" / "quarantine.parquet")
+    assert conversations.height == stats["total"]["rows_out"]
+    assert quarantine.height == stats["total"]["rows_quarantined"]
+    # The broken lines written on purpose into data/sources/openai_chat.jsonl
+    chat = stats["sources"]["openai_chat"]
+    assert chat["quarantine_reasons"] == {
+        "empty_content": 1, "invalid_utf8": 1, "malformed_json": 1, "not_an_object": 1,
+        "role_order": 1, "wrong_type": 1,
+    }
+    assert chat["rows_filtered"] == {"blank_line": 1, "duplicate": 1}
+    bad_utf8 = quarantine.filter(pl.col("reason") == "invalid_utf8").row(0, named=True)
+    assert bad_utf8["raw_bytes"] == b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    assert bad_utf8["file"].endswith("openai_chat.jsonl") and bad_utf8["line"] > 1
+    # every format of the embedded default made it through
+    assert set(conversations["format"]) == {
+        "openai", "sharegpt", "alpaca", "orca", "prompt", "parts", "glaive"
+    }
+    assert conversations["id"].is_unique().all()
+    assert stats["sources"]["sharegpt"]["rows_out"] == 50  # max_rows = 50
+    assert stats["sources"]["orca"]["rows_out"] == stats["sources"]["parts"]["rows_out"]  # weights
+    prompts = conversations.filter(pl.col("source") == "prompts")
+    assert prompts["needs_response"].all()  # prompt-only rows kept, flagged, not padded
+    assert stats["total"]["role_mapping"]["developer->system"] > 0
+
+
+def test_format_mismatch_is_a_clear_error_not_an_empty_dataset(tmp_path):
+    _write_jsonl(tmp_path / "chat.jsonl", [_chat(k) for k in range(20)])
+    config = _config(tmp_path, [{"name": "orca", "path": "chat.jsonl", "format": "sharegpt"}])
+    with pytest.raises(StageError) as info:
+        ingest.run(config, tmp_path / "run")
+    message = str(info.value)
+    assert "0 of 20 rows of source 'orca'" in message
+    assert "format_mismatch" in message and "['messages']" in message
+    assert "format='auto'" in message
+    assert not (tmp_path / "run" / "ingest").exists()  # nothing that looks finished
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["stages"]["ingest"]["status"] == "failed"
+
+
+def test_unrecognised_rows_name_the_keys_seen(tmp_path):
+    _write_jsonl(tmp_path / "x.jsonl", [{"traj": [{"role": "user", "content": "hi"}]}] * 3)
+    config = _config(tmp_path, [{"name": "agentic", "path": "x.jsonl"}])
+    with pytest.raises(StageError, match=r"keys seen: \['traj'\]"):
+        ingest.run(config, tmp_path / "run")
+    # ... and [sources.fields] is the fix the message points to
+    config = _config(tmp_path, [{"name": "agentic", "path": "x.jsonl",
+                                 "fields": {"messages": "traj"}}], dedup=False)
+    doc = ingest.run(config, tmp_path / "run")
+    assert doc["total"]["rows_out"] == 3
+
+
+def test_path_matching_nothing_is_an_error(tmp_path):
+    config = _config(tmp_path, [{"name": "gone", "path": "missing/*.jsonl"}])
+    with pytest.raises(StageError, match="matched no"):
+        ingest.run(config, tmp_path / "run")
+
+
+def test_rerun_skips_force_redoes_and_changed_input_reruns(tmp_path):
+    src = _write_jsonl(tmp_path / "a.jsonl", [_chat(k) for k in range(10)])
+    config = _config(tmp_path, [{"name": "a", "path": "a.jsonl"}])
+    first = ingest.run(config, tmp_path / "run")
+    assert not first.get("skipped")
+    assert ingest.run(config, tmp_path / "run").get("skipped") is True
+    assert not ingest.run(config, tmp_path / "run", force=True).get("skipped")
+    _write_jsonl(src, [_chat(k) for k in range(12)])
+    changed = ingest.run(config, tmp_path / "run")
+    assert not changed.get("skipped") and changed["total"]["rows_out"] == 12
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["inputs"][0]["size"] == src.stat().st_size
+    assert manifest["stages"]["ingest"]["status"] == "complete"
+
+
+def test_interrupted_run_resumes_from_finished_units(tmp_path, monkeypatch):
+    for k in range(3):
+        _write_jsonl(tmp_path / f"part{k}.jsonl", [_chat(10 * k + j) for j in range(5)])
+    config = _config(tmp_path, [{"name": "p", "path": "part*.jsonl"}])
+    real = ingest.ingest_unit
+    calls: list[int] = []
+
+    def crash_on_third(source, unit, unit_id, *args):
+        if unit_id == 2:
+            raise KeyboardInterrupt
+        calls.append(unit_id)
+        return real(source, unit, unit_id, *args)
+
+    monkeypatch.setattr(ingest, "ingest_unit", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        ingest.run(config, tmp_path / "run")
+    assert calls == [0, 1] and not (tmp_path / "run" / "ingest").exists()
+
+    def count(source, unit, unit_id, *args):
+        calls.append(unit_id)
+        return real(source, unit, unit_id, *args)
+
+    monkeypatch.setattr(ingest, "ingest_unit", count)
+    doc = ingest.run(config, tmp_path / "run")
+    assert calls == [0, 1, 2]  # only the unfinished unit ran again
+    assert doc["total"]["rows_out"] == 15
+    uninterrupted = ingest.run(config, tmp_path / "other")
+    assert _frame(tmp_path / "run").equals(_frame(tmp_path / "other"))
+
+
+def _frame(run_dir: Path) -> pl.DataFrame:
+    return pl.read_parquet(run_dir / "ingest" / "conversations" / "*.parquet")
+
+
+def test_same_config_and_inputs_give_the_same_output(tmp_path):
+    shutil.copytree(REPO / "data", tmp_path / "data")
+    config = load_config(tmp_path / "data" / "pipeline.toml")
+    ingest.run(config, tmp_path / "r1", workers=1)
+    ingest.run(config, tmp_path / "r2", workers=2)
+    assert _frame(tmp_path / "r1").drop("file").equals(_frame(tmp_path / "r2").drop("file"))
+
+
+def test_seeded_sampling_dedup_and_weights_are_counted(tmp_path):
+    _write_jsonl(tmp_path / "big.jsonl", [_chat(k) for k in range(100)] + [_chat(0)] * 5)
+    _write_jsonl(tmp_path / "small.jsonl", [_chat(1000 + k) for k in range(30)])
+    _write_jsonl(tmp_path / "w.jsonl", [_chat(2000 + k) for k in range(40)])
+    sources = [
+        {"name": "big", "path": "big.jsonl", "max_rows": 60},
+        {"name": "small", "path": "small.jsonl", "weight": 1.0},
+        {"name": "w", "path": "w.jsonl", "weight": 2.0},
+    ]
+    doc = ingest.run(_config(tmp_path, sources, seed=7), tmp_path / "a")
+    big, small, w = (doc["sources"][n] for n in ("big", "small", "w"))
+    assert big["rows_filtered"] == {"duplicate": 5, "max_rows": 40} and big["rows_out"] == 60
+    assert small["rows_out"] == 20 and small["rows_filtered"] == {"mix_weight": 10}
+    assert w["rows_out"] == 40 and w["rows_filtered"] == {}
+    again = ingest.run(_config(tmp_path, sources, seed=7), tmp_path / "b")
+    assert again == doc and _frame(tmp_path / "a").equals(_frame(tmp_path / "b"))
+    other = ingest.run(_config(tmp_path, sources, seed=8), tmp_path / "c")
+    assert other["sources"]["big"]["rows_out"] == 60
+    assert not _frame(tmp_path / "a")["id"].equals(_frame(tmp_path / "c")["id"])
