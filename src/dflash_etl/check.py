@@ -10,7 +10,7 @@ from dflash_etl.accounting import AccountingError, Stats
 from dflash_etl.contracts import format_failures, load_contract, validate_files
 
 # A stage output is recognised by what it holds: (subdirectory with shards, contract name).
-LAYOUTS = {"ingest": ("conversations", "conversations")}
+LAYOUTS = {"ingest": ("conversations", "conversations"), "tokenize": ("dataset", "tokenized")}
 
 
 def _check_stats(stage_dir: Path) -> list[str]:
@@ -29,8 +29,12 @@ def _check_stats(stage_dir: Path) -> list[str]:
 
 def check_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
     subdir, contract_name = LAYOUTS[kind]
-    files = sorted((stage_dir / subdir).glob("*.parquet"))
-    report = validate_files(load_contract(contract_name), files)
+    files = sorted((stage_dir / subdir).glob("*.parquet")) + sorted(
+        (stage_dir / subdir).glob("*.arrow"))
+    params = {}
+    if (stage_dir / "settings.json").exists():  # limits the stage ran with (vocab, seq_length)
+        params = json.loads((stage_dir / "settings.json").read_text())
+    report = validate_files(load_contract(contract_name, params), files)
     accounting = _check_stats(stage_dir)
     report["stage"] = kind
     report["path"] = str(stage_dir)

@@ -44,6 +44,51 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("model", "chat_template", "seq_length", "truncation", "min_supervised_tokens",
+             "strategy", "turns", "draft_vocab_size")
+    out = {n: getattr(args, n, None) for n in names}
+    if getattr(args, "no_eot", False):
+        out["include_eot"] = False
+    if getattr(args, "no_reasoning", False):
+        out["supervise_reasoning"] = False
+    return out
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from dflash_etl.stages import tokenize
+
+    config = load_config(args.config) if args.config else None
+    doc = tokenize.run(config, args.run, force=args.force, workers=args.workers,
+                       **_tokenize_overrides(args))
+    out = Path(args.run) / "tokenize"
+    total = doc["total"]
+    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    _say(f"tokenize {state}: conversations {_counts_line(total)}")
+    _say(f"  rows written: {total.get('rows_written')}, tokens: {total.get('tokens')}, "
+         f"supervised: {total.get('supervised_tokens')}, strategies: {total.get('strategies')}")
+    _say(f"  draft vocab: {total.get('draft_vocab')}")
+    _say(f"  dataset:  {out / 'dataset'}  (datasets.load_from_disk)")
+    _say(f"  probe:    {out / 'probe.json'}")
+    _say(f"  stats:    {out / 'stats.json'}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from dflash_etl.stages import tokenize
+
+    settings = tokenize.TokenizeSettings(model=args.model, chat_template=args.chat_template)
+    probe = tokenize.probe(settings).to_dict()
+    if args.json:
+        Path(args.json).write_text(json.dumps(probe, indent=2))
+    width = max(len(k) for k in probe)
+    for key, value in probe.items():
+        if key in ("generation_prompt", "eot_text", "post_eot", "generation_prefill"):
+            value = repr(value)
+        _say(f"{key:<{width}}  {value}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Every stage that exists, in order, on one config (the embedded default by default)."""
     args.config = args.config or str(DEFAULT_CONFIG)
@@ -51,6 +96,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     code = cmd_ingest(args)
     if code:
         return code
+    if load_config(args.config).section("tokenize").get("model"):
+        code = cmd_tokenize(args)
+        if code:
+            return code
+    else:
+        _say("tokenize skipped: no [tokenize] model in the config")
     _say(f"manifest: {Path(args.run) / 'manifest.json'}")
     return 0
 
@@ -78,9 +129,33 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--force", action="store_true", help="redo a stage that is complete")
         p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
 
+    def tokenize_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="local tokenizer or model directory (offline)")
+        p.add_argument("--chat-template", help="a .jinja file that overrides the tokenizer's")
+        p.add_argument("--seq-length", type=int, help="maximum tokens per row (default 4096)")
+        p.add_argument("--truncation", choices=["right", "drop"], help="over seq-length rows")
+        p.add_argument("--min-supervised-tokens", type=int,
+                       help="consecutive supervised tokens a row needs (default 2)")
+        p.add_argument("--strategy", choices=["auto", "generation", "render_diff", "per_turn"])
+        p.add_argument("--turns", choices=["all", "last"], help="which assistant turns to train")
+        p.add_argument("--draft-vocab-size", type=int, help="size of d2t/t2d (default 32000)")
+        p.add_argument("--no-eot", action="store_true", help="do not supervise end-of-turn")
+        p.add_argument("--no-reasoning", action="store_true", help="do not supervise reasoning")
+
     p = sub.add_parser("ingest", help="sources -> canonical conversations + quarantine")
     stage_args(p, config_required=True)
     p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("tokenize", help="conversations -> input_ids + verified loss masks")
+    stage_args(p, config_required=False)
+    tokenize_args(p)
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("probe-template", help="what a chat template does (nothing written)")
+    p.add_argument("--model", required=True, help="local tokenizer or model directory")
+    p.add_argument("--chat-template", help="a .jinja file that overrides the tokenizer's")
+    p.add_argument("--json", help="also write the probe as JSON here")
+    p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("run", help="every stage on a config (default: the embedded data/)")
     stage_args(p, config_required=False)

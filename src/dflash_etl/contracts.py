@@ -62,57 +62,82 @@ def role_letters(frame: pl.DataFrame | pl.LazyFrame, col: str = "messages"):
     return frame.select(_letters(col).alias("letters"))
 
 
-NAMED_CHECKS: dict[str, tuple[Callable[[str], pl.Expr], str]] = {
-    "hex_id": (lambda c: pl.col(c).str.contains(r"^[0-9a-f]{16,64}(-[0-9]+)?$"), "a hex content hash"),
-    "non_empty_string": (lambda c: pl.col(c).str.len_chars() > 0, "a non-empty string"),
-    "roles_known": (
-        lambda c: pl.col(c).list.eval(
+NAMED_CHECKS: dict[str, tuple[Callable[[str, dict[str, Any]], pl.Expr], str]] = {
+    "hex_id": (lambda c, p: pl.col(c).str.contains(r"^[0-9a-f]{16,64}(-[0-9]+)?$"), "a hex content hash"),
+    "non_empty_string": (lambda c, p: pl.col(c).str.len_chars() > 0, "a non-empty string"),
+    "roles_known": (lambda c, p: pl.col(c).list.eval(
             pl.element().struct.field("role").is_in(["system", "user", "assistant", "tool"])
         ).list.all(),
         "every role is system, user, assistant or tool",
     ),
-    "role_order_valid": (
-        lambda c: ~_letters(c).str.contains(roles.ROLE_ORDER_PATTERN),
+    "role_order_valid": (lambda c, p: ~_letters(c).str.contains(roles.ROLE_ORDER_PATTERN),
         "role order: system? user, assistant after user/tool, tool after a tool call",
     ),
-    "content_non_empty": (
-        lambda c: pl.col(c).list.eval(
+    "content_non_empty": (lambda c, p: pl.col(c).list.eval(
             (pl.element().struct.field("content").str.strip_chars().str.len_chars() > 0)
             | ((pl.element().struct.field("role") == "assistant")
                & pl.element().struct.field("tool_calls").is_not_null())
         ).list.all(),
         "non-empty content (except an assistant turn with tool calls)",
     ),
-    "tool_calls_json": (
-        lambda c: pl.col(c).list.eval(
+    "tool_calls_json": (lambda c, p: pl.col(c).list.eval(
             pl.element().struct.field("tool_calls").is_null()
             | pl.element().struct.field("tool_calls").str.starts_with("[")
         ).list.all(),
         "tool_calls is null or JSON text of a list",
     ),
-    "json_list_or_null": (
-        lambda c: pl.col(c).is_null() | pl.col(c).str.starts_with("["),
+    "json_list_or_null": (lambda c, p: pl.col(c).is_null() | pl.col(c).str.starts_with("["),
         "null or JSON text of a list",
     ),
-    "needs_response_matches_last_role": (
-        lambda c: pl.col(c) == _letters("messages").str.contains(r"[UT]$"),
+    "needs_response_matches_last_role": (lambda c, p: pl.col(c) == _letters("messages").str.contains(r"[UT]$"),
         "needs_response is true exactly when the last turn is user or tool",
     ),
 }
 
 
-def register_check(name: str, expr: Callable[[str], pl.Expr], description: str) -> None:
-    """Later stages add their own named checks (e.g. mask coverage) here."""
+def _longest_run_at_least(col: str, k: int) -> pl.Expr:
+    return pl.col(col).list.eval(
+        pl.element().cast(pl.Int32).rolling_sum(k).max()
+    ).list.first().fill_null(0) >= k
+
+
+NAMED_CHECKS.update({
+    "non_empty_list": (lambda c, p: pl.col(c).list.len() > 0, "a non-empty list"),
+    "ids_below_vocab": (
+        lambda c, p: (pl.col(c).list.max() < p["vocab_size"]) & (pl.col(c).list.min() >= 0),
+        "token ids in [0, vocab_size)",
+    ),
+    "binary_mask": (lambda c, p: pl.col(c).list.eval(pl.element().is_in([0, 1])).list.all(),
+                    "loss_mask holds only 0 and 1"),
+    "same_length_as_input_ids": (
+        lambda c, p: pl.col(c).list.len() == pl.col("input_ids").list.len(),
+        "len(loss_mask) == len(input_ids)",
+    ),
+    "enough_supervised": (
+        lambda c, p: _longest_run_at_least(c, max(1, int(p.get("min_supervised_tokens", 2)))),
+        "at least min_supervised_tokens consecutive supervised tokens",
+    ),
+    "seq_len_matches": (lambda c, p: pl.col(c) == pl.col("input_ids").list.len(),
+                        "seq_len == len(input_ids)"),
+    "seq_len_within_limit": (lambda c, p: pl.col(c) <= p.get("seq_length", 2**31 - 1),
+                             "seq_len <= the configured seq_length"),
+})
+
+
+def register_check(
+    name: str, expr: Callable[[str, dict[str, Any]], pl.Expr], description: str
+) -> None:
+    """Later stages add their own named checks here."""
     NAMED_CHECKS[name] = (expr, description)
 
 
-def _pandera_check(name: str) -> pa.Check:
+def _pandera_check(name: str, params: dict[str, Any]) -> pa.Check:
     if name not in NAMED_CHECKS:
         raise KeyError(f"contract names an unknown check {name!r}; known: {sorted(NAMED_CHECKS)}")
-    build, description = NAMED_CHECKS[name]
+    build, _ = NAMED_CHECKS[name]
 
     def check(data: Any) -> pl.LazyFrame:
-        return data.lazyframe.select(build(data.key))
+        return data.lazyframe.select(build(data.key, params))
 
     return pa.Check(check, name=name)
 
@@ -122,18 +147,20 @@ def _pandera_check(name: str) -> pa.Check:
 class Contract:
     name: str
     schema: pa.DataFrameSchema
-    unique: tuple[str, ...]
+    unique: tuple[tuple[str, ...], ...]
     min_rows: int
     spec: dict[str, Any]
 
 
-def load_contract(name: str) -> Contract:
+def load_contract(name: str, params: dict[str, Any] | None = None) -> Contract:
+    """A contract file as a pandera schema; `params` fill its limits (vocab_size, seq_length…)."""
+    params = params or {}
     path = contracts_dir() / f"{name}.toml"
     spec = tomllib.loads(path.read_text())
     columns = {}
-    unique = []
+    unique: list[tuple[str, ...]] = [tuple(k) for k in spec.get("unique_together", [])]
     for col, cspec in spec["columns"].items():
-        checks = [_pandera_check(c) for c in cspec.get("checks", [])]
+        checks = [_pandera_check(c, params) for c in cspec.get("checks", [])]
         if "isin" in cspec:
             checks.append(pa.Check.isin(cspec["isin"]))
         if "ge" in cspec:
@@ -141,7 +168,7 @@ def load_contract(name: str) -> Contract:
         if "le" in cspec:
             checks.append(pa.Check.le(cspec["le"]))
         if cspec.get("unique"):
-            unique.append(col)
+            unique.append((col,))
         columns[col] = pa.Column(
             DTYPES[cspec["dtype"]], checks=checks, nullable=cspec.get("nullable", False),
             required=cspec.get("required", True),
@@ -167,26 +194,38 @@ def _failures(exc: SchemaErrors | SchemaError, shard: str) -> list[dict[str, Any
     return out
 
 
+def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
+    """A Parquet shard, or an Arrow stream file as `datasets.save_to_disk` writes them."""
+    if str(path).endswith(".parquet"):
+        return pl.read_parquet(path, columns=columns)
+    import pyarrow as pa_arrow
+
+    with pa_arrow.memory_map(str(path)) as source:
+        table = pa_arrow.ipc.open_stream(source).read_all()
+    frame = pl.from_arrow(table)
+    return frame.select(columns) if columns else frame
+
+
 def validate_files(contract: Contract, files: list[Path]) -> dict[str, Any]:
     """Run a contract shard by shard (bounded memory) plus the cross-shard checks."""
     failures: list[dict[str, Any]] = []
     rows = 0
     with config_context(validation_depth=ValidationDepth.SCHEMA_AND_DATA):
         for path in files:
-            frame = pl.read_parquet(path)
+            frame = read_table(path)
             rows += frame.height
             try:
                 contract.schema.validate(frame, lazy=True)
             except (SchemaErrors, SchemaError) as exc:
                 failures.extend(_failures(exc, path.name))
-    for col in contract.unique:
+    for key in contract.unique:
         if not files:
             break
-        ids = pl.scan_parquet([str(f) for f in files]).select(col)
-        dupes = ids.filter(pl.col(col).is_duplicated()).unique().collect()
+        keys = pl.concat([read_table(f, list(key)) for f in files])
+        dupes = keys.filter(pl.struct(list(key)).is_duplicated()).unique()
         if dupes.height:
-            failures.append({"shard": "*", "check": "unique", "column": col,
-                             "count": dupes.height, "samples": dupes[col].head(5).to_list()})
+            failures.append({"shard": "*", "check": "unique", "column": ",".join(key),
+                             "count": dupes.height, "samples": dupes.head(5).rows()})
     if rows < contract.min_rows:
         failures.append({"shard": "*", "check": "min_rows", "column": None, "count": rows,
                          "samples": [f"{rows} rows; the contract needs >= {contract.min_rows}"]})

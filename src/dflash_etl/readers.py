@@ -176,7 +176,10 @@ def raw_text(record: Record) -> tuple[str, bytes | None]:
     """Quarantine's `raw` (text) and `raw_bytes` (only when the original is not UTF-8)."""
     raw = record.raw
     if not raw and record.value is not None:
-        raw = orjson.dumps(record.value, default=str)
+        try:
+            raw = orjson.dumps(record.value, default=str)
+        except TypeError:  # e.g. an integer beyond 64 bits: no JSON for it, keep its repr
+            raw = repr(record.value).encode()
     try:
         return raw.decode("utf-8"), None
     except UnicodeDecodeError:

@@ -21,6 +21,7 @@ from dflash_etl.formats.common import (
     RowError,
     get_path,
     parse_tools,
+    to_json,
     type_name,
 )
 from dflash_etl.formats.glaive import glaive
@@ -181,13 +182,15 @@ def normalize_row(
             "role": m.role,
             "content": m.content,
             "reasoning": m.reasoning,
-            "tool_calls": orjson.dumps(m.tool_calls).decode() if m.tool_calls else None,
+            "tool_calls": to_json(m.tool_calls, f"message {k} tool_calls", S.Q_BAD_TOOL_CALL)
+            if m.tool_calls
+            else None,
             "tool_call_id": m.tool_call_id,
             "name": m.name,
         }
-        for m in messages
+        for k, m in enumerate(messages)
     ]
-    tools = orjson.dumps(conv.tools).decode() if conv.tools else None
+    tools = to_json(conv.tools, "tools", S.Q_BAD_TOOLS) if conv.tools else None
     kinds = conv.argument_kinds
     out = {
         "id": conversation_id(canonical, tools),

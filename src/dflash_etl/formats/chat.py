@@ -20,6 +20,7 @@ from dflash_etl.formats.common import (
     split_hermes_calls,
     split_think,
     strip_tool_response,
+    to_json,
     type_name,
 )
 
@@ -45,7 +46,7 @@ def _parts(parts: list[Any], conv: Conversation, where: str) -> tuple[str, str |
             (texts if kind in _TEXT_PARTS else reasoning).append(value)
         elif kind == "tool_call":
             if isinstance(value, dict):
-                value = orjson.dumps(value).decode()
+                value = to_json(value, at, S.Q_BAD_TOOL_CALL)
             calls.append(parse_call_json(require_text(value, at), conv, at))
         else:
             raise RowError(

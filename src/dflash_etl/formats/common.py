@@ -75,6 +75,15 @@ def map_role(raw_role: Any, conv: Conversation, where: str) -> str:
     return role
 
 
+def to_json(value: Any, where: str, code: str = S.Q_WRONG_TYPE) -> str:
+    """JSON text of a parsed value; a value JSON cannot hold (an integer beyond 64 bits, bytes or
+    a decimal from Parquet) is a row error, not a crash."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
+        raise RowError(code, f"{where}: cannot be written as JSON ({exc})") from None
+
+
 def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 

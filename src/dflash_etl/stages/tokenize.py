@@ -1,0 +1,411 @@
+"""tokenize: canonical conversations -> rows of input_ids + verified assistant loss masks.
+
+The template is probed once (tokenize/probe.json), each conversation is rendered and masked by
+`dflash_etl.templates` (every row verified; a row that cannot be verified is quarantined), and the
+rows are written as a `datasets` save_to_disk directory, the layout speculators' and SpecForge's
+trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_etl.accounting import Stats, stats_document
+from dflash_etl.config import PipelineConfig
+from dflash_etl.errors import ContractError, StageError
+from dflash_etl.progress import progress_bar
+from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+
+STAGE = "tokenize"
+CHUNK = 256  # conversations per work item
+
+ROWS = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("seq_len", pa.int32()),
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("turn", pa.int32()),
+    ]
+)
+QUARANTINE = pa.schema(
+    [("id", pa.string()), ("source", pa.string()), ("file", pa.string()), ("line", pa.int64()),
+     ("reason", pa.string()), ("message", pa.string())]
+)
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """[tokenize] in pipeline.toml; CLI flags override it."""
+
+    model: str = ""
+    chat_template: str | None = None
+    seq_length: int = 4096
+    truncation: str = "right"  # or "drop"
+    min_supervised_tokens: int = 2
+    strategy: str = "auto"  # or generation | render_diff | per_turn
+    include_eot: bool = True
+    supervise_reasoning: bool = True
+    turns: str = "all"  # or "last"
+    draft_vocab_size: int = 32000
+
+    @classmethod
+    def from_sources(
+        cls, section: dict[str, Any], overrides: dict[str, Any], base_dir: Path | None
+    ) -> TokenizeSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = set(section) - known
+        if unknown:
+            raise StageError(f"[tokenize]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+        for key in ("model", "chat_template"):  # paths in the config are relative to it
+            value = section.get(key)
+            if value and base_dir is not None and overrides.get(key) is None:
+                values[key] = str((base_dir / value).resolve())
+        settings = cls(**values)
+        if not settings.model:
+            raise StageError("tokenize needs a tokenizer: pass --model DIR or set "
+                             "[tokenize] model = 'DIR' in the config")
+        if settings.truncation not in ("right", "drop"):
+            raise StageError(f"truncation={settings.truncation!r}: use 'right' or 'drop'")
+        return settings
+
+
+# ---------------------------------------------------------------- loading (offline)
+def load_tokenizer(model: str) -> Any:
+    """A local tokenizer or model directory; never the hub, never remote code."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+
+    if not Path(model).is_dir():
+        raise StageError(f"--model {model!r} is not a directory: give a local tokenizer or model "
+                         "directory (the hub is never used)")
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True,
+                                             trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types for a bad directory
+        raise StageError(f"cannot load a tokenizer from {model}: {exc}") from exc
+
+
+def read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise StageError(f"--chat-template {path}: cannot read it ({exc})") from exc
+
+
+def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
+    """The template probe (TemplateUnusable becomes a StageError naming the reason)."""
+    from dflash_etl.templates import TemplateUnusable, probe_template
+
+    tokenizer = tokenizer or load_tokenizer(settings.model)
+    try:
+        return probe_template(tokenizer, read_template(settings.chat_template),
+                              model_dir=settings.model)
+    except TemplateUnusable as exc:
+        raise StageError(f"the chat template cannot be used: {exc}") from exc
+
+
+# ---------------------------------------------------------------- pure core
+def tokenize_rows(
+    conversations: list[dict[str, Any]], tokenizer: Any, template_probe: Any,
+    settings: TokenizeSettings, chat_template: str | None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Stats], Counter[int]]:
+    """Conversations -> training rows, quarantine rows, accounting per source and the
+    supervised-token counts."""
+    from dflash_etl.templates import MaskPolicy, MaskRefused, tokenize_conversation
+
+    policy = MaskPolicy(
+        strategy=settings.strategy, include_eot=settings.include_eot,
+        supervise_reasoning=settings.supervise_reasoning, turns=settings.turns,
+        seq_length=settings.seq_length, truncation=settings.truncation,
+        min_supervised_tokens=settings.min_supervised_tokens,
+    )
+    rows: list[dict[str, Any]] = []
+    quarantine: list[dict[str, Any]] = []
+    per_source: dict[str, Stats] = {}
+    freq: Counter[int] = Counter()
+    for conv in conversations:
+        stats = per_source.get(conv["source"])
+        if stats is None:
+            stats = per_source[conv["source"]] = Stats(extra={
+                "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
+                "strategies": Counter(), "normalizations": Counter()})
+        stats.rows_in += 1
+        try:
+            made = tokenize_conversation(conv, tokenizer, template_probe, policy,
+                                         chat_template=chat_template)
+        except MaskRefused as exc:
+            if exc.is_filter:
+                stats.filter(exc.code)
+            else:
+                stats.quarantine(exc.code)
+                quarantine.append({"id": conv["id"], "source": conv["source"],
+                                   "file": conv.get("file"), "line": conv.get("line"),
+                                   "reason": exc.code, "message": exc.message[:2000]})
+            continue
+        stats.rows_out += 1
+        extra = stats.extra
+        for row in made:
+            ids = np.asarray(row.input_ids, dtype=np.int32)
+            mask = np.asarray(row.loss_mask, dtype=np.int8)
+            freq.update(ids[mask == 1].tolist())
+            extra["rows_written"] += 1
+            extra["tokens"] += len(ids)
+            extra["supervised_tokens"] += int(mask.sum())
+            extra["rows_truncated"] += int(row.truncated)
+            extra["strategies"][row.strategy] += 1
+            extra["normalizations"].update(n.split(":")[0] for n in row.normalizations)
+            rows.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids),
+                         "id": conv["id"], "source": conv["source"], "turn": row.turn})
+    return rows, quarantine, per_source, freq
+
+
+def draft_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int):
+    """speculators' d2t (offsets) / t2d (bool mask): the most frequent supervised tokens."""
+    size = min(draft_vocab_size, vocab_size)
+    ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
+    chosen = [t for t, _ in ranked[:size]]
+    if len(chosen) < size:  # pad with the lowest unused ids, as speculators does
+        taken = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in taken][: size - len(chosen)]
+    chosen.sort()
+    d2t = np.asarray(chosen, dtype=np.int64) - np.arange(size, dtype=np.int64)
+    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d[chosen] = True
+    total = sum(freq.values())
+    covered = sum(freq.get(t, 0) for t in chosen)
+    return d2t, t2d, (covered / total if total else 0.0)
+
+
+# ---------------------------------------------------------------- workers
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(settings: TokenizeSettings, probe_state: Any) -> None:
+    _WORKER["tokenizer"] = load_tokenizer(settings.model)
+    _WORKER["probe"] = probe_state
+    _WORKER["settings"] = settings
+    _WORKER["template"] = read_template(settings.chat_template)
+
+
+def _work(args: tuple[int, list[dict[str, Any]], str]) -> dict[str, Any]:
+    index, conversations, out_dir = args
+    rows, quarantine, per_source, freq = tokenize_rows(
+        conversations, _WORKER["tokenizer"], _WORKER["probe"], _WORKER["settings"],
+        _WORKER["template"],
+    )
+    base = Path(out_dir) / f"c{index:06d}"
+    pq.write_table(pa.Table.from_pylist(rows, schema=ROWS), f"{base}.rows.parquet")
+    pq.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE), f"{base}.q.parquet")
+    result = {"index": index, "sources": {n: s.to_dict() for n, s in per_source.items()},
+              "freq": {str(k): v for k, v in freq.items()}}
+    write_json_atomic(Path(f"{base}.done.json"), result)
+    return result
+
+
+# ---------------------------------------------------------------- shell
+def _conversations(run: RunDir) -> list[Path]:
+    directory = run.stage_dir("ingest") / "conversations"
+    files = sorted(directory.glob("*.parquet"))
+    if not files:
+        raise StageError(f"no conversations in {directory}: run `dflash-etl ingest` for this run "
+                         "first (tokenize reads the ingest stage's output)")
+    return files
+
+
+def _chunks(files: list[Path]):
+    columns = ["id", "source", "messages", "tools", "file", "line"]
+    index = 0
+    for path in files:
+        frame = pl.read_parquet(path, columns=columns)
+        for start in range(0, frame.height, CHUNK):
+            yield index, frame.slice(start, CHUNK).to_dicts()
+            index += 1
+
+
+def run(
+    config: PipelineConfig | None,
+    run_dir: str | Path,
+    force: bool = False,
+    progress: bool | None = None,
+    workers: int | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Tokenize the run's conversations into `run_dir/tokenize`; returns the stats document."""
+    section = config.section("tokenize") if config else {}
+    settings = TokenizeSettings.from_sources(section, overrides,
+                                             config.base_dir if config else None)
+    run = RunDir(run_dir)
+    timer = Timer()
+    files = _conversations(run)
+    tokenizer = load_tokenizer(settings.model)
+    template_probe = probe(settings, tokenizer)
+    probe_doc = template_probe.to_dict()
+    tok_files = sorted(p for p in Path(settings.model).iterdir()
+                       if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model"))
+    fingerprint = hashlib.sha256(json.dumps({
+        "settings": asdict(settings), "inputs": [sha256_file(f) for f in files],
+        "tokenizer": [sha256_file(f) for f in tok_files],
+        "template": probe_doc["template_sha256"],
+    }, sort_keys=True).encode()).hexdigest()
+    if not force and run.is_complete(STAGE, fingerprint):
+        doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
+        doc["skipped"] = True
+        return doc
+    partial = run.begin(STAGE, fingerprint)
+    write_json_atomic(partial / "probe.json", probe_doc)
+    run.update_stage(STAGE, settings=asdict(settings), probe={
+        "strategy": probe_doc["strategy"], "reason": probe_doc["reason"],
+        "template_sha256": probe_doc["template_sha256"]})
+    chunks_dir = partial / "chunks"
+    chunks_dir.mkdir(exist_ok=True)
+    try:
+        results = _run_chunks(settings, template_probe, files, chunks_dir, progress, workers)
+        doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc)
+    except StageError as exc:
+        run.fail(STAGE, str(exc))
+        raise
+    write_json_atomic(partial / "stats.json", doc)
+    shutil.rmtree(chunks_dir)
+    run.commit(STAGE, doc["total"], timer.seconds)
+    return doc
+
+
+def _run_chunks(settings, template_probe, files, chunks_dir: Path, progress, workers):
+    results: dict[int, dict[str, Any]] = {}
+    todo = []
+    for index, conversations in _chunks(files):
+        done = chunks_dir / f"c{index:06d}.done.json"
+        if done.exists():  # resume
+            results[index] = json.loads(done.read_text())
+        else:
+            todo.append((index, conversations, str(chunks_dir)))
+    total = len(results) + len(todo)
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    with progress_bar("tokenize", total=total, enabled=progress) as bar:
+        bar.advance(len(results))
+        if n_workers == 1:
+            _init_worker(settings, template_probe)
+            for item in todo:
+                result = _work(item)
+                results[result["index"]] = result
+                bar.advance(1)
+        else:
+            with ProcessPoolExecutor(n_workers, initializer=_init_worker,
+                                     initargs=(settings, template_probe)) as pool:
+                for result in pool.map(_work, todo):
+                    results[result["index"]] = result
+                    bar.advance(1)
+    return [results[k] for k in sorted(results)]
+
+
+def _finish(settings, results, partial: Path, chunks_dir: Path, vocab_size: int,
+            probe_doc: dict[str, Any]) -> dict[str, Any]:
+    per_source: dict[str, Stats] = {}
+    freq: Counter[int] = Counter()
+    for result in results:
+        for name, data in result["sources"].items():
+            per_source.setdefault(name, Stats()).merge(Stats.from_dict(data))
+        freq.update({int(k): v for k, v in result["freq"].items()})
+    total = Stats()
+    for stats in per_source.values():
+        total.merge(stats)
+    row_files = [chunks_dir / f"c{r['index']:06d}.rows.parquet" for r in results]
+    q_files = [chunks_dir / f"c{r['index']:06d}.q.parquet" for r in results]
+    quarantine = pa.concat_tables([pq.read_table(f, schema=QUARANTINE) for f in q_files])
+    pq.write_table(quarantine, partial / "quarantine.parquet")
+    if not total.extra.get("rows_written", 0):
+        reasons = (total.quarantine_reasons + total.rows_filtered).most_common(4)
+        raise StageError(
+            f"tokenize wrote no rows from {total.rows_in} conversations; most common "
+            f"reasons: {dict(reasons)}. Template strategy: {probe_doc['strategy']} "
+            f"({probe_doc['reason']}). See {partial / 'quarantine.parquet'}; "
+            "'needs_response' means the conversations have no reply yet (run regenerate)."
+        )
+    _save_dataset(row_files, partial / "dataset")
+    draft = _save_vocab(freq, settings.draft_vocab_size, vocab_size, partial)
+    _validate(partial, vocab_size, settings)
+    doc = stats_document(per_source, "tokenize")
+    doc["total"]["vocab_size"] = vocab_size
+    doc["total"]["draft_vocab"] = draft
+    return doc
+
+
+def _save_dataset(row_files: list[Path], out: Path) -> None:
+    """A datasets save_to_disk directory, built without holding every row in memory."""
+    import datasets
+    from datasets import Dataset, Features, Sequence, Value
+
+    datasets.disable_progress_bars()
+
+    features = Features({
+        "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
+        "seq_len": Value("int32"), "id": Value("string"), "source": Value("string"),
+        "turn": Value("int32"),
+    })
+    cache = out.parent / ".datasets-cache"
+    dataset = Dataset.from_parquet([str(f) for f in row_files], features=features,
+                                   cache_dir=str(cache))
+    dataset.save_to_disk(str(out))
+    del dataset
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def _save_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int,
+                out: Path) -> dict[str, Any]:
+    import torch
+
+    ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
+    write_json_atomic(out / "token_freq.json", {
+        "vocab_size": vocab_size, "supervised_tokens": sum(freq.values()),
+        "distinct_tokens": len(freq), "frequencies": {str(t): n for t, n in ranked},
+    })
+    torch.save(dict(freq), out / "token_freq.pt")
+    d2t, t2d, coverage = draft_vocab(freq, draft_vocab_size, vocab_size)
+    np.save(out / "d2t.npy", d2t)
+    np.save(out / "t2d.npy", t2d)
+    draft = {"size": int(d2t.shape[0]), "coverage": round(coverage, 6)}
+    write_json_atomic(out / "draft_vocab.json", draft)
+    return draft
+
+
+def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> None:
+    from dflash_etl.contracts import format_failures, load_contract, validate_files
+
+    params = {"vocab_size": vocab_size, "seq_length": settings.seq_length,
+              "min_supervised_tokens": settings.min_supervised_tokens}
+    write_json_atomic(partial / "settings.json", {**asdict(settings), **params})
+    files = sorted((partial / "dataset").glob("*.arrow"))
+    report = validate_files(load_contract("tokenized", params), files)
+    write_json_atomic(partial / "contract.json", report)
+    if not report["passed"]:
+        raise ContractError("the tokenized contract failed:\n" + format_failures(report), report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_etl.cli import main as cli_main
+
+    return cli_main(["tokenize", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
