@@ -96,6 +96,8 @@ def test_stage_module_runs_like_the_subcommand(tmp_path):
 
 
 def test_errors_exit_nonzero_with_a_message(tmp_path, capsys):
-    (tmp_path / "bad.toml").write_text('[[sources]]\nname = "x"\npath = "x.jsonl"\nformat = "csv"\n')
+    (tmp_path / "bad.toml").write_text(
+        '[[sources]]\nname = "x"\npath = "x.jsonl"\nformat = "csv"\n'
+    )
     assert main(["ingest", "--config", str(tmp_path / "bad.toml"), "--run", str(tmp_path)]) == 1
     assert "format='csv'" in capsys.readouterr().err

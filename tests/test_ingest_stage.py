@@ -144,7 +144,7 @@ def test_interrupted_run_resumes_from_finished_units(tmp_path, monkeypatch):
     doc = ingest.run(config, tmp_path / "run")
     assert calls == [0, 1, 2]  # only the unfinished unit ran again
     assert doc["total"]["rows_out"] == 15
-    uninterrupted = ingest.run(config, tmp_path / "other")
+    ingest.run(config, tmp_path / "other")
     assert _frame(tmp_path / "run").equals(_frame(tmp_path / "other"))
 
 

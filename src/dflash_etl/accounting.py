@@ -53,7 +53,8 @@ class Stats:
         if self.rows_in != balance:
             raise AccountingError(
                 f"{where}: rows_in={self.rows_in} but out={self.rows_out} + "
-                f"quarantined={self.rows_quarantined} + filtered={self.filtered_total} = {balance}. "
+                f"quarantined={self.rows_quarantined} + filtered={self.filtered_total} = "
+                f"{balance}. "
                 "This is a bug in dflash_etl; please report it with the run's manifest.json."
             )
 

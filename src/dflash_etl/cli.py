@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", required=config_required, help="pipeline.toml")
         p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
         p.add_argument("--force", action="store_true", help="redo a stage that is complete")
-        p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
+        p.add_argument("--workers", type=int, default=None,
+                       help="worker processes (default: one per core)")
 
     def tokenize_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="local tokenizer or model directory (offline)")

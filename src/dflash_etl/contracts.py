@@ -63,7 +63,10 @@ def role_letters(frame: pl.DataFrame | pl.LazyFrame, col: str = "messages"):
 
 
 NAMED_CHECKS: dict[str, tuple[Callable[[str, dict[str, Any]], pl.Expr], str]] = {
-    "hex_id": (lambda c, p: pl.col(c).str.contains(r"^[0-9a-f]{16,64}(-[0-9]+)?$"), "a hex content hash"),
+    "hex_id": (
+        lambda c, p: pl.col(c).str.contains(r"^[0-9a-f]{16,64}(-[0-9]+)?$"),
+        "a hex content hash",
+    ),
     "non_empty_string": (lambda c, p: pl.col(c).str.len_chars() > 0, "a non-empty string"),
     "roles_known": (lambda c, p: pl.col(c).list.eval(
             pl.element().struct.field("role").is_in(["system", "user", "assistant", "tool"])
@@ -89,7 +92,8 @@ NAMED_CHECKS: dict[str, tuple[Callable[[str, dict[str, Any]], pl.Expr], str]] = 
     "json_list_or_null": (lambda c, p: pl.col(c).is_null() | pl.col(c).str.starts_with("["),
         "null or JSON text of a list",
     ),
-    "needs_response_matches_last_role": (lambda c, p: pl.col(c) == _letters("messages").str.contains(r"[UT]$"),
+    "needs_response_matches_last_role": (
+        lambda c, p: pl.col(c) == _letters("messages").str.contains(r"[UT]$"),
         "needs_response is true exactly when the last turn is user or tool",
     ),
 }

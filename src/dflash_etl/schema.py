@@ -15,7 +15,8 @@ MESSAGE = pa.struct(
         ("role", pa.string()),
         ("content", pa.string()),
         ("reasoning", pa.string()),
-        ("tool_calls", pa.string()),  # JSON text: [{"id", "type", "function": {"name", "arguments": {}}}]
+        # JSON text: [{"id"?, "type": "function", "function": {"name", "arguments": {...}}}]
+        ("tool_calls", pa.string()),
         ("tool_call_id", pa.string()),
         ("name", pa.string()),
     ]

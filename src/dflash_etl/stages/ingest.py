@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from dflash_etl import readers
 from dflash_etl import schema as S
 from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig, SourceConfig, load_config
+from dflash_etl.config import PipelineConfig, SourceConfig
 from dflash_etl.errors import StageError
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.progress import progress_bar
@@ -85,7 +85,8 @@ def plan_mix(
 ) -> tuple[pl.DataFrame, dict[str, Counter[str]], dict[str, dict[str, Any]]]:
     """Which rows to keep. `index` has id, source, _unit, _line in output order.
 
-    Returns the kept (_unit, _line, _occurrence) keys, the filtered counts per source and reason, and what
+    Returns the kept (_unit, _line, _occurrence) keys, the filtered counts per source and
+    reason, and what
     the mix reached per source. Deterministic for a given seed and input order.
     """
     filtered: dict[str, Counter[str]] = {s.name: Counter() for s in sources}

@@ -1,0 +1,159 @@
+"""The tokenize stage on real files: the project's tokenizer and the real Qwen3.6 one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_etl.cli import main
+from dflash_etl.config import parse_config
+from dflash_etl.errors import StageError
+from dflash_etl.stages import ingest, tokenize
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TOKENIZER = REPO / "data" / "tokenizer"
+QWEN = REPO.parent / "shared" / "fixtures" / "qwen36-tokenizer"
+
+
+def _rows() -> list[dict]:
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    return [
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "What is 12 + 30?"},
+                      {"role": "assistant", "content": "12 + 30 = 42."},
+                      {"role": "user", "content": "And 5 * 6?"},
+                      {"role": "assistant", "content": "5 * 6 = 30.",
+                       "reasoning_content": "Multiply five by six."}]},
+        {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                      {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                          "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                      {"role": "tool", "content": "{\"temp_c\": 3}"},
+                      {"role": "assistant", "content": "It is 3 degrees in Oslo."}],
+         "tools": [weather]},
+        {"prompt": "Summarize the water cycle."},  # no reply yet: filtered, never padded
+        {"messages": [{"role": "user", "content": "Say hi"},
+                      {"role": "assistant", "content": "Hello there, friend."}]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("tok")
+    (base / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    config = parse_config({"run": {"workers": 1},
+                           "sources": [{"name": "mini", "path": "rows.jsonl"}]}, base)
+    ingest.run(config, base / "run")
+    tokenize.run(config, base / "run", workers=1, model=str(DEFAULT_TOKENIZER),
+                 draft_vocab_size=64, seq_length=512)
+    return base / "run"
+
+
+def test_dataset_loads_with_datasets_and_masks_decode_to_replies(run_dir):
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    dataset = load_from_disk(str(run_dir / "tokenize" / "dataset"))
+    assert {"input_ids", "loss_mask", "seq_len", "id", "source", "turn"} <= set(
+        dataset.column_names)
+    assert dataset.features["input_ids"].feature.dtype == "int32"
+    assert dataset.num_rows == 3  # the prompt-only conversation has nothing to supervise
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER))
+    texts = []
+    for row in dataset:
+        ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
+        assert len(ids) == len(mask) == row["seq_len"]
+        # supervised spans, decoded independently of the stage's own verification
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+        spans = [tok.decode(ids[s:e].tolist()) for s, e in zip(edges[::2], edges[1::2])]
+        texts.append(spans)
+        for s, e in zip(edges[::2], edges[1::2]):
+            assert mask[s - 1] == 0 and tok.decode(ids[s - 1:s].tolist()).endswith("\n")
+            assert e == len(mask) or mask[e] == 0
+    flat = [t for spans in texts for t in spans]
+    assert "12 + 30 = 42.<|im_end|>" in flat
+    assert "<think>\nMultiply five by six.\n</think>\n\n5 * 6 = 30.<|im_end|>" in flat
+    assert any('"arguments": {"city": "Oslo"}' in t and t.endswith("<|im_end|>") for t in flat)
+    assert "It is 3 degrees in Oslo.<|im_end|>" in flat
+    assert not any("Summarize" in t or "user" in t for t in flat)
+
+
+def test_accounting_token_freq_and_draft_vocab(run_dir):
+    import torch
+    from datasets import load_from_disk
+
+    out = run_dir / "tokenize"
+    stats = json.loads((out / "stats.json").read_text())
+    total = stats["total"]
+    assert total["rows_in"] == 4 and total["rows_out"] == 3
+    assert total["rows_in"] == total["rows_out"] + total["rows_quarantined"] + sum(
+        total["rows_filtered"].values())
+    assert sum(total["rows_filtered"].values()) == 1
+    dataset = load_from_disk(str(out / "dataset"))
+    counted: dict[int, int] = {}
+    for row in dataset:
+        for t, m in zip(row["input_ids"], row["loss_mask"]):
+            if m:
+                counted[t] = counted.get(t, 0) + 1
+    assert torch.load(out / "token_freq.pt") == counted
+    assert json.loads((out / "token_freq.json").read_text())["supervised_tokens"] == sum(
+        counted.values())
+    d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
+    assert d2t.shape == (64,) and t2d.dtype == bool and t2d.sum() == 64
+    assert t2d[np.arange(64) + d2t].all()  # target = draft index + offset
+    top = sorted(counted, key=lambda t: (-counted[t], t))[:64]
+    assert set(top) <= set(np.flatnonzero(t2d).tolist())
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["strategy"] and probe["reason"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["stages"]["tokenize"]["status"] == "complete"
+    assert manifest["stages"]["tokenize"]["settings"]["seq_length"] == 512
+
+
+def test_check_fails_on_a_corrupted_mask(run_dir, tmp_path, capsys):
+    import shutil
+
+    from datasets import load_from_disk
+
+    assert main(["check", str(run_dir / "tokenize")]) == 0
+    broken = tmp_path / "tokenize"
+    shutil.copytree(run_dir / "tokenize", broken)
+    dataset = load_from_disk(str(broken / "dataset"))
+    bad = dataset.map(lambda r: {"loss_mask": [0] * len(r["loss_mask"])}
+                      if r["turn"] in (-1, 0) else r, features=dataset.features)
+    shutil.rmtree(broken / "dataset")
+    bad.save_to_disk(str(broken / "dataset"))
+    assert main(["check", str(broken)]) == 1
+    assert "enough_supervised" in capsys.readouterr().out
+
+
+def test_missing_ingest_and_missing_model_are_clear_errors(tmp_path):
+    with pytest.raises(StageError, match="run `dflash-etl ingest`"):
+        tokenize.run(None, tmp_path / "nothing", model=str(DEFAULT_TOKENIZER))
+    with pytest.raises(StageError, match="--model"):
+        tokenize.run(None, tmp_path / "nothing")
+
+
+@pytest.mark.skipif(not QWEN.is_dir(), reason="../shared/fixtures/qwen36-tokenizer is absent")
+def test_qwen36_multi_turn_reasoning_and_tool_calls(run_dir, tmp_path):
+    import shutil
+
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    shutil.copytree(run_dir / "ingest", tmp_path / "run" / "ingest")
+    doc = tokenize.run(None, tmp_path / "run", workers=1, model=str(QWEN), seq_length=2048)
+    assert doc["total"]["rows_out"] == 3 and doc["total"]["rows_quarantined"] == 0
+    dataset = load_from_disk(str(tmp_path / "run" / "tokenize" / "dataset"))
+    tok = AutoTokenizer.from_pretrained(str(QWEN))
+    supervised = [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m])
+                  for r in dataset]
+    joined = "\n".join(supervised)
+    assert "Multiply five by six." in joined  # reasoning of the last turn is supervised
+    assert "<tool_call>" in joined and "Oslo" in joined
+    assert all(s.rstrip().endswith("<|im_end|>") for s in supervised)
+    assert "What is 12 + 30?" not in joined
