@@ -122,9 +122,10 @@ def test_check_fails_on_a_corrupted_mask(run_dir, tmp_path, capsys):
     assert main(["check", str(run_dir / "tokenize")]) == 0
     broken = tmp_path / "tokenize"
     shutil.copytree(run_dir / "tokenize", broken)
-    dataset = load_from_disk(str(broken / "dataset"))
+    dataset = load_from_disk(str(broken / "dataset"), keep_in_memory=True)
     bad = dataset.map(lambda r: {"loss_mask": [0] * len(r["loss_mask"])}
-                      if r["turn"] in (-1, 0) else r, features=dataset.features)
+                      if r["turn"] in (-1, 0) else r, features=dataset.features,
+                      keep_in_memory=True)
     shutil.rmtree(broken / "dataset")
     bad.save_to_disk(str(broken / "dataset"))
     assert main(["check", str(broken)]) == 1

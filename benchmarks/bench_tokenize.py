@@ -1,0 +1,214 @@
+"""Tokenize benchmark: `dflash-etl tokenize` against the raw limit, on two tokenizers.
+
+20k synthetic ShareGPT conversations (1-3 turns, 10% with a system turn), ingested once (not
+timed). Then, for a small 8k-vocabulary BPE ChatML tokenizer (trained here on the same text, with
+the project's ChatML template) and for the real Qwen3.6 tokenizer (../shared/fixtures):
+  raw limit: in one process, apply_chat_template(tokenize=False) on every conversation plus the
+             tokenizer's batch encode of the texts (no masks, no verification, no writing);
+  stage:     `python -m dflash_etl tokenize --force` as a whole process (default workers = cores).
+Reports conversations/s, tokens/s, the ratio stage/raw (goal >= 0.75) and the stage's peak RSS
+(summed over its process tree). Writes benchmarks/results/tokenize.{json,md}.
+
+    python benchmarks/bench_tokenize.py [--conversations 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORK = HERE / "work" / "tokenize"
+QWEN = REPO.parent / "shared" / "fixtures" / "qwen36-tokenizer"
+TEMPLATE = REPO / "data" / "tokenizer" / "chat_template.jinja"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+WORDS = ("time year people way day man thing woman life child world school state family "
+         "student group country problem hand part place case week company system program "
+         "question work government number night point home water room mother area money story "
+         "fact month lot right study book eye job word business issue side kind head house "
+         "service friend father power hour game line end member law car city community name "
+         "president team minute idea kid body information back parent face others level office "
+         "door health person art war history party result change morning reason research girl "
+         "guy moment air teacher force education").split()
+
+
+def sentence(rng: random.Random) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(6, 18))]
+    return " ".join(words).capitalize() + rng.choice([".", "?", "!"])
+
+
+def make_data(n: int, path: Path) -> None:
+    rng = random.Random(0)
+    with path.open("w") as fh:
+        for k in range(n):
+            conv = []
+            if rng.random() < 0.1:
+                conv.append({"from": "system", "value": sentence(rng)})
+            for _ in range(rng.randint(1, 3)):
+                conv.append({"from": "human", "value": " ".join(
+                    sentence(rng) for _ in range(rng.randint(1, 3)))})
+                conv.append({"from": "gpt", "value": " ".join(
+                    sentence(rng) for _ in range(rng.randint(2, 8)))})
+            fh.write(json.dumps({"id": f"c{k}", "conversations": conv}) + "\n")
+
+
+def train_bpe(corpus: Path, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = (m["value"] for line in corpus.open() for m in json.loads(line)["conversations"])
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+               "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=8192, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None, "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(tok.token_to_id(t)): {
+            "content": t, "special": t.startswith("<|"), "lstrip": False, "rstrip": False,
+            "normalized": False, "single_word": False} for t in special}}))
+    shutil.copy(TEMPLATE, out / "chat_template.jinja")
+
+
+def raw_limit(model: Path, conversations: Path) -> dict:
+    """apply_chat_template to text + batch encode, in this process."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    frame = pl.read_parquet(conversations / "*.parquet", columns=["messages"])
+    start = time.perf_counter()
+    texts = [tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                     tokenize=False) for msgs in frame["messages"].to_list()]
+    encoded = tok(texts, add_special_tokens=False)["input_ids"]
+    seconds = time.perf_counter() - start
+    return {"seconds": round(seconds, 3), "conversations": len(texts),
+            "tokens": sum(len(e) for e in encoded)}
+
+
+def tree_rss(pid: int) -> int:
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().split()
+            if int(entry) != pid and not _descends(int(entry), pid):
+                continue
+            total += int(stat[23]) * PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _descends(child: int, root: int) -> bool:
+    seen = 0
+    while child > 1 and seen < 64:
+        try:
+            child = int(Path(f"/proc/{child}/stat").read_text().split()[3])
+        except (OSError, ValueError):
+            return False
+        if child == root:
+            return True
+        seen += 1
+    return False
+
+
+def run_stage(run_dir: Path, model: Path) -> dict:
+    cmd = [sys.executable, "-m", "dflash_etl", "tokenize", "--run", str(run_dir),
+           "--model", str(model), "--force", "--seq-length", "4096"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    done.set()
+    sampler.join()
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"tokenize failed:\n{err[-3000:]}")
+    stats = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
+    return {"seconds": round(seconds, 3), "peak_rss_mb": round(peak / 2**20, 1),
+            "conversations": stats["rows_in"], "rows_written": stats["rows_written"],
+            "tokens": stats["tokens"], "quarantined": stats["rows_quarantined"],
+            "filtered": stats["rows_filtered"], "strategies": stats["strategies"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=20000)
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    source = WORK / f"sharegpt_{args.conversations}.jsonl"
+    if not source.exists():
+        make_data(args.conversations, source)
+    bpe = WORK / "bpe8k"
+    if not (bpe / "tokenizer.json").exists():
+        train_bpe(source, bpe)
+    run_dir = WORK / f"run_{args.conversations}"
+    config = WORK / "bench.toml"
+    config.write_text(f'[[sources]]\nname = "sharegpt"\npath = "{source.name}"\n')
+    subprocess.run([sys.executable, "-m", "dflash_etl", "ingest", "--config", str(config),
+                    "--run", str(run_dir)], check=True, env={**os.environ,
+                    "PYTHONPATH": str(REPO / "src")}, stdout=subprocess.DEVNULL)
+    results = {"date": dt.date.today().isoformat(), "machine": {
+        "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version()}, "conversations": args.conversations, "runs": {}}
+    models = {"bpe8k-chatml": bpe}
+    if QWEN.is_dir():
+        models["qwen3.6"] = QWEN
+    for name, model in models.items():
+        raw = raw_limit(model, run_dir / "ingest" / "conversations")
+        stage = run_stage(run_dir, model)
+        ratio = (stage["conversations"] / stage["seconds"]) / (raw["conversations"] /
+                                                                raw["seconds"])
+        results["runs"][name] = {"raw": raw, "stage": stage, "ratio": round(ratio, 3)}
+        print(name, json.dumps(results["runs"][name]), flush=True)
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / "tokenize.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = [f"# tokenize benchmark ({results['date']}, {os.cpu_count()} cores)", "",
+             f"{args.conversations} synthetic ShareGPT conversations (1-3 turns, 10% system).", "",
+             "| tokenizer | raw limit conv/s | stage conv/s (whole process) | ratio | "
+             "stage peak RSS | rows written | tokens |", "|---|---|---|---|---|---|---|"]
+    for name, r in results["runs"].items():
+        raw, st = r["raw"], r["stage"]
+        lines.append(f"| {name} | {raw['conversations'] / raw['seconds']:.0f} | "
+                     f"{st['conversations'] / st['seconds']:.0f} | {r['ratio']:.2f} | "
+                     f"{st['peak_rss_mb']:.0f} MB | {st['rows_written']} | {st['tokens']} |")
+    lines += ["", "Goal: ratio >= 0.75 using both cores. Command: "
+              "`python benchmarks/bench_tokenize.py`"]
+    (out / "tokenize.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
