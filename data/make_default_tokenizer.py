@@ -26,7 +26,7 @@ def corpus() -> list[str]:
     sys.path.insert(0, str(HERE.parent / "src"))
     from dflash_etl.config import load_config
     from dflash_etl.formats import RowError, normalize_row
-    from dflash_etl.readers import read_unit, resolve_paths, Unit
+    from dflash_etl.readers import Unit, read_unit, resolve_paths
 
     config = load_config(HERE / "pipeline.toml")
     texts = []
