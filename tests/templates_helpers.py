@@ -68,7 +68,11 @@ def _split_think(text: str) -> tuple[str, str | None]:
 def _call(name: str, arguments: Any, k: int) -> dict[str, Any]:
     if isinstance(arguments, str):
         arguments = json.loads(arguments) if arguments.strip() else {}
-    return {"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{k}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _tools(value: Any) -> str | None:
@@ -80,8 +84,14 @@ def _tools(value: Any) -> str | None:
 
 
 def _message(role: str, content: str = "", **kw: Any) -> dict[str, Any]:
-    m = {"role": role, "content": content, "reasoning": None, "tool_calls": None,
-         "tool_call_id": None, "name": None}
+    m = {
+        "role": role,
+        "content": content,
+        "reasoning": None,
+        "tool_calls": None,
+        "tool_call_id": None,
+        "name": None,
+    }
     m.update(kw)
     return m
 
@@ -95,8 +105,13 @@ def to_canonical(row: dict[str, Any], row_id: str) -> dict[str, Any] | None:
             frm, value = turn["from"], turn.get("value") or ""
             if frm == "function_call":
                 spec = json.loads(value)
-                msgs.append(_message("assistant", "", tool_calls=json.dumps(
-                    [_call(spec["name"], spec.get("arguments", {}), k)])))
+                msgs.append(
+                    _message(
+                        "assistant",
+                        "",
+                        tool_calls=json.dumps([_call(spec["name"], spec.get("arguments", {}), k)]),
+                    )
+                )
                 k += 1
                 continue
             role = _ROLE[frm]
@@ -126,11 +141,16 @@ def to_canonical(row: dict[str, Any], row_id: str) -> dict[str, Any] | None:
             for c in m.get("tool_calls") or []:
                 calls.append(_call(c["function"]["name"], c["function"].get("arguments", {}), k))
                 k += 1
-            msgs.append(_message(
-                role, content or "", reasoning=reasoning,
-                tool_calls=json.dumps(calls) if calls else None,
-                tool_call_id=m.get("tool_call_id"), name=m.get("name"),
-            ))
+            msgs.append(
+                _message(
+                    role,
+                    content or "",
+                    reasoning=reasoning,
+                    tool_calls=json.dumps(calls) if calls else None,
+                    tool_call_id=m.get("tool_call_id"),
+                    name=m.get("name"),
+                )
+            )
     elif "instruction" in row:
         prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
         msgs = [_message("user", prompt), _message("assistant", row["output"])]
@@ -163,24 +183,24 @@ def load_rows(name: str, limit: int | None = None, start: int = 0) -> list[dict[
 def representative_conversations() -> list[dict[str, Any]]:
     """Real fixture rows covering system, multi-turn, tools/tool calls, reasoning, edge cases."""
     rows: list[dict[str, Any]] = []
-    rows += load_rows("openai_messages.jsonl", 2)
-    rows += load_rows("openai_messages_edgecases.jsonl")
-    rows += load_rows("sharegpt.jsonl", 1)
-    rows += load_rows("sharegpt.jsonl", 1, start=2)
-    rows += load_rows("sharegpt_torchtune_chat_tiny.jsonl")
-    rows += load_rows("sharegpt_axolotl_fixtures.jsonl")
-    rows += load_rows("tool_calls.jsonl", 2)
-    rows += load_rows("sharegpt_toolcall_glaive.jsonl", 2)
-    rows += load_rows("agentic_reasoning_tool_use.jsonl", 3)
-    rows += load_rows("sharegpt_hermes_fc_examples.jsonl")
-    rows += load_rows("alpaca.jsonl", 1)
+    rows += load_rows("openai_messages.jsonl", 1)  # system, user, assistant
+    rows += load_rows("openai_messages_edgecases.jsonl")  # multi-turn, no user, ends on user
+    rows += load_rows("sharegpt.jsonl", 1, start=2)  # three rounds
+    rows += load_rows("sharegpt_torchtune_chat_tiny.jsonl")  # system + two rounds
+    rows += load_rows("sharegpt_axolotl_fixtures.jsonl")  # long turns; an empty gpt turn
+    rows += load_rows("tool_calls.jsonl", 1)  # OpenAI tool call, JSON-string arguments
+    rows += load_rows("sharegpt_toolcall_glaive.jsonl", 1)  # function_call / observation
+    rows += load_rows("agentic_reasoning_tool_use.jsonl", 2)  # reasoning + tools, multi-turn
+    rows += load_rows("sharegpt_hermes_fc_examples.jsonl")[0::2]  # <tool_call> XML; <think>
     return rows
 
 
 # --- independent checks ------------------------------------------------------------------------
 
-_MARKER_END = re.compile(r"(<\|[^|<>\s]{1,48}\|>|<｜[^｜<>]{1,48}｜>|</?[A-Za-z_][\w\-▁.:]{0,48}>|"
-                         r"\[/?[A-Z_]{2,24}\])$")
+_MARKER_END = re.compile(
+    r"(<\|[^|<>\s]{1,48}\|>|<｜[^｜<>]{1,48}｜>|</?[A-Za-z_][\w\-▁.:]{0,48}>|"
+    r"\[/?[A-Z_]{2,24}\])$"
+)
 _EMPTY_THINK_START = re.compile(r"^\s*(<think>)?\s*</think>")
 
 
@@ -195,8 +215,9 @@ def runs(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def independent_problems(conv: dict[str, Any], row: Any, tokenizer: Any, probe: Any,
-                         include_eot: bool = True) -> list[str]:
+def independent_problems(
+    conv: dict[str, Any], row: Any, tokenizer: Any, probe: Any, include_eot: bool = True
+) -> list[str]:
     """Why a returned row is wrong (empty list: it is right), judged from ids and the input."""
     problems: list[str] = []
     ids, mask = row.input_ids, row.loss_mask
@@ -226,16 +247,25 @@ def independent_problems(conv: dict[str, Any], row: Any, tokenizer: Any, probe: 
             if call["function"]["name"] not in text:
                 problems.append(f"supervised text lacks tool call {call['function']['name']}")
         for other in users + sys_texts:
-            if len(other) > 12 and other in text:
+            calls = json.dumps(json.loads(msg["tool_calls"] or "[]"), ensure_ascii=False)
+            own = f"{content} {msg.get('reasoning') or ''} {calls}"
+            if len(other) > 12 and other in text and other not in own:
                 problems.append(f"supervised text contains a prompt message {other[:40]!r}")
         if not msg.get("reasoning") and _EMPTY_THINK_START.match(text):
             problems.append(f"supervises an empty think block: {text[:40]!r}")
-        if msg.get("reasoning") and probe.reasoning_placement != "never" and \
-                msg["reasoning"].strip() not in text:
+        if (
+            msg.get("reasoning")
+            and probe.reasoning_placement != "never"
+            and msg["reasoning"].strip() not in text
+        ):
             problems.append("reasoning rendered by the template but not supervised")
         if include_eot:
-            eot_ok = bool(_MARKER_END.search(text)) or (
-                row.eos_appended and b == len(ids) and ids[-1] == probe.eos_fallback_id)
+            eot = probe.eot_text.strip()
+            eot_ok = (
+                bool(_MARKER_END.search(text))
+                or bool(eot and text.endswith(eot))
+                or (row.eos_appended and b == len(ids) and ids[-1] == probe.eos_fallback_id)
+            )
             if not eot_ok:
                 problems.append(f"supervised text does not end with an end-of-turn: {text[-30:]!r}")
         header = probe.generation_prompt.strip()

@@ -39,9 +39,15 @@ from dflash_etl.templates import (  # noqa: E402
 from dflash_etl.templates.masks import FILTER_CODES, QUARANTINE_CODES  # noqa: E402
 
 
-def M(role, content="", reasoning=None, tool_calls=None, tool_call_id=None, name=None):  # noqa: N802
-    return {"role": role, "content": content, "reasoning": reasoning, "tool_calls": tool_calls,
-            "tool_call_id": tool_call_id, "name": name}
+def M(role, content="", reasoning=None, tool_calls=None, tool_call_id=None, name=None):
+    return {
+        "role": role,
+        "content": content,
+        "reasoning": reasoning,
+        "tool_calls": tool_calls,
+        "tool_call_id": tool_call_id,
+        "name": name,
+    }
 
 
 def conv(*messages, tools=None):
@@ -67,10 +73,22 @@ def supervised(tok, row):
     return [dec(tok, row.input_ids[a:b]) for a, b in runs(row.loss_mask)]
 
 
-WEATHER_TOOLS = json.dumps([{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}])
+WEATHER_TOOLS = json.dumps(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+)
 
 
 def test_qwen36_multiturn_reasoning_per_turn_exact(tok, qprobe):
@@ -88,9 +106,12 @@ def test_qwen36_multiturn_reasoning_per_turn_exact(tok, qprobe):
     # the row for turn 1 has the history exactly as the template renders it for inference:
     # the earlier turn WITHOUT its reasoning, then the generation prompt
     prompt = dec(tok, rows[1].input_ids[: runs(rows[1].loss_mask)[0][0]])
-    hist = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
-            {"role": "assistant", "content": "4.", "reasoning_content": "Add two and two."},
-            {"role": "user", "content": "And 3+3?"}]
+    hist = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4.", "reasoning_content": "Add two and two."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     assert prompt == tok.apply_chat_template(hist, tokenize=False, add_generation_prompt=True)
     assert "Add two and two" not in prompt
     for r in rows:
@@ -107,17 +128,23 @@ def test_qwen36_auto_uses_stable_mode_in_one_row(tok, qprobe):
     (row,) = tokenize_conversation(c, tok, qprobe)
     assert row.turn == -1 and row.strategy == "render_diff"
     assert "render_kwargs:preserve_thinking=True" in row.normalizations
-    assert supervised(tok, row) == ["Add two and two.\n</think>\n\n4.<|im_end|>",
-                                    "Add three and three.\n</think>\n\n6.<|im_end|>"]
+    assert supervised(tok, row) == [
+        "Add two and two.\n</think>\n\n4.<|im_end|>",
+        "Add three and three.\n</think>\n\n6.<|im_end|>",
+    ]
     assert independent_problems(c, row, tok, qprobe) == []
 
 
 def test_qwen36_no_reasoning_empty_think_is_prompt(tok, qprobe):
-    c = conv(M("user", "Hi"), M("assistant", "Hello there!"), M("user", "Bye"),
-             M("assistant", "Goodbye!"))
+    c = conv(
+        M("user", "Hi"),
+        M("assistant", "Hello there!"),
+        M("user", "Bye"),
+        M("assistant", "Goodbye!"),
+    )
     rows = tokenize_conversation(c, tok, qprobe, MaskPolicy(strategy="per_turn"))
     for r, want in zip(rows, ["Hello there!<|im_end|>", "Goodbye!<|im_end|>"], strict=True):
-        (a, _), = runs(r.loss_mask)
+        ((a, _),) = runs(r.loss_mask)
         assert supervised(tok, r) == [want]
         assert dec(tok, r.input_ids[:a]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
         assert "generation_prompt_kwargs:enable_thinking=False" in r.normalizations
@@ -125,8 +152,15 @@ def test_qwen36_no_reasoning_empty_think_is_prompt(tok, qprobe):
 
 
 def test_qwen36_tool_calls_json_string_arguments(tok, qprobe):
-    calls = json.dumps([{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}])
+    calls = json.dumps(
+        [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+            }
+        ]
+    )
     c = conv(
         M("user", "Weather in Paris?"),
         M("assistant", "", reasoning="Need the tool.", tool_calls=calls),
@@ -137,27 +171,34 @@ def test_qwen36_tool_calls_json_string_arguments(tok, qprobe):
     rows = tokenize_conversation(c, tok, qprobe, MaskPolicy(strategy="per_turn"))
     assert "tool_arguments_json_to_object" in rows[0].normalizations
     (first,) = supervised(tok, rows[0])
-    assert first == ("Need the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
-                     "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    assert first == (
+        "Need the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>"
+    )
     (second,) = supervised(tok, rows[1])
     assert second == "Report it.\n</think>\n\nIt is 21 degrees in Paris.<|im_end|>"
-    assert "<tool_response>\n{\"temp\": 21}\n</tool_response>" in dec(tok, rows[1].input_ids)
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in dec(tok, rows[1].input_ids)
     for r in rows:
         assert independent_problems(c, r, tok, qprobe) == []
 
 
 def test_refusals_and_their_codes(tok, qprobe):
     with pytest.raises(MaskRefused) as e:
-        tokenize_conversation(conv(M("user", "Hi"), M("assistant", "Yo"), M("user", "?")),
-                              tok, qprobe)
+        tokenize_conversation(
+            conv(M("user", "Hi"), M("assistant", "Yo"), M("user", "?")), tok, qprobe
+        )
     assert e.value.code == "needs_response" and e.value.is_filter
     with pytest.raises(MaskRefused) as e:
         tokenize_conversation(conv(M("system", "S"), M("assistant", "Yo")), tok, qprobe)
     assert e.value.code == "template_rejects_role_order"
     assert "No user query found in messages." in e.value.message and not e.value.is_filter
     with pytest.raises(MaskRefused) as e:
-        tokenize_conversation(conv(M("user", "Hi"), M("assistant", "Yo!")), tok, qprobe,
-                              MaskPolicy(min_supervised_tokens=10))
+        tokenize_conversation(
+            conv(M("user", "Hi"), M("assistant", "Yo!")),
+            tok,
+            qprobe,
+            MaskPolicy(min_supervised_tokens=10),
+        )
     assert e.value.code == "too_few_supervised_tokens" and e.value.is_filter
     with pytest.raises(MaskRefused) as e:
         tokenize_conversation(conv(M("user", "Hi"), M("assistant", "")), tok, qprobe)
@@ -187,9 +228,15 @@ def test_include_eot_false_and_last_turn_only(tok, qprobe):
 
 
 def test_verify_row_catches_a_wrong_mask(tok, qprobe):
-    c = conv(M("user", "Hi"), M("assistant", "Hello there, friend."))
+    c = conv(
+        M("user", "Hi"),
+        M("assistant", "Hello there, friend."),
+        M("user", "Bye"),
+        M("assistant", "Goodbye, friend."),
+    )
     (row,) = tokenize_conversation(c, tok, qprobe)
-    (a, b), = runs(row.loss_mask)
+    assert row.input_ids == tok(row.text, add_special_tokens=False)["input_ids"]
+    (a, b), _ = runs(row.loss_mask)
     for bad in (a - 1, b):  # supervise the last prompt token / the token after the turn
         wrong = list(row.loss_mask)
         wrong[bad] = 1
@@ -204,8 +251,10 @@ def test_verify_row_catches_a_wrong_mask(tok, qprobe):
 
 
 def test_appended_header_never_supervised(tok):
-    tmpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-            "{% endfor %}<|im_start|>assistant\n")
+    tmpl = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{{ '<|im_start|>assistant\\n' }}"
+    )
     p = probe_template(tok, tmpl)
     c = conv(M("user", "Hi"), M("assistant", "Hello!"), M("user", "Bye"), M("assistant", "Ciao!"))
     rows = tokenize_conversation(c, tok, p, chat_template=tmpl)
@@ -216,8 +265,10 @@ def test_appended_header_never_supervised(tok):
 
 
 def test_no_eot_template_appends_eos(tok):
-    tmpl = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tmpl = (
+        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     p = probe_template(tok, tmpl)
     c = conv(M("user", "Hi"), M("assistant", "Hello!"), M("user", "Bye"), M("assistant", "Ciao!"))
     rows = tokenize_conversation(c, tok, p, chat_template=tmpl)
@@ -230,8 +281,12 @@ def test_no_eot_template_appends_eos(tok):
 def test_qwq_prefilled_think(tok):
     tmpl = (TEMPLATES_DIR / "Qwen-QwQ-32B.jinja").read_text()
     p = probe_template(tok, tmpl)
-    c = conv(M("user", "Hi"), M("assistant", "Hello!"), M("user", "2+2?"),
-             M("assistant", "4", reasoning="Simple sum."))
+    c = conv(
+        M("user", "Hi"),
+        M("assistant", "Hello!"),
+        M("user", "2+2?"),
+        M("assistant", "4", reasoning="Simple sum."),
+    )
     rows = tokenize_conversation(c, tok, p, MaskPolicy(strategy="per_turn"), chat_template=tmpl)
     assert supervised(tok, rows[0]) == ["Hello!<|im_end|>"]
     # thinking off: the closed empty think block is prompt, the reply follows it
@@ -243,18 +298,27 @@ def test_qwq_prefilled_think(tok):
 def test_strict_chatml_rejects_consecutive_users(tok):
     p = probe_template(tok, STRICT_CHATML)
     with pytest.raises(MaskRefused) as e:
-        tokenize_conversation(conv(M("user", "a"), M("user", "b"), M("assistant", "c d")),
-                              tok, p, chat_template=STRICT_CHATML)
+        tokenize_conversation(
+            conv(M("user", "a"), M("user", "b"), M("assistant", "c d")),
+            tok,
+            p,
+            chat_template=STRICT_CHATML,
+        )
     assert e.value.code == "template_rejects_role_order"
     assert "alternate" in e.value.message
 
 
 # --- hypothesis properties ---------------------------------------------------------------------
 
-_text = st.text(
-    alphabet=st.sampled_from(list("abcdefghij XYZ0123456789.,!?'\"-_:;()[]{}\n\téü中文🙂")),
-    min_size=1, max_size=40,
-).map(str.strip).filter(bool)
+_text = (
+    st.text(
+        alphabet=st.sampled_from(list("abcdefghij XYZ0123456789.,!?'\"-_:;()[]{}\n\téü中文🙂")),
+        min_size=1,
+        max_size=40,
+    )
+    .map(str.strip)
+    .filter(bool)
+)
 
 
 @st.composite
@@ -266,8 +330,15 @@ def conversations(draw, tools: bool, reasoning: bool):
         msgs.append(M("user", draw(_text)))
         r = draw(st.one_of(st.none(), _text)) if reasoning else None
         if tools and draw(st.booleans()):
-            calls = json.dumps([{"id": f"c{k}", "type": "function", "function": {
-                "name": "get_weather", "arguments": {"city": draw(_text)}}}])
+            calls = json.dumps(
+                [
+                    {
+                        "id": f"c{k}",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": draw(_text)}},
+                    }
+                ]
+            )
             msgs.append(M("assistant", "", reasoning=r, tool_calls=calls))
             msgs.append(M("tool", draw(_text), tool_call_id=f"c{k}", name="get_weather"))
             r = draw(st.one_of(st.none(), _text)) if reasoning else None
@@ -289,14 +360,17 @@ def _check_property(c, tok, probe, template, policy):
         assert independent_problems(c, r, tok, probe) == []
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(c=conversations(tools=True, reasoning=True),
-       strategy=st.sampled_from(["auto", "per_turn"]))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(c=conversations(tools=True, reasoning=True), strategy=st.sampled_from(["auto", "per_turn"]))
 def test_property_qwen36(tok, qprobe, c, strategy):
     _check_property(c, tok, qprobe, None, MaskPolicy(strategy=strategy))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(c=conversations(tools=False, reasoning=False))
 def test_property_strict_chatml(tok, c):
     probe = _chatml_probe(tok)

@@ -29,7 +29,12 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
         require_fixtures,
     )
 
-from dflash_etl.templates import MaskRefused, TemplateUnusable, probe_template, tokenize_conversation
+from dflash_etl.templates import (
+    MaskRefused,
+    TemplateUnusable,
+    probe_template,
+    tokenize_conversation,
+)
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "template_conformance.md"
 QWEN36 = "qwen36/Qwen3.6-27B.official-reconstructed.jinja"
@@ -43,8 +48,16 @@ def _run_all():
         name = path.relative_to(TEMPLATES_DIR).as_posix()
         src = path.read_text(encoding="utf-8")
         t0 = time.perf_counter()
-        res = {"strategy": "", "correct": 0, "rows": 0, "refused": collections.Counter(),
-               "wrong": [], "unusable": None, "probe": None, "ok_ids": set()}
+        res = {
+            "strategy": "",
+            "correct": 0,
+            "rows": 0,
+            "refused": collections.Counter(),
+            "wrong": [],
+            "unusable": None,
+            "probe": None,
+            "ok_ids": set(),
+        }
         try:
             probe = probe_template(tok, src)
         except TemplateUnusable as exc:
@@ -137,8 +150,7 @@ def test_conformance_all_templates(conformance):
     assert len(results) >= 100, "expected the ~109 fixture templates"
     assert summary["wrong"] == 0, f"silently wrong rows, see {REPORT}"
     assert summary["ok"] >= 0.95 * summary["renderable"], (
-        f"only {summary['ok']}/{summary['renderable']} templates mask a row correctly; "
-        f"see {REPORT}"
+        f"only {summary['ok']}/{summary['renderable']} templates mask a row correctly; see {REPORT}"
     )
 
 
@@ -147,8 +159,9 @@ def test_qwen36_masks_reasoning_and_tool_calls(conformance):
     res = results[QWEN36]
     multi_reason_tools = [c["id"] for c in convs if c["id"].startswith("agentic_reasoning")]
     assert multi_reason_tools and set(multi_reason_tools) <= res["ok_ids"], res["refused"]
-    multi_turn = [c["id"] for c in convs if sum(m["role"] == "assistant"
-                                                for m in c["messages"]) > 1]
+    multi_turn = [
+        c["id"] for c in convs if sum(m["role"] == "assistant" for m in c["messages"]) > 1
+    ]
     assert set(multi_turn) - res["ok_ids"] <= {"sharegpt_axolotl_fixtures.jsonl:1"}, (
         "multi-turn conversations must mask (only the one with an empty gpt turn is refused)"
     )

@@ -1,4 +1,4 @@
-"""Chat-template probing and verified loss masks: the core of the tokenize stage (pure functions)."""
+"""Chat-template probing and verified loss masks: the pure core of the tokenize stage."""
 
 from dflash_etl.templates.masks import (
     FILTER_CODES,

@@ -7,8 +7,12 @@ template's end-of-turn marker. Everything after that marker (a newline, an assis
 templates append) is prompt. Each row is re-checked by `verify_row` before it is returned.
 
 Decisions (documented so reviewers can check them):
-- A token is supervised iff its first character lies inside a reply span. A token that straddles
-  a span boundary (a BPE merge across prompt/reply) refuses the row (`token_straddles_boundary`).
+- BPE merges across the prompt/reply boundary: a per-turn row is encoded as
+  encode(prompt) + encode(reply), exactly as at inference (the prompt is tokenized alone, the
+  model generates the reply), so no token can straddle. In a one-row-per-conversation row a token
+  is supervised iff its first character lies inside a reply span; a token straddling a span
+  boundary sends the conversation to per-turn rows (or refuses it, `token_straddles_boundary`,
+  when the policy forces one row).
 - An empty think block (`<think>\\n\\n</think>\\n\\n`) is never supervised for a turn without
   reasoning: for such turns the thinking-off generation prompt is tried first (Qwen3.6:
   `enable_thinking=False`), which puts the empty block in the prompt; a variant whose reply would
@@ -38,9 +42,11 @@ from dflash_etl.templates.probe import (
     TemplateProbe,
 )
 from dflash_etl.templates.render import (
+    EMPTY_REASONING_AT_END_RE,
     LEADING_EMPTY_THINK_RE,
     TRAILING_MARKER_RE,
     RenderError,
+    common_prefix_len,
     inline_reasoning,
     parse_json_list,
     render,
@@ -98,7 +104,8 @@ QUARANTINE_CODES = frozenset(
     }
 )
 
-_EMPTY_THINK_AT_END_RE = re.compile(r"<(think|thinking|reasoning)>\s*</\1>\s*$")
+
+_PLAIN_VALUE_RE = re.compile(r"^[\w .,:-]{1,60}$")
 
 
 class MaskRefused(Exception):
@@ -129,7 +136,8 @@ class MaskPolicy:
 
 @dataclass
 class TokenizedRow:
-    """One training row. `turn` is the assistant-turn ordinal supervised (-1: all turns)."""
+    """One training row. `turn`: ordinal of the supervised assistant turn, -1 when the row
+    supervises several turns (one row per conversation)."""
 
     input_ids: list[int]
     loss_mask: list[int]
@@ -141,6 +149,7 @@ class TokenizedRow:
     expected: list[str] = field(default_factory=list)  # decoded text each span must give
     eos_appended: bool = False
     truncated: bool = False
+    split_at: int | None = None  # per-turn rows: prompt and reply are encoded separately here
 
 
 @dataclass
@@ -170,7 +179,7 @@ class _Prepared:
 
 
 def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> _Prepared:
-    """Canonical conversation → template-ready messages, normalizing per probe (and recording it)."""
+    """Canonical conversation → template-ready messages, normalized per probe (and recorded)."""
     raw = conv.get("messages")
     if not isinstance(raw, list) or not raw:
         raise MaskRefused(R_INVALID_CONVERSATION, "no messages")
@@ -190,6 +199,9 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
         tools = parse_json_list(conv.get("tools"))
     except ValueError as exc:
         raise MaskRefused(R_INVALID_CONVERSATION, f"tools is not a JSON list: {exc}") from exc
+    if not tools and probe.tools_required:
+        tools = []
+        norms.append("empty_tools_list_supplied")
     if tools:
         wrapped = []
         for t in tools:
@@ -245,7 +257,9 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
         try:
             calls = parse_json_list(m.get("tool_calls"))
         except ValueError as exc:
-            raise MaskRefused(R_INVALID_CONVERSATION, f"tool_calls is not a JSON list: {exc}") from exc
+            raise MaskRefused(
+                R_INVALID_CONVERSATION, f"tool_calls is not a JSON list: {exc}"
+            ) from exc
         if calls:
             if probe.tool_call_args is None:
                 raise MaskRefused(
@@ -294,7 +308,9 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
     return _Prepared(msgs, tools, norms, assistant_idx, pieces, reasoning_passed)
 
 
-def _normalize_calls(calls: list[Any], want: str) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+def _normalize_calls(
+    calls: list[Any], want: str
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """Tool calls in OpenAI shape with arguments as the template wants them (object or JSON)."""
     out: list[dict[str, Any]] = []
     norms: list[str] = []
@@ -315,12 +331,18 @@ def _normalize_calls(calls: list[Any], want: str) -> tuple[list[dict[str, Any]],
         elif want == "string" and not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
             norms.append("tool_arguments_object_to_json")
-        call: dict[str, Any] = {"type": c.get("type") or "function",
-                                "function": {"name": fn["name"], "arguments": args}}
+        call: dict[str, Any] = {
+            "type": c.get("type") or "function",
+            "function": {"name": fn["name"], "arguments": args},
+        }
         if c.get("id"):
             call["id"] = c["id"]
         out.append(call)
         names.append(fn["name"])
+        # plain-text argument values must show up in the reply too (a template that drops the
+        # arguments would otherwise pass); values needing JSON escaping are not checked
+        values = args.values() if isinstance(args, dict) else []
+        names.extend(v for v in values if isinstance(v, str) and _PLAIN_VALUE_RE.match(v))
     return out, norms, names
 
 
@@ -356,20 +378,20 @@ def _render_turn(
     msgs, tools = prep.messages, prep.tools
 
     def r(m: list[dict[str, Any]], gen: bool, kw: dict[str, Any]) -> str:
-        return render(tokenizer, m, chat_template=template, tools=tools,
-                      add_generation_prompt=gen, kwargs=kw)
+        return render(
+            tokenizer, m, chat_template=template, tools=tools, add_generation_prompt=gen, kwargs=kw
+        )
 
     passed_reasoning = prep.reasoning_passed.get(i, False)
     for variant in _variants(probe, passed_reasoning):
         kw = {**probe.render_kwargs, **base, **variant}
         try:
             prompt = r(msgs[:i], True, kw)
-            before = r(msgs[:i], False, kw)
             upto = r(msgs[: i + 1], False, kw)
         except RenderError as exc:
             failures.append((R_RENDER_ERROR, f"{variant or 'default'}: {exc}"))
             continue
-        ok = _check_turn(probe, prep, i, prompt, before, upto, policy, failures, variant)
+        ok = _check_turn(probe, prep, i, prompt, upto, policy, failures, variant)
         if ok is not None:
             reply, append_eos, notes = ok
             if variant:
@@ -391,7 +413,6 @@ def _check_turn(
     prep: _Prepared,
     i: int,
     prompt: str,
-    before: str,
     upto: str,
     policy: MaskPolicy,
     failures: list[tuple[str, str]],
@@ -399,28 +420,56 @@ def _check_turn(
 ) -> tuple[str, bool, list[str]] | None:
     """(reply, append_eos, notes) for one variant, or None after recording why it failed."""
     tag = str(variant or "default")
-    if not (prompt.startswith(before) and upto.startswith(before)):
-        failures.append((R_NOT_PREFIX_STABLE, f"{tag}: history render is not a prefix"))
-        return None
-    gen, turn = prompt[len(before) :], upto[len(before) :]
     notes: list[str] = []
-    if turn.startswith(gen):
-        body = turn[len(gen) :]
+    h = common_prefix_len(prompt, upto)
+    if h == len(prompt):  # the prompt is a prefix of the history-with-this-turn render
+        body = upto[h:]
     else:
-        m = _EMPTY_THINK_AT_END_RE.search(gen)
-        if m and turn.startswith(gen[: m.start()]) and not prep.reasoning_passed.get(i):
-            body = turn[m.start() :]
+        m = EMPTY_REASONING_AT_END_RE.search(prompt)
+        reasoning = _reasoning_text(prep, i)
+        at = upto.rfind(reasoning[:40]) if reasoning else -1
+        gp = probe.generation_prompt
+        if m and m.start() <= h and not prep.reasoning_passed.get(i):
+            # thinking off: the closed empty block the generation prompt ends with is prompt; a
+            # (partial) empty block the turn renders in its place is that same block (DeepSeek-V3.2
+            # renders "</think>" where the prompt has "<think></think>")
+            body = upto[m.start() :]
+            lead = LEADING_EMPTY_THINK_RE.match(body)
+            if lead:
+                body = body[lead.end() :]
+                if prompt[-1:].isspace():
+                    body = body.lstrip()
             notes.append("generation_prompt_empty_think_is_prompt")
+        elif (
+            len(gp.strip()) >= 3
+            and prompt.endswith(gp)
+            and 0 <= (hs := upto.find(gp, max(0, h - len(gp)))) <= h
+        ):
+            # the template renders text after the last message (Command-R tool use: a trailing
+            # instruction) and then the generation prompt; the turn starts with that header
+            body = upto[hs + len(gp) :]
+            notes.append("generation_prompt_after_trailing_text")
+        elif reasoning and 0 <= at <= h:
+            # the generation prompt pre-fills the start of the reasoning (Apriel: "Here are my
+            # reasoning steps:"); the model continues with the reasoning as the template renders it
+            body = upto[at:]
+            notes.append("generation_prompt_prefill_is_prompt")
         else:
-            failures.append((
-                R_GENERATION_PROMPT_MISMATCH,
-                f"{tag}: generation prompt {gen[-60:]!r} is not how the turn is rendered "
-                f"({turn[:60]!r})",
-            ))
+            failures.append(
+                (
+                    R_GENERATION_PROMPT_MISMATCH,
+                    f"{tag}: generation prompt ends {prompt[h:][-60:]!r} but the turn renders as "
+                    f"{upto[h:][:60]!r}",
+                )
+            )
             return None
     if not prep.reasoning_passed.get(i) and LEADING_EMPTY_THINK_RE.match(body):
-        failures.append((R_EMPTY_THINK_SUPERVISED, f"{tag}: reply would start with an empty "
-                         "think block the model did not generate"))
+        failures.append(
+            (
+                R_EMPTY_THINK_SUPERVISED,
+                f"{tag}: reply would start with an empty think block the model did not generate",
+            )
+        )
         return None
     post = probe.post_eot
     if post:
@@ -432,10 +481,13 @@ def _check_turn(
     if probe.eot_source == "template":
         m2 = TRAILING_MARKER_RE.search(body)
         eot = probe.eot_text.strip()
-        if not (m2 or (eot and body.endswith(eot))):
+        if eot and body.endswith(eot):
+            cut = len(body) - len(eot)
+        elif m2:  # another marker ends this turn (gpt-oss: <|call|> after a tool call)
+            cut = m2.start()
+        else:
             failures.append((R_EOT_NOT_FOUND, f"{tag}: no end-of-turn marker at {body[-40:]!r}"))
             return None
-        cut = m2.start() if m2 else len(body) - len(eot)
         content_part = body[:cut]
         reply = body if policy.include_eot else body[:cut]
     else:
@@ -459,18 +511,52 @@ def _check_turn(
     return reply, append_eos, notes
 
 
+def _reasoning_text(prep: _Prepared, i: int) -> str:
+    """The reasoning passed to the template for message i ("" if none)."""
+    if not prep.reasoning_passed.get(i):
+        return ""
+    pieces = prep.pieces.get(i, [])
+    m = prep.messages[i]
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        if isinstance(m.get(key), str) and m[key]:
+            return m[key].strip()
+    return next((p for p in pieces if p and p in str(m.get("content"))), "")
+
+
 def _reasoning_of(prep: _Prepared, i: int) -> str:
     m = prep.messages[i]
-    return " ".join(str(v) for k, v in m.items() if k in ("reasoning_content", "reasoning",
-                                                          "thinking", "content") and v)
+    return " ".join(
+        str(v)
+        for k, v in m.items()
+        if k in ("reasoning_content", "reasoning", "thinking", "content") and v
+    )
 
 
 # --- tokenization and verification ------------------------------------------------------------
 
 
 def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    """Ids and char offsets without special tokens (the rendered template is authoritative).
+
+    Uses the fast tokenizer's backend directly (same ids, far less per-call overhead).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
+    out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]]
+
+
+def _encode_row(
+    tokenizer: Any, text: str, split_at: int | None
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Encode a row; a per-turn row encodes prompt and reply separately (see module doc)."""
+    if split_at is None:
+        return _encode(tokenizer, text)
+    ids_p, offs_p = _encode(tokenizer, text[:split_at])
+    ids_r, offs_r = _encode(tokenizer, text[split_at:])
+    return ids_p + ids_r, offs_p + [(a + split_at, b + split_at) for a, b in offs_r]
 
 
 def _build_row(
@@ -484,9 +570,10 @@ def _build_row(
     norms: list[str],
     strategy: str,
     policy: MaskPolicy,
+    split_at: int | None = None,
 ) -> TokenizedRow:
     """Encode the row text, mark tokens starting inside spans, truncate, verify."""
-    ids, offs = _encode(tokenizer, text)
+    ids, offs = _encode_row(tokenizer, text, split_at)
     mask = [0] * len(ids)
     for s, e in spans:
         for t, (a, b) in enumerate(offs):
@@ -503,7 +590,9 @@ def _build_row(
         ids.append(int(probe.eos_fallback_id))  # type: ignore[arg-type]
         mask.append(1)
         exp[-1] = exp[-1] + str(probe.eos_fallback_token)
-    row = TokenizedRow(ids, mask, turn, list(norms), strategy, text, list(spans), exp, append_eos)
+    row = TokenizedRow(
+        ids, mask, turn, list(norms), strategy, text, list(spans), exp, append_eos, False, split_at
+    )
     if policy.seq_length is not None and len(ids) > policy.seq_length:
         if policy.truncation == "drop":
             raise MaskRefused(
@@ -560,7 +649,7 @@ def verify_row(row: TokenizedRow, tokenizer: Any) -> None:
         fail("row metadata is inconsistent")
     if len(runs) != len(row.expected) and not (row.truncated and len(runs) < len(row.expected)):
         fail(f"{len(runs)} supervised spans, expected {len(row.expected)}")
-    ids, offs = _encode(tokenizer, row.text)
+    ids, offs = _encode_row(tokenizer, row.text, row.split_at)
     ref = ids + ([row.input_ids[-1]] if row.eos_appended and len(ids) < n else [])
     if row.eos_appended and not row.truncated and len(ids) + 1 != n:
         fail("row has an appended eos but is not text + eos")
@@ -624,46 +713,96 @@ def tokenize_conversation(
     prep = _prepare(conv, probe, policy)
     base_kw = dict(probe.render_kwargs)
     try:
-        full_default = render(tokenizer, prep.messages, chat_template=template, tools=prep.tools,
-                              kwargs=base_kw)
+        full_default = render(
+            tokenizer, prep.messages, chat_template=template, tools=prep.tools, kwargs=base_kw
+        )
     except RenderError as exc:
         raise _classify_render_error(tokenizer, prep, base_kw, template, exc) from exc
-    del full_default
     targets = prep.assistant_idx if policy.turns == "all" else prep.assistant_idx[-1:]
     ordinals = {i: k for k, i in enumerate(prep.assistant_idx)}
 
     strategy = policy.strategy
     if strategy == "auto":
         strategy = STRATEGY_GENERATION if probe.strategy == STRATEGY_GENERATION else "auto"
-    if strategy == STRATEGY_GENERATION and not (probe.has_generation_tags
-                                                and probe.generation_mask_usable):
-        raise MaskRefused(R_GENERATION_TAGS_UNUSABLE, "template has no usable {% generation %} tags")
+    if strategy == STRATEGY_GENERATION and not (
+        probe.has_generation_tags and probe.generation_mask_usable
+    ):
+        raise MaskRefused(
+            R_GENERATION_TAGS_UNUSABLE, "template has no usable {% generation %} tags"
+        )
 
-    bases: list[dict[str, Any]] = [{}]
-    if probe.stable_kwargs:
-        bases.append(dict(probe.stable_kwargs))
-    single_failure = ""
-    if strategy in ("auto", STRATEGY_RENDER_DIFF, STRATEGY_GENERATION) and len(targets) >= 1:
-        for base in bases:
-            turns = [_render_turn(tokenizer, probe, prep, ordinals[i], i, base, policy, template)
-                     for i in targets]
-            row_or_why = _single_row(tokenizer, probe, prep, turns, base, policy, template,
-                                     strategy)
-            if isinstance(row_or_why, TokenizedRow):
-                return [row_or_why]
-            single_failure = row_or_why
-        if strategy in (STRATEGY_RENDER_DIFF, STRATEGY_GENERATION):
-            raise MaskRefused(R_NOT_PREFIX_STABLE, single_failure)
+    cache: dict[str, list[_Turn]] = {}
 
+    def turns_for(base: dict[str, Any]) -> list[_Turn]:
+        key = json.dumps(base, sort_keys=True)
+        if key not in cache:
+            cache[key] = [
+                _render_turn(tokenizer, probe, prep, ordinals[i], i, base, policy, template)
+                for i in targets
+            ]
+        return cache[key]
+
+    # Bases worth a single-row attempt: the default when the probe found the template
+    # prefix-stable, else its stable kwarg; one-turn rows need no attempt (same row either way)
+    if probe.prefix_stable:
+        bases: list[dict[str, Any]] = [{}]
+    elif probe.stable_kwargs:
+        bases = [dict(probe.stable_kwargs)]
+    else:
+        bases = []
+    if strategy == STRATEGY_PER_TURN or (strategy == "auto" and len(targets) == 1):
+        bases = []
+    single_failure = "" if bases else "the template is not prefix-stable (probe)"
+    for base in bases:
+        full = full_default if not base else None
+        try:
+            row_or_why = _single_row(
+                tokenizer, probe, prep, turns_for(base), base, policy, template, strategy, full
+            )
+        except MaskRefused as exc:
+            if exc.code in FILTER_CODES or strategy != "auto":
+                raise
+            # e.g. a BPE merge across the end-of-turn and the next header: rows that end
+            # at the reply have no such boundary, so per-turn rows can still be exact
+            row_or_why = f"{exc.code}: {exc.message}"
+        if isinstance(row_or_why, TokenizedRow):
+            return [row_or_why]
+        single_failure = row_or_why
+    if strategy in (STRATEGY_RENDER_DIFF, STRATEGY_GENERATION) and len(targets) > 1:
+        raise MaskRefused(R_NOT_PREFIX_STABLE, single_failure)
+    if strategy == STRATEGY_GENERATION:  # one turn: still cross-check HF's mask
+        return [
+            _single_row(
+                tokenizer, probe, prep, turns_for({}), {}, policy, template, strategy, full_default
+            )
+        ]  # type: ignore[list-item]
+
+    label = (
+        STRATEGY_PER_TURN
+        if len(targets) > 1 or probe.strategy == STRATEGY_PER_TURN
+        else probe.strategy
+    )
     rows: list[TokenizedRow] = []
-    for i in targets:
-        t = _render_turn(tokenizer, probe, prep, ordinals[i], i, {}, policy, template)
+    for t in turns_for({}):
         text = t.prompt + t.reply
         norms = prep.normalizations + t.notes
-        if single_failure and strategy == "auto" and len(targets) > 1:
-            norms = [*norms, "per_turn_rows:not_prefix_stable"]
-        rows.append(_build_row(tokenizer, text, [(len(t.prompt), len(text))], [t.reply],
-                               t.append_eos, probe, t.ordinal, norms, STRATEGY_PER_TURN, policy))
+        if len(targets) > 1:
+            norms = [*norms, "per_turn_rows:" + single_failure[:120]]
+        rows.append(
+            _build_row(
+                tokenizer,
+                text,
+                [(len(t.prompt), len(text))],
+                [t.reply],
+                t.append_eos,
+                probe,
+                t.ordinal,
+                norms,
+                label,
+                policy,
+                split_at=len(t.prompt),
+            )
+        )
     return rows
 
 
@@ -676,12 +815,14 @@ def _single_row(
     policy: MaskPolicy,
     template: str | None,
     strategy: str,
+    full: str | None = None,
 ) -> TokenizedRow | str:
     """One row holding every target turn, if each prompt+reply is a prefix of the full render."""
     if any(t.append_eos for t in turns):
         return "turns need an appended eos (no end-of-turn marker): one row per turn instead"
     kw = {**probe.render_kwargs, **base}
-    full = render(tokenizer, prep.messages, chat_template=template, tools=prep.tools, kwargs=kw)
+    if full is None:
+        full = render(tokenizer, prep.messages, chat_template=template, tools=prep.tools, kwargs=kw)
     spans: list[tuple[int, int]] = []
     for t in turns:
         if not full.startswith(t.prompt):
@@ -696,12 +837,13 @@ def _single_row(
         norms.append("render_kwargs:" + ",".join(f"{k}={v}" for k, v in base.items()))
     for t in turns:
         norms.extend(n for n in t.notes if n not in norms)
-    turn_id = -1 if len(turns) > 1 or policy.turns == "all" else turns[0].ordinal
+    turn_id = -1 if len(turns) > 1 else turns[0].ordinal
     if strategy == STRATEGY_GENERATION:
         _check_generation_mask(tokenizer, prep, kw, template, spans, text)
     name = STRATEGY_GENERATION if strategy == STRATEGY_GENERATION else STRATEGY_RENDER_DIFF
-    return _build_row(tokenizer, text, spans, [t.reply for t in turns], False, probe, turn_id,
-                      norms, name, policy)
+    return _build_row(
+        tokenizer, text, spans, [t.reply for t in turns], False, probe, turn_id, norms, name, policy
+    )
 
 
 def _check_generation_mask(
@@ -715,16 +857,22 @@ def _check_generation_mask(
     """HF's {% generation %} mask must cover exactly the render-diff replies (content part)."""
     try:
         out = tokenizer.apply_chat_template(
-            prep.messages, tools=prep.tools, chat_template=template, tokenize=True,
-            return_dict=True, return_assistant_tokens_mask=True, **kw,
+            prep.messages,
+            tools=prep.tools,
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **kw,
         )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise MaskRefused(R_GENERATION_TAGS_UNUSABLE, f"HF assistant mask failed: {exc}") from exc
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     got = [tokenizer.decode(ids[a:b], skip_special_tokens=False) for a, b in _runs(mask)]
     want = [text[s:e] for s, e in spans]
-    if len(got) != len(want) or any(w.strip() and g.strip() and g.strip() not in w
-                                    for g, w in zip(got, want, strict=False)):
+    if len(got) != len(want) or any(
+        w.strip() and g.strip() and g.strip() not in w for g, w in zip(got, want, strict=False)
+    ):
         raise MaskRefused(
             R_MASK_VERIFICATION_FAILED,
             f"{{% generation %}} mask spans {got!r} disagree with the render diff {want!r}",

@@ -85,6 +85,7 @@ class TemplateProbe:
     has_generation_tags: bool
     generation_mask_usable: bool
     renders_tools: bool
+    tools_required: bool
     tool_role: str  # "native" | "dropped" | "rejected" | "untested"
     tool_call_args: str | None  # "object" | "string" | None (tool calls not rendered)
     tool_call_error: str | None
@@ -204,7 +205,9 @@ def probe_template(
 
     Raises TemplateUnusable when not even `[system?, user, assistant]` renders.
     """
-    source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    source = (
+        chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    )
     if isinstance(source, dict):  # named templates: use the default one
         source = source.get("default") or next(iter(source.values()), None)
     if not source or not isinstance(source, str):
@@ -215,12 +218,31 @@ def probe_template(
     supplied = _supply_special_tokens(tokenizer, source, gen_cfg, kwargs)
     notes: list[str] = []
 
+    tools_required = False
+    plain, plain_err = try_render(
+        tokenizer, [_msg("user", _U1), _msg("assistant", _A1)], chat_template=source, kwargs=kwargs
+    )
+    if plain is None:
+        with_empty, _ = try_render(
+            tokenizer,
+            [_msg("user", _U1), _msg("assistant", _A1)],
+            chat_template=source,
+            tools=[],
+            kwargs=kwargs,
+        )
+        if with_empty is not None:
+            tools_required = True
+            notes.append(
+                f"renders only with a tools list ({plain_err}); an empty list is passed "
+                "for conversations without tools"
+            )
+
     def r(msgs: list[dict[str, Any]], gen: bool = False, tools: Any = None, **extra: Any):
         return try_render(
             tokenizer,
             msgs,
             chat_template=source,
-            tools=tools,
+            tools=tools if tools is not None or not tools_required else [],
             add_generation_prompt=gen,
             kwargs={**kwargs, **extra},
         )
@@ -281,6 +303,12 @@ def probe_template(
     elif eos_tok and tail.lstrip().startswith(eos_tok):
         end = len(tail) - len(tail.lstrip()) + len(eos_tok)
         eot_text, post_eot, eot_source = tail[:end], tail[end:], "template"
+    elif (mid := _mid_tail(renders.get("user,assistant,user,assistant"))) and (
+        shared := tail[: common_prefix_len(tail, mid)].rstrip()
+    ).strip():
+        # no marker-shaped text, but the final and a middle assistant turn end the same way
+        eot_text, post_eot, eot_source = shared, tail[len(shared) :], "template"
+        notes.append(f"end-of-turn {shared!r} taken from the text shared by final and middle turns")
     else:
         eot_text, post_eot, eot_source = "", tail, eos_src
         notes.append(
@@ -333,9 +361,13 @@ def probe_template(
     # 6. prefix stability: render(history<=k) is a prefix of render(all), with gen prompt too
     def stable_under(extra: dict[str, Any]) -> tuple[bool, str]:
         if reasoning_key or reasoning_inline:
-            conv = [s if system_mode == "native" else None, u1, _reason_msg(reasoning_key,
-                    reasoning_inline, _R1, _A1), u2, _reason_msg(reasoning_key, reasoning_inline,
-                    _R2, _A2)]
+            conv = [
+                s if system_mode == "native" else None,
+                u1,
+                _reason_msg(reasoning_key, reasoning_inline, _R1, _A1),
+                u2,
+                _reason_msg(reasoning_key, reasoning_inline, _R2, _A2),
+            ]
         else:
             conv = [s if system_mode == "native" else None, u1, a1, u2, a2]
         conv = [c for c in conv if c is not None]
@@ -370,7 +402,10 @@ def probe_template(
     tool_call_error: str | None = None
     empty_content = "none"
     tool_role = "untested"
-    for args_kind, args in (("object", {"query": _TOOL_ARG}), ("string", json.dumps({"query": _TOOL_ARG}))):
+    for args_kind, args in (
+        ("object", {"query": _TOOL_ARG}),
+        ("string", json.dumps({"query": _TOOL_ARG})),
+    ):
         for ec, content in (("none", None), ("empty", "")):
             call = _msg("assistant", content, tool_calls=[_tool_call(args)])
             tmsg = _msg("tool", _TOOL_RESULT, tool_call_id="call_probe_1", name=_TOOL_NAME)
@@ -402,11 +437,13 @@ def probe_template(
         adds_bos = len(tokenizer("a")["input_ids"]) > len(
             tokenizer("a", add_special_tokens=False)["input_ids"]
         )
-    except Exception:  # noqa: BLE001 - a tokenizer without specials is fine
+    except Exception:
         adds_bos = False
     if adds_bos:
-        notes.append("tokenizer adds special tokens when asked; rows are encoded without them "
-                     "(the rendered template is authoritative)")
+        notes.append(
+            "tokenizer adds special tokens when asked; rows are encoded without them "
+            "(the rendered template is authoritative)"
+        )
 
     strategy, reason = _choose_strategy(
         has_tags, mask_usable, prefix_stable, stable_kwargs, prefix_detail, prefill, eot_source
@@ -422,6 +459,7 @@ def probe_template(
         has_generation_tags=has_tags,
         generation_mask_usable=mask_usable,
         renders_tools=renders_tools,
+        tools_required=tools_required,
         tool_role=tool_role,
         tool_call_args=tool_call_args,
         tool_call_error=tool_call_error if tool_call_args is None else None,
@@ -449,6 +487,13 @@ def probe_template(
         reason=reason,
         notes=notes,
     )
+
+
+def _mid_tail(text: str | None) -> str:
+    """What follows the first assistant answer in a two-round render, up to the next user text."""
+    if not text or _A1 not in text or _U2 not in text:
+        return ""
+    return text[text.find(_A1) + len(_A1) : text.find(_U2)]
 
 
 def _reads_variable(source: str, name: str) -> bool:
@@ -479,14 +524,16 @@ def _generation_mask_ok(
             return_assistant_tokens_mask=True,
             **kwargs,
         )
-    except Exception:  # noqa: BLE001 - any failure means "not usable"
+    except Exception:
         return False
     mask = out.get("assistant_masks") or []
     ids = out.get("input_ids") or []
     if not any(mask):
         return False
     picked = [t for t, k in zip(ids, mask, strict=False) if k]
-    return answer in tokenizer.decode(picked)
+    # usable only if the mask starts at the answer: tags that also wrap the assistant header
+    # (Laguna: "<assistant>" inside {% generation %}) would supervise prompt tokens
+    return tokenizer.decode(picked).lstrip().startswith(answer)
 
 
 def _choose_strategy(

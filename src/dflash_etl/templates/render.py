@@ -18,9 +18,20 @@ THINK_CLOSE = "</think>"
 
 # A prompt-side think block the model did not write: "<think>\n\n</think>\n\n" and variants.
 EMPTY_THINK_RE = re.compile(r"^\s*<(think|thinking|reasoning)>\s*</\1>\s*$")
+# An empty reasoning block at the end of a generation prompt (thinking switched off): prompt.
+EMPTY_REASONING_AT_END_RE = re.compile(
+    r"(?:<(?P<tag>[\w:]*(?:think|thought|reason)\w*)>\s*</(?P=tag)>"
+    r"|<\|START_THINKING\|>\s*<\|END_THINKING\|>"
+    r"|<\|channel>thought\s*<channel\|>"
+    r"|<\|channel\|>analysis<\|message\|>\s*<\|end\|>"
+    r"|</think>)\s*$",  # DeepSeek-V3.1 thinking off: the prompt ends by closing the block
+    re.IGNORECASE,
+)
 # A reply that starts by closing an empty think block (the model would not have generated it
 # when the turn has no reasoning).
-LEADING_EMPTY_THINK_RE = re.compile(r"^\s*(<(think|thinking|reasoning)>)?\s*</(think|thinking|reasoning)>")
+LEADING_EMPTY_THINK_RE = re.compile(
+    r"^\s*(<(think|thinking|reasoning)>)?\s*</(think|thinking|reasoning)>"
+)
 
 # Marker-shaped text that ends an assistant turn: <|im_end|>, <|eot_id|>, </s>, <end_of_turn>,
 # <｜end▁of▁sentence｜>, [/TOOL_CALLS]-like brackets.
@@ -28,6 +39,7 @@ _MARKER = (
     r"<\|[^|<>\s]{1,48}\|>"
     r"|<｜[^｜<>]{1,48}｜>"
     r"|</?[A-Za-z_][\w\-▁.:]{0,48}>"
+    r"|<\|?[A-Za-z_][\w\-▁.:]{0,48}\|?>"  # gemma-4 style <turn|>, <|turn>
     r"|\[/?[A-Z_]{2,24}\]"
 )
 LEADING_MARKER_RE = re.compile(rf"^(\s*)({_MARKER})")
@@ -86,7 +98,9 @@ def render(
     return out
 
 
-def try_render(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> tuple[str | None, str | None]:
+def try_render(
+    tokenizer: Any, messages: list[dict[str, Any]], **kw: Any
+) -> tuple[str | None, str | None]:
     """(text, None) on success, (None, error text) on failure."""
     try:
         return render(tokenizer, messages, **kw), None
