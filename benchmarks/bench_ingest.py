@@ -397,11 +397,13 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def _rss_pss(pid: int) -> tuple[int, int]:
+def _rss_pss(pid: int, with_pss: bool) -> tuple[int, int]:
     try:
         with open(f"/proc/{pid}/statm", "rb") as fh:
             rss = int(fh.read().split()[1]) * PAGE
         pss = 0
+        if not with_pss:
+            return rss, pss
         with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
             for line in fh:
                 if line.startswith(b"Pss:"):
@@ -413,11 +415,14 @@ def _rss_pss(pid: int) -> tuple[int, int]:
 
 
 class TreeSampler(threading.Thread):
-    """Peak summed RSS / PSS of a process and all its descendants, sampled every `interval` s."""
+    """Peak summed RSS of a process and all its descendants, sampled every `interval` s.
 
-    def __init__(self, root: int, interval: float = 0.05) -> None:
+    PSS (smaps_rollup walks the page tables: dearer) is sampled every `pss_every`-th time.
+    """
+
+    def __init__(self, root: int, interval: float = 0.05, pss_every: int = 10) -> None:
         super().__init__(daemon=True)
-        self.root, self.interval = root, interval
+        self.root, self.interval, self.pss_every = root, interval, pss_every
         self.peak_rss = self.peak_pss = self.max_procs = self.samples = 0
         self.stop = threading.Event()
 
@@ -425,8 +430,9 @@ class TreeSampler(threading.Thread):
         while not self.stop.is_set():
             pids = _tree(self.root)
             rss = pss = 0
+            with_pss = self.samples % self.pss_every == 0
             for pid in pids:
-                r, p = _rss_pss(pid)
+                r, p = _rss_pss(pid, with_pss)
                 rss += r
                 pss += p
             self.peak_rss = max(self.peak_rss, rss)
@@ -788,7 +794,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['ingest'].get('sampler_cpu_s', '?')} CPU-s during the baseline / ingest run.",
         "",
         "Notes: *peak RSS (tree)* sums the RSS of the process and all its descendants (sampled "
-        "every 50 ms from /proc) and so counts pages shared by forked workers more than once; "
+        "every 50 ms from /proc; PSS every 500 ms) and so counts pages shared by forked workers "
+        "more than once; "
         "*PSS* divides shared pages among their processes; *max RSS (1 process)* is "
         "`/usr/bin/time -v`'s figure for the largest single process. Throughput counts input "
         "lines (the ingest's include the malformed ones) over the whole process's wall time, "

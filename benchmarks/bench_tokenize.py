@@ -33,14 +33,15 @@ WORK = HERE / "work" / "tokenize"
 QWEN = REPO.parent / "shared" / "fixtures" / "qwen36-tokenizer"
 TEMPLATE = REPO / "data" / "tokenizer" / "chat_template.jinja"
 PAGE = os.sysconf("SC_PAGE_SIZE")
-WORDS = ("time year people way day man thing woman life child world school state family "
-         "student group country problem hand part place case week company system program "
-         "question work government number night point home water room mother area money story "
-         "fact month lot right study book eye job word business issue side kind head house "
-         "service friend father power hour game line end member law car city community name "
-         "president team minute idea kid body information back parent face others level office "
-         "door health person art war history party result change morning reason research girl "
-         "guy moment air teacher force education").split()
+WORDS = (  # noqa: SIM905
+    "time year people way day man thing woman life child world school state family "
+    "student group country problem hand part place case week company system program "
+    "question work government number night point home water room mother area money story "
+    "fact month lot right study book eye job word business issue side kind head house "
+    "service friend father power hour game line end member law car city community name "
+    "president team minute idea kid body information back parent face others level office "
+    "door health person art war history party result change morning reason research girl "
+    "guy moment air teacher force education").split()
 
 
 def sentence(rng: random.Random) -> str:
@@ -149,7 +150,7 @@ def run_stage(run_dir: Path, model: Path) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out, err = proc.communicate()
+    _, err = proc.communicate()
     done.set()
     sampler.join()
     seconds = time.perf_counter() - start

@@ -247,7 +247,13 @@ def independent_problems(
             if call["function"]["name"] not in text:
                 problems.append(f"supervised text lacks tool call {call['function']['name']}")
         for other in users + sys_texts:
-            calls = json.dumps(json.loads(msg["tool_calls"] or "[]"), ensure_ascii=False)
+            parsed = json.loads(msg["tool_calls"] or "[]")
+            arg_values = []
+            for c in parsed:
+                args = c["function"].get("arguments") or {}
+                args = json.loads(args) if isinstance(args, str) else args
+                arg_values += [str(v) for v in args.values()]
+            calls = json.dumps(parsed, ensure_ascii=False) + " ".join(arg_values)
             own = f"{content} {msg.get('reasoning') or ''} {calls}"
             if len(other) > 12 and other in text and other not in own:
                 problems.append(f"supervised text contains a prompt message {other[:40]!r}")

@@ -57,6 +57,7 @@ def _run_all():
             "unusable": None,
             "probe": None,
             "ok_ids": set(),
+            "used": set(),
         }
         try:
             probe = probe_template(tok, src)
@@ -79,9 +80,9 @@ def _run_all():
                 res["correct"] += 1
                 res["ok_ids"].add(c["id"])
                 res["rows"] += len(rows)
-                used = {r.strategy for r in rows}
-                if used and res["strategy"] not in used:
-                    res["strategy"] = f"{probe.strategy}→{'/'.join(sorted(used))}"
+                res["used"].update(r.strategy for r in rows)
+        if res["used"] - {probe.strategy}:  # e.g. render_diff, but some conversations per turn
+            res["strategy"] = f"{probe.strategy} (rows: {'/'.join(sorted(res['used']))})"
         res["seconds"] = time.perf_counter() - t0
         results[name] = res
     return tok, convs, results

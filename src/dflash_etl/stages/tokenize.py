@@ -88,15 +88,24 @@ class TokenizeSettings:
 
 # ---------------------------------------------------------------- loading (offline)
 def load_tokenizer(model: str) -> Any:
-    """A local tokenizer or model directory; never the hub, never remote code."""
+    """A local tokenizer or model directory; never the hub, never remote code.
+
+    A directory with tokenizer.json loads as a plain fast tokenizer: AutoTokenizer would import
+    torch (through the model configs), which costs seconds in the main process and every worker.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer
-
-    if not Path(model).is_dir():
+    path = Path(model)
+    if not path.is_dir():
         raise StageError(f"--model {model!r} is not a directory: give a local tokenizer or model "
                          "directory (the hub is never used)")
     try:
+        if (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(model, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model, local_files_only=True,
                                              trust_remote_code=False)
     except Exception as exc:  # transformers raises many types for a bad directory

@@ -349,13 +349,6 @@ def _normalize_calls(
 # --- per-turn rendering -----------------------------------------------------------------------
 
 
-class _TurnFailure(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def _variants(probe: TemplateProbe, has_reasoning: bool) -> list[dict[str, Any]]:
     """Thinking-mode kwargs to try for one turn, most faithful first."""
     if has_reasoning:

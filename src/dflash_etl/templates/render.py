@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 THINK_OPEN = "<think>"
@@ -59,15 +59,6 @@ class MessageFormat:
     tool_args: str = "object"  # "object" | "string": how tool-call arguments are passed
     empty_content: str = "none"  # "none" | "empty": content of a tool-call-only assistant turn
     system_mode: str = "native"  # "native" | "merge_into_user"
-
-
-@dataclass
-class Prepared:
-    """Template-ready messages plus the normalizations made to get them."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    normalizations: list[str] = field(default_factory=list)
 
 
 def render(
