@@ -35,11 +35,10 @@ def require_fixtures() -> None:
 @functools.lru_cache(maxsize=1)
 def qwen_tokenizer() -> Any:
     require_fixtures()
-    transformers = pytest.importorskip("transformers")
-    import logging
+    pytest.importorskip("transformers")
+    from dflash_etl.stages.tokenize import load_tokenizer
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    return transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    return load_tokenizer(str(TOKENIZER_DIR))  # the stage's loader, and its per-process cache
 
 
 # --- fixture rows → canonical conversations ------------------------------------------------------

@@ -55,14 +55,13 @@ def run_dir(tmp_path_factory) -> Path:
 
 def test_dataset_loads_with_datasets_and_masks_decode_to_replies(run_dir):
     from datasets import load_from_disk
-    from transformers import AutoTokenizer
 
     dataset = load_from_disk(str(run_dir / "tokenize" / "dataset"))
     assert {"input_ids", "loss_mask", "seq_len", "id", "source", "turn"} <= set(
         dataset.column_names)
     assert dataset.features["input_ids"].feature.dtype == "int32"
     assert dataset.num_rows == 3  # the prompt-only conversation has nothing to supervise
-    tok = AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER))
+    tok = tokenize.load_tokenizer(str(DEFAULT_TOKENIZER))
     texts = []
     for row in dataset:
         ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
@@ -144,13 +143,12 @@ def test_qwen36_multi_turn_reasoning_and_tool_calls(run_dir, tmp_path):
     import shutil
 
     from datasets import load_from_disk
-    from transformers import AutoTokenizer
 
     shutil.copytree(run_dir / "ingest", tmp_path / "run" / "ingest")
     doc = tokenize.run(None, tmp_path / "run", workers=1, model=str(QWEN), seq_length=2048)
     assert doc["total"]["rows_out"] == 3 and doc["total"]["rows_quarantined"] == 0
     dataset = load_from_disk(str(tmp_path / "run" / "tokenize" / "dataset"))
-    tok = AutoTokenizer.from_pretrained(str(QWEN))
+    tok = tokenize.load_tokenizer(str(QWEN))
     supervised = [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m])
                   for r in dataset]
     joined = "\n".join(supervised)
@@ -158,3 +156,28 @@ def test_qwen36_multi_turn_reasoning_and_tool_calls(run_dir, tmp_path):
     assert "<tool_call>" in joined and "Oslo" in joined
     assert all(s.rstrip().endswith("<|im_end|>") for s in supervised)
     assert "What is 12 + 30?" not in joined
+
+
+@pytest.mark.skipif(not QWEN.is_dir(), reason="../shared/fixtures/qwen36-tokenizer is absent")
+def test_fast_loader_matches_autotokenizer_on_qwen36():
+    """The stage loads tokenizer.json directly (no torch import); it must equal AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    fast = tokenize.load_tokenizer(str(QWEN))
+    auto = AutoTokenizer.from_pretrained(str(QWEN))
+    assert tokenize.load_tokenizer(str(QWEN)) is fast  # parsed once per process
+    assert len(fast) == len(auto)
+    assert (fast.eos_token, fast.bos_token, fast.pad_token) == (
+        auto.eos_token, auto.bos_token, auto.pad_token)
+    assert fast.all_special_tokens == auto.all_special_tokens
+    for row in _rows()[:2]:
+        kwargs = {"tools": row.get("tools"), "add_generation_prompt": False}
+        messages = [{**m, "tool_calls": [{**c, "function": {
+            **c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in m["tool_calls"]]} if "tool_calls" in m else m for m in row["messages"]]
+        text = fast.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert text == auto.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert "<tool_call>" in text or "Multiply five by six." in text
+        ids = fast(text, add_special_tokens=False)["input_ids"]
+        assert ids == auto(text, add_special_tokens=False)["input_ids"]
+        assert fast.decode(ids) == text

@@ -8,8 +8,10 @@ trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -24,10 +26,12 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_etl import suites
 from dflash_etl.accounting import Stats, stats_document
 from dflash_etl.config import PipelineConfig
 from dflash_etl.errors import ContractError, StageError
 from dflash_etl.progress import progress_bar
+from dflash_etl.report import publish_docs
 from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
 
 STAGE = "tokenize"
@@ -90,17 +94,26 @@ class TokenizeSettings:
 def load_tokenizer(model: str) -> Any:
     """A local tokenizer or model directory; never the hub, never remote code.
 
-    A directory with tokenizer.json loads as a plain fast tokenizer: AutoTokenizer would import
-    torch (through the model configs), which costs seconds in the main process and every worker.
+    Loaded once per process and directory (a 12 MB tokenizer.json takes seconds to parse); the
+    cache key includes the files' sizes and times, so an edited tokenizer is reloaded.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     path = Path(model)
     if not path.is_dir():
         raise StageError(f"--model {model!r} is not a directory: give a local tokenizer or model "
                          "directory (the hub is never used)")
+    signature = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                             for f in path.iterdir() if f.is_file()))
+    return _load_tokenizer(str(path.resolve()), signature)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(model: str, signature: tuple[Any, ...]) -> Any:
+    """A directory with tokenizer.json loads as a plain fast tokenizer: AutoTokenizer would import
+    torch (through the model configs), which costs seconds in every process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        if (path / "tokenizer.json").is_file():
+        if (Path(model) / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(model, local_files_only=True)
@@ -209,8 +222,8 @@ def draft_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int):
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(settings: TokenizeSettings, probe_state: Any) -> None:
-    _WORKER["tokenizer"] = load_tokenizer(settings.model)
+def _init_worker(tokenizer: Any, settings: TokenizeSettings, probe_state: Any) -> None:
+    _WORKER["tokenizer"] = tokenizer
     _WORKER["probe"] = probe_state
     _WORKER["settings"] = settings
     _WORKER["template"] = read_template(settings.chat_template)
@@ -265,6 +278,8 @@ def run(
                                              config.base_dir if config else None)
     run = RunDir(run_dir)
     timer = Timer()
+    thresholds = (suites.Thresholds.from_config(config) if config
+                  else suites.Thresholds.from_manifest(run.root))
     files = _conversations(run)
     tokenizer = load_tokenizer(settings.model)
     template_probe = probe(settings, tokenizer)
@@ -288,18 +303,23 @@ def run(
     chunks_dir = partial / "chunks"
     chunks_dir.mkdir(exist_ok=True)
     try:
-        results = _run_chunks(settings, template_probe, files, chunks_dir, progress, workers)
+        results = _run_chunks(settings, tokenizer, template_probe, files, chunks_dir,
+                              progress, workers)
         doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc)
+        write_json_atomic(partial / "stats.json", doc)
+        suites.gate(STAGE, partial, run.root, thresholds)
     except StageError as exc:
         run.fail(STAGE, str(exc))
+        publish_docs(run.root)
         raise
-    write_json_atomic(partial / "stats.json", doc)
     shutil.rmtree(chunks_dir)
     run.commit(STAGE, doc["total"], timer.seconds)
+    publish_docs(run.root)
     return doc
 
 
-def _run_chunks(settings, template_probe, files, chunks_dir: Path, progress, workers):
+def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, progress,
+                workers):
     results: dict[int, dict[str, Any]] = {}
     todo = []
     for index, conversations in _chunks(files):
@@ -312,15 +332,15 @@ def _run_chunks(settings, template_probe, files, chunks_dir: Path, progress, wor
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
     with progress_bar("tokenize", total=total, enabled=progress) as bar:
         bar.advance(len(results))
+        # Forked workers inherit the loaded tokenizer instead of parsing it again.
+        _init_worker(tokenizer, settings, template_probe)
         if n_workers == 1:
-            _init_worker(settings, template_probe)
             for item in todo:
                 result = _work(item)
                 results[result["index"]] = result
                 bar.advance(1)
         else:
-            with ProcessPoolExecutor(n_workers, initializer=_init_worker,
-                                     initargs=(settings, template_probe)) as pool:
+            with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
                 for result in pool.map(_work, todo):
                     results[result["index"]] = result
                     bar.advance(1)
