@@ -24,13 +24,14 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl import readers
+from dflash_etl import readers, suites
 from dflash_etl import schema as S
 from dflash_etl.accounting import Stats, stats_document
 from dflash_etl.config import PipelineConfig, SourceConfig
 from dflash_etl.errors import StageError
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.progress import progress_bar
+from dflash_etl.report import publish_docs
 from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
 
 STAGE = "ingest"
@@ -200,6 +201,7 @@ def run(
 
     run = RunDir(run_dir)
     timer = Timer()
+    thresholds = suites.Thresholds.from_config(config)
     sources = _inputs(config)
     inputs = [
         {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
@@ -226,12 +228,15 @@ def run(
     try:
         doc = _finish(config, jobs, results, partial, units_dir)
         validate_conversations(partial / "conversations", partial)
+        write_json_atomic(partial / "stats.json", doc)
+        suites.gate(STAGE, partial, run.root, thresholds)
     except StageError as exc:
         run.fail(STAGE, str(exc))
+        publish_docs(run.root)
         raise
-    write_json_atomic(partial / "stats.json", doc)
     shutil.rmtree(units_dir)
     run.commit(STAGE, doc["total"], timer.seconds)
+    publish_docs(run.root)
     return doc
 
 

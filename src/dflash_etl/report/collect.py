@@ -1,0 +1,112 @@
+"""What the report shows, read from a run directory's files (never from the data itself, except
+a few quarantine example rows): manifest, stats, probe, settings, contract and suite results."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from dflash_etl.suites import RESULT_FILE
+
+STAGES = ("ingest", "tokenize")
+EXAMPLES_PER_REASON = 2
+TOP_REASONS = 10
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class StageInfo:
+    """One stage as the report sees it: where its files are and what they say."""
+
+    name: str
+    directory: Path
+    status: str
+    partial: bool
+    manifest: dict[str, Any]
+    stats: dict[str, Any] | None = None
+    validation: dict[str, Any] | None = None
+    contract: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = None
+    draft_vocab: dict[str, Any] | None = None
+    token_freq: dict[str, Any] | None = None
+    quarantine: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gate_passed(self) -> bool | None:
+        """True/False when the suite ran; None when there is no suite result."""
+        return None if self.validation is None else bool(self.validation.get("passed"))
+
+    @property
+    def contract_passed(self) -> bool | None:
+        return None if self.contract is None else bool(self.contract.get("passed"))
+
+
+def quarantine_examples(path: Path) -> list[dict[str, Any]]:
+    """The most common quarantine reasons, each with a count and a few example rows."""
+    if not path.exists():
+        return []
+    frame = pl.read_parquet(path)
+    if frame.height == 0 or "reason" not in frame.columns:
+        return []
+    counts = frame.group_by("reason").len().sort(["len", "reason"], descending=[True, False])
+    out = []
+    keep = [c for c in ("source", "id", "file", "line", "message", "raw") if c in frame.columns]
+    for reason, n in counts.head(TOP_REASONS).iter_rows():
+        examples = frame.filter(pl.col("reason") == reason).head(EXAMPLES_PER_REASON)
+        out.append({"reason": reason, "count": n, "examples": examples.select(keep).to_dicts()})
+    return out
+
+
+def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo | None:
+    """The stage's published output, or its partial output when the stage failed."""
+    info = manifest.get("stages", {}).get(name, {})
+    status = info.get("status", "unknown")
+    final, partial = run_root / name, run_root / f".{name}.partial"
+    if status != "complete" and partial.is_dir():
+        directory, is_partial = partial, True
+    elif final.is_dir():
+        directory, is_partial = final, False
+    else:
+        return None
+    return StageInfo(
+        name=name, directory=directory, status=status, partial=is_partial, manifest=info,
+        stats=_json(directory / "stats.json"), validation=_json(directory / RESULT_FILE),
+        contract=_json(directory / "contract.json"), probe=_json(directory / "probe.json"),
+        settings=_json(directory / "settings.json"),
+        draft_vocab=_json(directory / "draft_vocab.json"),
+        token_freq=_json(directory / "token_freq.json"),
+        quarantine=quarantine_examples(directory / "quarantine.parquet"),
+    )
+
+
+def collect(run_root: Path) -> tuple[dict[str, Any], list[StageInfo]]:
+    run_root = Path(run_root)
+    manifest = _json(run_root / "manifest.json") or {}
+    stages = [s for s in (stage_info(run_root, n, manifest) for n in STAGES) if s is not None]
+    return manifest, stages
+
+
+def coverage_curve(token_freq: dict[str, Any], points: int = 60) -> list[tuple[float, float]]:
+    """Share of supervised tokens covered by the k most frequent tokens, for k up to all."""
+    counts = sorted((int(v) for v in token_freq.get("frequencies", {}).values()), reverse=True)
+    total = sum(counts)
+    if not total:
+        return []
+    step = max(1, len(counts) // points)
+    curve, running = [(0.0, 0.0)], 0
+    for k, c in enumerate(counts, start=1):
+        running += c
+        if k % step == 0 or k == len(counts):
+            curve.append((float(k), running / total))
+    return curve

@@ -1,0 +1,257 @@
+"""The report's pages: the run summary (index.html) and one page per validation."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.report.collect import StageInfo, coverage_curve
+from dflash_etl.report.html import badge, esc, page, table, truncate
+from dflash_etl.report.svg import curve_svg, histogram_svg
+
+HIST_LABELS = {
+    "n_turns": "turns per conversation",
+    "seq_len": "tokens per row (seq_len)",
+    "supervised_tokens": "supervised tokens per row",
+    "supervised_fraction": "supervised fraction per row",
+}
+PROBE_KEYS = ("strategy", "reason", "template_sha256", "template_source", "system_mode",
+              "tool_role", "tool_call_args", "reasoning_placement", "prefix_stable",
+              "prefix_detail", "generation_prompt", "accepted_role_orders",
+              "rejected_role_orders")
+POLICY_KEYS = ("strategy", "include_eot", "supervise_reasoning", "turns", "seq_length",
+               "truncation", "min_supervised_tokens", "draft_vocab_size", "chat_template",
+               "model")
+
+
+# --------------------------------------------------------------- pieces
+def _reasons(counts: dict[str, int] | None) -> str:
+    if not counts:
+        return "0"
+    inner = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda x: -x[1]))
+    return f"{sum(counts.values())} ({inner})"
+
+
+def accounting_section(stage: StageInfo) -> str:
+    if not stage.stats:
+        return '<p class="muted">no stats.json: the stage stopped before its accounting</p>'
+    total = stage.stats["total"]
+    key = stage.name
+    rows = [
+        ("rows in", f'<span data-key="{key}-rows_in">{total["rows_in"]}</span>'),
+        ("rows out", f'<span data-key="{key}-rows_out">{total["rows_out"]}</span>'),
+        ("quarantined (by reason)", escape(_reasons(total.get("quarantine_reasons")))),
+        ("filtered (by reason)", escape(_reasons(total.get("rows_filtered")))),
+    ]
+    for extra in ("rows_written", "tokens", "supervised_tokens", "rows_truncated"):
+        if extra in total:
+            rows.append((extra.replace("_", " "), f'<span data-key="{key}-{extra}">'
+                         f"{total[extra]}</span>"))
+    html = table(["", "count"], rows, raw=True)
+    sources = []
+    for name, s in stage.stats.get("sources", {}).items():
+        rate = s["rows_quarantined"] / s["rows_in"] if s["rows_in"] else 0.0
+        mix = s.get("mix") or {}
+        sources.append([name, s["rows_in"], s["rows_out"], s["rows_quarantined"],
+                        f"{rate:.1%}", _reasons(s.get("rows_filtered")),
+                        s.get("rows_written", mix.get("target_share"))])
+    last = "rows written" if stage.name == "tokenize" else "target share (weight)"
+    html += "<h3>Per source</h3>" + table(
+        ["source", "in", "out", "quarantined", "quarantine rate", "filtered", last], sources)
+    return html
+
+
+def quarantine_section(stage: StageInfo) -> str:
+    if not stage.quarantine:
+        return "<p>No quarantined rows.</p>"
+    parts = []
+    for item in stage.quarantine:
+        rows = []
+        for ex in item["examples"]:
+            where = f"{ex.get('file') or ''}:{ex.get('line') or ''}"
+            rows.append([ex.get("source"), ex.get("id") or where, truncate(ex.get("message")),
+                         truncate(ex.get("raw"), 200) if "raw" in ex else None])
+        parts.append(f"<h3><code>{escape(item['reason'])}</code>: {item['count']} rows</h3>"
+                     + table(["source", "where", "message", "raw"], rows))
+    return "".join(parts)
+
+
+def charts_section(stage: StageInfo) -> str:
+    profile = (stage.validation or {}).get("profile") or {}
+    if not profile:
+        return '<p class="muted">no histograms: the suite did not run on this output</p>'
+    figures = []
+    for name, hist in profile.items():
+        label = HIST_LABELS.get(name, name)
+        mean = f", mean {hist['mean']:.3g}" if hist.get("mean") is not None else ""
+        figures.append(f"<figure>{histogram_svg(hist, label)}<figcaption>{escape(label)}: "
+                       f"{hist.get('n', 0)} rows{mean}</figcaption></figure>")
+    return f'<div class="charts">{"".join(figures)}</div>'
+
+
+def tokenize_section(stage: StageInfo) -> str:
+    html = ""
+    if stage.probe:
+        probe_rows = [(k, stage.probe.get(k)) for k in PROBE_KEYS if k in stage.probe]
+        html += "<h3>Template probe and mask strategy</h3>" + table(["", "value"], probe_rows)
+    if stage.settings:
+        policy = [(k, stage.settings.get(k)) for k in POLICY_KEYS if k in stage.settings]
+        html += "<h3>Mask policy (settings)</h3>" + table(["", "value"], policy)
+    strategies = (stage.stats or {}).get("total", {}).get("strategies")
+    if strategies:
+        html += "<h3>Rows per mask strategy</h3>" + table(
+            ["strategy", "rows"], sorted(strategies.items()))
+    if stage.draft_vocab or stage.token_freq:
+        dv, tf = stage.draft_vocab or {}, stage.token_freq or {}
+        coverage = dv.get("coverage")
+        html += "<h3>Draft vocabulary</h3>" + table(["", "value"], [
+            ("draft vocab size", dv.get("size")),
+            ("coverage of supervised tokens",
+             f"{coverage:.2%}" if isinstance(coverage, float | int) else None),
+            ("distinct supervised tokens", tf.get("distinct_tokens")),
+            ("supervised tokens", tf.get("supervised_tokens")),
+            ("target vocab size", tf.get("vocab_size")),
+        ])
+        if tf:
+            html += ("<figure>" + curve_svg(coverage_curve(tf), "coverage",
+                                            "k most frequent supervised tokens")
+                     + "<figcaption>share of supervised tokens covered by the k most frequent "
+                       "tokens</figcaption></figure>")
+    return html
+
+
+def gate_cells(stage: StageInfo, link: bool = True) -> list[str]:
+    contract = badge(stage.contract_passed)
+    suite = badge(stage.gate_passed)
+    if link and stage.validation is not None:
+        suite += f' <a href="validations/{stage.name}.html">validation page</a>'
+    status_ok = None if stage.status in ("running", "unknown") else stage.status == "complete"
+    where = f"{stage.directory}" + (" (partial: not published)" if stage.partial else "")
+    return [escape(stage.name), badge(status_ok, stage.status.upper()), contract, suite,
+            f"<code>{escape(where)}</code>"]
+
+
+# --------------------------------------------------------------- pages
+def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInfo]) -> str:
+    ok = all(s.status == "complete" and s.gate_passed is not False
+             and s.contract_passed is not False for s in stages) and bool(stages)
+    nav = "<nav>" + "".join(
+        f'<a href="validations/{s.name}.html">{escape(s.name)} validation</a>'
+        for s in stages if s.validation is not None) + "</nav>"
+    body = [f"<section><h2>Run {badge(ok, 'ALL GATES PASSED' if ok else 'FAILED')}</h2>"
+            + table(["", "value"], [
+                ("run directory", str(run_root)),
+                ("config hash", manifest.get("config_hash")),
+                ("dflash-etl", (manifest.get("packages") or {}).get("dflash-etl")),
+                ("great-expectations", (manifest.get("packages") or {}).get(
+                    "great-expectations")),
+                ("input files", len(manifest.get("inputs") or [])),
+            ]) + "<h3>Gates</h3>"
+            + table(["stage", "status", "contract", "suite", "output"],
+                    [gate_cells(s) for s in stages], raw=True) + "</section>"]
+    for s in stages:
+        error = s.manifest.get("error")
+        failed = f"<h3>Error</h3><pre>{escape(error)}</pre>" if error and s.status == "failed" \
+            else ""
+        timing = s.manifest.get("seconds")
+        body.append(
+            f'<section id="stage-{s.name}"><h2>{escape(s.name)} '
+            f"{badge(s.status == 'complete', s.status.upper())}</h2>{failed}"
+            + (f'<p class="muted">{timing} s</p>' if timing is not None else "")
+            + "<h3>Row accounting</h3>" + accounting_section(s)
+            + (tokenize_section(s) if s.name == "tokenize" else "")
+            + "<h3>Distributions</h3>" + charts_section(s)
+            + "<h3>Top quarantine reasons</h3>" + quarantine_section(s) + "</section>")
+    if not stages:
+        body.append("<section><p>No stage output in this run yet.</p></section>")
+    title = f"dflash-etl run {run_root.name}"
+    return page(title, "".join(body), nav)
+
+
+def expectation_rows(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    rows, classes = [], []
+    for e in result.get("expectations", []):
+        observed = e.get("observed_value")
+        if e.get("unexpected_count") is not None:
+            pct = e.get("unexpected_percent") or 0.0
+            observed = f"{e['unexpected_count']} of {e.get('element_count')} unexpected " \
+                       f"({pct:.2f}%)"
+        samples = ""
+        if e.get("samples"):
+            samples += f"values: {esc(e['samples'])}"
+        if e.get("sample_rows"):
+            samples += f"<br>rows: {esc(e['sample_rows'])}"
+        if e.get("error"):
+            samples += f"<br>error: <code>{escape(truncate(e['error'], 500))}</code>"
+        rows.append([badge(bool(e["success"])), escape(e.get("frame", "")),
+                     f"<code>{escape(str(e.get('type')))}</code>",
+                     escape(", ".join(map(str, e.get("columns", [])))) or "table",
+                     esc(e.get("kwargs") or None), esc(observed), samples,
+                     escape(e.get("why", ""))])
+        classes.append("" if e["success"] else "failed")
+    return rows, classes
+
+
+def validation_body(result: dict[str, Any], heading: str) -> str:
+    stats = result.get("statistics", {})
+    rows, classes = expectation_rows(result)
+    sources = result.get("sources") or []
+    source_table = ""
+    if sources:
+        cols = list(sources[0])
+        source_table = "<h3>Per-source frame</h3>" + table(
+            cols, [[r.get(c) for c in cols] for r in sources])
+    return (
+        f'<section data-suite="{escape(result.get("suite", ""))}">'
+        f"<h2>{escape(heading)} {badge(bool(result.get('passed')))}</h2>"
+        + table(["", "value"], [
+            ("suite", f"expectations/{result.get('suite')}.json"),
+            ("output", result.get("stage_dir")),
+            ("rows validated", result.get("rows")),
+            ("expectations", f"{stats.get('successful')} of {stats.get('evaluated')} passed"),
+            ("parameters", result.get("parameters")),
+            ("seconds", result.get("seconds")),
+        ])
+        + "<h3>Expectations</h3>"
+        + table(["status", "frame", "expectation", "column", "limits", "observed",
+                 "unexpected samples", "why"], rows, classes, raw=True)
+        + source_table + "</section>"
+    )
+
+
+def validation_page(stage: StageInfo) -> str:
+    result = stage.validation or {}
+    nav = '<nav><a href="../index.html">run summary</a></nav>'
+    body = validation_body(result, f"{stage.name}: suite {result.get('suite')}")
+    if stage.contract:
+        contract_rows = [[f.get("check"), f.get("column"), f.get("shard"), f.get("count"),
+                          f.get("samples")] for f in stage.contract.get("failures", [])]
+        body += (f"<section><h2>Contract {escape(str(stage.contract.get('contract')))} "
+                 f"{badge(stage.contract_passed)}</h2>"
+                 f"<p>{stage.contract.get('rows')} rows in {stage.contract.get('shards')} "
+                 "shards</p>"
+                 + (table(["check", "column", "shard", "failing", "samples"], contract_rows)
+                    if contract_rows else "<p>All contract checks passed.</p>") + "</section>")
+    title = f"{stage.name} validation — {'passed' if result.get('passed') else 'FAILED'}"
+    return page(title, body, nav)
+
+
+def check_page(report: dict[str, Any]) -> str:
+    """`dflash-etl check --report`: contracts and suites of each checked output."""
+    parts = [f"<section><h2>Check {badge(bool(report.get('passed')))}</h2>"
+             f"<pre>{escape(report.get('summary', ''))}</pre></section>"]
+    for stage in report.get("stages", []):
+        failures = [[f.get("check"), f.get("column"), f.get("shard"), f.get("count"),
+                     f.get("samples")] for f in stage.get("failures", [])]
+        parts.append(
+            f"<section><h2>Contract {escape(str(stage.get('contract')))} on "
+            f"<code>{escape(str(stage.get('path')))}</code> {badge(bool(stage.get('passed')))}"
+            "</h2>" + (table(["check", "column", "shard", "failing", "samples"], failures)
+                       if failures else "<p>All contract checks passed.</p>")
+            + "".join(f"<p>accounting: {escape(p)}</p>"
+                      for p in stage.get("accounting_problems", [])) + "</section>")
+        if stage.get("suite_result"):
+            parts.append(validation_body(stage["suite_result"],
+                                         f"Suite {stage['suite_result'].get('suite')}"))
+    return page("dflash-etl check", "".join(parts))
