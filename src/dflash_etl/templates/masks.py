@@ -30,6 +30,7 @@ Decisions (documented so reviewers can check them):
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from dataclasses import dataclass, field
@@ -541,6 +542,15 @@ def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]
     return list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]]
 
 
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    """Token ids to text with special tokens kept and no clean-up (the backend directly: the
+    wrapper's argument conversion costs more than the decode)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=False)
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 def _encode_row(
     tokenizer: Any, text: str, split_at: int | None
 ) -> tuple[list[int], list[tuple[int, int]]]:
@@ -567,17 +577,20 @@ def _build_row(
 ) -> TokenizedRow:
     """Encode the row text, mark tokens starting inside spans, truncate, verify."""
     ids, offs = _encode_row(tokenizer, text, split_at)
+    encoded = (list(ids), offs)
     mask = [0] * len(ids)
+    starts = [a for a, _ in offs]
     for s, e in spans:
-        for t, (a, b) in enumerate(offs):
-            if a < s < b or a < e < b:
+        for boundary in (s, e):  # the only token that can straddle is the one starting before
+            t = bisect.bisect_left(starts, boundary) - 1
+            if t >= 0 and starts[t] < boundary < offs[t][1]:
+                a, b = offs[t]
                 raise MaskRefused(
                     R_TOKEN_STRADDLES_BOUNDARY,
-                    f"token {t} {text[a:b]!r} straddles the reply boundary at char "
-                    f"{s if a < s < b else e}",
+                    f"token {t} {text[a:b]!r} straddles the reply boundary at char {boundary}",
                 )
-            if s <= a < e:
-                mask[t] = 1
+        for t in range(bisect.bisect_left(starts, s), bisect.bisect_left(starts, e)):
+            mask[t] = 1
     exp = list(expected)
     if append_eos:
         ids.append(int(probe.eos_fallback_id))  # type: ignore[arg-type]
@@ -601,7 +614,7 @@ def _build_row(
             R_TOO_FEW_SUPERVISED,
             f"longest supervised run is {longest} tokens < {policy.min_supervised_tokens}",
         )
-    verify_row(row, tokenizer)
+    verify_row(row, tokenizer, encoded)
     return row
 
 
@@ -623,10 +636,15 @@ def _longest_run(mask: list[int]) -> int:
     return max((e - s for s, e in _runs(mask)), default=0)
 
 
-def verify_row(row: TokenizedRow, tokenizer: Any) -> None:
+def verify_row(
+    row: TokenizedRow,
+    tokenizer: Any,
+    encoded: tuple[list[int], list[tuple[int, int]]] | None = None,
+) -> None:
     """Re-check a row from its ids: spans decode to the replies, boundaries sit where they should.
 
-    Raises MaskRefused(mask_verification_failed) on any mismatch.
+    `encoded` is the text's (ids, offsets) when the caller has just computed them; otherwise the
+    text is encoded again. Raises MaskRefused(mask_verification_failed) on any mismatch.
     """
 
     def fail(msg: str) -> None:
@@ -642,16 +660,14 @@ def verify_row(row: TokenizedRow, tokenizer: Any) -> None:
         fail("row metadata is inconsistent")
     if len(runs) != len(row.expected) and not (row.truncated and len(runs) < len(row.expected)):
         fail(f"{len(runs)} supervised spans, expected {len(row.expected)}")
-    ids, offs = _encode_row(tokenizer, row.text, row.split_at)
+    ids, offs = encoded or _encode_row(tokenizer, row.text, row.split_at)
     ref = ids + ([row.input_ids[-1]] if row.eos_appended and len(ids) < n else [])
     if row.eos_appended and not row.truncated and len(ids) + 1 != n:
         fail("row has an appended eos but is not text + eos")
     if ref[:n] != row.input_ids or (not row.truncated and len(ref) != n):
         fail("input_ids are not the tokenization of the rendered text")
     for j, (a, b) in enumerate(runs):
-        got = tokenizer.decode(
-            row.input_ids[a:b], skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+        got = _decode(tokenizer, row.input_ids[a:b])
         want = row.expected[j]
         last_cut = row.truncated and j == len(runs) - 1 and b == n
         if last_cut:
