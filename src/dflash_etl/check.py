@@ -1,4 +1,4 @@
-"""`dflash-etl check`: contracts and row accounting on any stage output or a whole run."""
+"""`dflash-etl check`: contracts, row accounting and suites on any stage output or a whole run."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from dflash_etl.accounting import AccountingError, Stats
 from dflash_etl.contracts import format_failures, load_contract, validate_files
+from dflash_etl.suites import STAGE_SUITES, Thresholds, describe_failure, run_suite
 
 # A stage output is recognised by what it holds: (subdirectory with shards, contract name).
 LAYOUTS = {"ingest": ("conversations", "conversations"), "tokenize": ("dataset", "tokenized")}
@@ -27,7 +28,7 @@ def _check_stats(stage_dir: Path) -> list[str]:
     return problems
 
 
-def check_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
+def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, Any]:
     subdir, contract_name = LAYOUTS[kind]
     files = sorted((stage_dir / subdir).glob("*.parquet")) + sorted(
         (stage_dir / subdir).glob("*.arrow"))
@@ -40,6 +41,11 @@ def check_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
     report["path"] = str(stage_dir)
     report["accounting_problems"] = accounting
     report["passed"] = report["passed"] and not accounting
+    if suites:  # thresholds: the run's [expectations] (its manifest), else the defaults
+        suite = run_suite(stage_dir, STAGE_SUITES[kind], Thresholds.from_manifest(
+            stage_dir.parent))
+        report["suite_result"] = suite
+        report["passed"] = report["passed"] and suite["passed"]
     return report
 
 
@@ -50,20 +56,26 @@ def _kind(path: Path) -> str | None:
     return None
 
 
-def check_path(path: Path) -> dict[str, Any]:
-    """Check one stage output, or every stage output found in a run directory."""
+def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dict[str, Any]:
+    """Check one stage output, or every stage output found in a run directory; `suite` limits
+    the check to the outputs of that suite (conversations, tokenized)."""
+    if suite is not None and suite not in STAGE_SUITES.values():
+        return {"passed": False, "stages": [], "summary":
+                f"FAIL: unknown suite {suite!r}; known: {sorted(STAGE_SUITES.values())}"}
     if not path.exists():
         return {"passed": False, "stages": [], "summary": f"FAIL: {path} does not exist"}
     kind = _kind(path)
     targets = [(path, kind)] if kind else [
-        (child, _kind(child)) for child in sorted(path.iterdir()) if child.is_dir()
+        (child, _kind(child)) for child in sorted(path.iterdir())
+        if child.is_dir() and not child.name.startswith(".")  # .<stage>.partial: unpublished
     ]
-    targets = [(p, k) for p, k in targets if k]
+    targets = [(p, k) for p, k in targets
+               if k and (suite is None or STAGE_SUITES[k] == suite)]
     if not targets:
         known = ", ".join(f"{k}/ (with {s}/)" for k, (s, _) in LAYOUTS.items())
         return {"passed": False, "stages": [],
                 "summary": f"FAIL: no stage output found in {path}; expected one of: {known}"}
-    reports = [check_stage(p, k) for p, k in targets]
+    reports = [check_stage(p, k, suites) for p, k in targets]
     lines = []
     for r in reports:
         status = "PASS" if r["passed"] else "FAIL"
@@ -72,6 +84,16 @@ def check_path(path: Path) -> dict[str, Any]:
         if r["failures"]:
             lines.append(format_failures(r))
         lines.extend(f"  - accounting: {p}" for p in r["accounting_problems"])
+        result = r.get("suite_result")
+        if result:
+            stats = result["statistics"]
+            lines.append(f"{'PASS' if result['passed'] else 'FAIL'} {r['stage']}: suite "
+                         f"{result['suite']!r}, {stats['successful']} of {stats['evaluated']} "
+                         f"expectations passed on {result['rows']} rows")
+            failed = [e for e in result["expectations"] if not e["success"]]
+            lines.extend(describe_failure(e) for e in failed[:6])
+            if len(failed) > 6:
+                lines.append(f"  … and {len(failed) - 6} more (see --report / --json)")
     passed = all(r["passed"] for r in reports)
     lines.append("all checks passed" if passed else "checks FAILED")
     return {"passed": passed, "stages": reports, "summary": "\n".join(lines)}

@@ -1,4 +1,5 @@
-"""`dflash-etl`: one subcommand per stage, plus `run` (every stage) and `check` (for CI)."""
+"""`dflash-etl`: one subcommand per stage, plus `run` (every stage), `check` (for CI) and `docs`
+(the run's HTML report)."""
 
 from __future__ import annotations
 
@@ -103,16 +104,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         _say("tokenize skipped: no [tokenize] model in the config")
     _say(f"manifest: {Path(args.run) / 'manifest.json'}")
+    _say(f"report:   {_docs(args.run)}")
+    return 0
+
+
+def _docs(run: str) -> Path:
+    from dflash_etl.report import build_docs
+
+    return build_docs(run) / "index.html"
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    """Rebuild runs/<name>/docs/ from the files the run left (no data is re-validated)."""
+    if not (Path(args.run) / "manifest.json").exists():
+        raise StageError(f"{args.run} is not a run directory (no manifest.json): give the "
+                         "--run directory a `dflash-etl run` or stage wrote")
+    _say(f"report: {_docs(args.run)}")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from dflash_etl.check import check_path
 
-    report = check_path(Path(args.path))
+    report = check_path(Path(args.path), suite=args.suite)
     _say(report["summary"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    if args.report:
+        from dflash_etl.report import build_check_report
+
+        _say(f"report: {build_check_report(report, args.report)}")
     return 0 if report["passed"] else 1
 
 
@@ -162,10 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     stage_args(p, config_required=False)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("check", help="contract checks of a stage output or a whole run (exit 0/1)")
+    p = sub.add_parser("check", help="contracts and suites on a stage output or a whole run "
+                                     "(exit 0/1)")
     p.add_argument("path", help="a stage output directory (e.g. runs/x/ingest) or a run directory")
+    p.add_argument("--suite", help="only the outputs of this suite: conversations or tokenized")
     p.add_argument("--json", help="also write the full report as JSON here")
+    p.add_argument("--report", help="also write an HTML report: a directory (index.html inside) "
+                                    "or a .html file")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("docs", help="rebuild a run's HTML report (runs/<name>/docs/index.html)")
+    p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
+    p.set_defaults(func=cmd_docs)
     return parser
 
 

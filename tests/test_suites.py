@@ -1,0 +1,259 @@
+"""The great-expectations suites on real runs of the embedded default: they pass on a good run,
+each important expectation fails on a deliberately corrupted copy, and a failing gate stops the
+stage with a message that names the expectation, the column, sample values and the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_etl import suites
+from dflash_etl.cli import main
+from dflash_etl.config import ConfigError
+
+DEFAULT_LIMITS = {"max_quarantine_rate_per_source": {"openai_chat": 0.10}}
+
+
+def _failed(result: dict) -> dict[tuple[str, str], dict]:
+    """Failing expectations by (type, first column)."""
+    return {(e["type"], (e["columns"] or [""])[0]): e
+            for e in result["expectations"] if not e["success"]}
+
+
+def _copy(stage_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / stage_dir.name
+    shutil.copytree(stage_dir, target)
+    return target
+
+
+def _rewrite_dataset(stage_dir: Path, change) -> None:
+    """Apply `change` (polars frame -> frame) to the datasets Arrow file, keeping its schema."""
+    path = next((stage_dir / "dataset").glob("*.arrow"))
+    # read a copy, not a memory map: the file is overwritten below
+    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all()
+    frame = change(pl.from_arrow(table))
+    new = frame.to_arrow().cast(table.schema)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(new)
+
+
+def _rewrite_shard(stage_dir: Path, change) -> None:
+    shard = next((stage_dir / "conversations").glob("*.parquet"))
+    schema = pq.read_schema(shard)
+    pq.write_table(change(pl.read_parquet(shard)).to_arrow().cast(schema), shard)
+
+
+# --------------------------------------------------------------- pure parts (no GE)
+def test_longest_runs_matches_a_plain_loop():
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 2, size=rng.integers(0, 12)).astype(np.int8) for _ in range(300)]
+    rows += [np.array([], np.int8), np.ones(5, np.int8), np.array([1, 0, 1, 1], np.int8)]
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    values = np.concatenate(rows)
+
+    def loop(row):
+        best = run = 0
+        for v in row:
+            run = run + 1 if v == 1 else 0
+            best = max(best, run)
+        return best
+
+    assert suites.longest_runs(values, offsets).tolist() == [loop(r) for r in rows]
+
+
+def test_thresholds_come_from_the_config_and_unknown_keys_are_refused():
+    t = suites.Thresholds.from_section({"share_tolerance": 0.1,
+                                        "max_quarantine_rate_per_source": {"a": 0.5}})
+    assert t.values["share_tolerance"] == 0.1 and t.values["max_quarantine_rate"] == 0.05
+    assert t.quarantine_limit("a") == 0.5 and t.quarantine_limit("b") == 0.05
+    with pytest.raises(ConfigError, match=r"unknown keys.*max_quarantine"):
+        suites.Thresholds.from_section({"max_quarantine": 0.1})
+    with pytest.raises(ConfigError, match="min_mean_supervised_fraction"):
+        suites.Thresholds.from_section({"min_mean_supervised_fraction": 0.9,
+                                        "max_mean_supervised_fraction": 0.1})
+
+
+def test_suite_files_name_only_known_parameters():
+    params = {**suites.DEFAULTS, "seq_length": 1, "min_supervised_tokens": 2}
+    for name in ("conversations", "tokenized"):
+        spec = suites.load_suite(name)
+        for frame in spec["frames"].values():
+            for item in frame["expectations"]:
+                suites.resolve(item["kwargs"], params, name)  # raises on an unknown name
+                assert item["type"].startswith("expect_") and item["meta"]["why"]
+
+
+# --------------------------------------------------------------- the gates on a real run
+def test_default_run_passes_both_gates_and_saves_results(default_run_dir):
+    manifest = json.loads((default_run_dir / "manifest.json").read_text())
+    for stage, suite in suites.STAGE_SUITES.items():
+        assert manifest["stages"][stage]["status"] == "complete"
+        result = json.loads((default_run_dir / stage / suites.RESULT_FILE).read_text())
+        assert result["suite"] == suite and result["passed"], suites.failure_message(
+            result, None, Path("-"))
+        assert result["statistics"]["evaluated"] >= 10
+        assert result["great_expectations"]["rows"]["success"] is True
+    ingest = json.loads((default_run_dir / "ingest" / suites.RESULT_FILE).read_text())
+    stats = json.loads((default_run_dir / "ingest" / "stats.json").read_text())
+    assert ingest["rows"] == stats["total"]["rows_out"]
+    weighted = {r["source"]: r for r in ingest["sources"] if r["target_share"] is not None}
+    assert set(weighted) == {"orca", "parts"}
+    assert all(r["share_error"] <= 0.05 for r in weighted.values())
+    tokenized = json.loads((default_run_dir / "tokenize" / suites.RESULT_FILE).read_text())
+    assert tokenized["parameters"]["seq_length"] == 1024
+    assert tokenized["profile"]["seq_len"]["n"] == tokenized["rows"]
+    assert (default_run_dir / "docs" / "index.html").exists()
+
+
+def test_broken_role_order_fails_with_the_rows_roles(default_run_dir, tmp_path):
+    stage = _copy(default_run_dir / "ingest", tmp_path)
+
+    def reverse_first(frame: pl.DataFrame) -> pl.DataFrame:
+        messages = frame["messages"].to_list()
+        messages[0] = list(reversed(messages[0]))  # assistant first
+        return frame.with_columns(pl.Series("messages", messages, dtype=frame["messages"].dtype))
+
+    _rewrite_shard(stage, reverse_first)
+    result = suites.run_suite(stage, "conversations",
+                              suites.Thresholds.from_section(DEFAULT_LIMITS))
+    failed = _failed(result)
+    assert set(failed) == {("expect_column_values_to_be_in_set", "role_order_valid"),
+                           ("expect_column_values_to_be_in_set", "first_role")}
+    order = failed[("expect_column_values_to_be_in_set", "role_order_valid")]
+    assert order["unexpected_count"] == 1 and order["samples"] == [False]
+    assert order["sample_rows"][0]["roles"].startswith("A")
+    first = failed[("expect_column_values_to_be_in_set", "first_role")]
+    assert first["samples"] == ["assistant"]
+    message = suites.failure_message(result, Path("r/docs/validations/ingest.html"),
+                                     stage / "validation.json")
+    assert "the conversations suite failed" in message and "2 of 15 expectations" in message
+    assert "column 'role_order_valid'" in message and '"roles": "A' in message
+    assert "Report: r/docs/validations/ingest.html" in message and "[expectations]" in message
+
+
+def test_a_single_supervised_token_and_seq_len_over_the_limit_fail(default_run_dir, tmp_path):
+    stage = _copy(default_run_dir / "tokenize", tmp_path)
+    settings = json.loads((stage / "settings.json").read_text())
+    limit = settings["seq_length"]
+
+    def corrupt(frame: pl.DataFrame) -> pl.DataFrame:
+        ids, masks = frame["input_ids"].to_list(), frame["loss_mask"].to_list()
+        masks[0] = [0] * len(masks[0])
+        masks[0][-1] = 1  # one supervised token: nothing for a block drafter to learn
+        ids[1] = (ids[1] * (limit // len(ids[1]) + 2))[: limit + 7]  # over seq_length
+        masks[1] = (masks[1] * (limit // len(masks[1]) + 2))[: limit + 7]
+        seq = frame["seq_len"].to_list()
+        seq[1] = limit + 7
+        return frame.with_columns(pl.Series("input_ids", ids), pl.Series("loss_mask", masks),
+                                  pl.Series("seq_len", seq))
+
+    _rewrite_dataset(stage, corrupt)
+    result = suites.run_suite(stage, "tokenized", suites.Thresholds.from_section(DEFAULT_LIMITS))
+    failed = _failed(result)
+    assert set(failed) == {("expect_column_values_to_be_between", "longest_supervised_run"),
+                           ("expect_column_values_to_be_between", "seq_len")}
+    run = failed[("expect_column_values_to_be_between", "longest_supervised_run")]
+    assert run["samples"] == [1] and run["kwargs"]["min_value"] == 2
+    assert run["sample_rows"][0]["supervised_tokens"] == 1
+    seq = failed[("expect_column_values_to_be_between", "seq_len")]
+    assert seq["samples"] == [limit + 7] and seq["kwargs"]["max_value"] == limit
+    text = "\n".join(suites.describe_failure(e) for e in failed.values())
+    assert "column 'longest_supervised_run'" in text and "1 of " in text
+    assert f"\"max_value\": {limit}" in text and f"[{limit + 7}]" in text
+
+
+def test_mean_supervised_fraction_bounds_come_from_the_config(default_run_dir):
+    tight = suites.Thresholds.from_section({**DEFAULT_LIMITS,
+                                            "min_mean_supervised_fraction": 0.9,
+                                            "max_mean_supervised_fraction": 1.0})
+    result = suites.run_suite(default_run_dir / "tokenize", "tokenized", tight)
+    failed = _failed(result)
+    assert list(failed) == [("expect_column_mean_to_be_between", "supervised_fraction")]
+    entry = failed[("expect_column_mean_to_be_between", "supervised_fraction")]
+    assert 0.05 < entry["observed_value"] < 0.9
+    assert "observed 0." in suites.describe_failure(entry)
+
+
+def test_source_share_off_the_mix_fails(default_run_dir, tmp_path):
+    stage = _copy(default_run_dir / "ingest", tmp_path)
+    orca = pl.read_parquet(next((stage / "conversations").glob("*.parquet"))).filter(
+        pl.col("source") == "orca")
+    drop = set(orca["id"].to_list()[4:])  # keep 4 orca rows next to 24 parts rows
+    _rewrite_shard(stage, lambda f: f.filter(~pl.col("id").is_in(list(drop))))
+    stats = json.loads((stage / "stats.json").read_text())
+    stats["sources"]["orca"]["rows_out"] -= len(drop)  # the accounting agrees; the mix does not
+    (stage / "stats.json").write_text(json.dumps(stats))
+    result = suites.run_suite(stage, "conversations",
+                              suites.Thresholds.from_section(DEFAULT_LIMITS))
+    failed = _failed(result)
+    assert list(failed) == [("expect_column_values_to_be_between", "share_error")]
+    entry = failed[("expect_column_values_to_be_between", "share_error")]
+    assert entry["unexpected_count"] == 2  # orca too low, parts too high
+    assert {r["source"] for r in entry["sample_rows"]} == {"orca", "parts"}
+
+
+def test_quarantine_rate_over_the_maximum_names_the_sources(default_run_dir):
+    strict = suites.Thresholds.from_section({"max_quarantine_rate": 0.02})
+    result = suites.run_suite(default_run_dir / "ingest", "conversations", strict)
+    failed = _failed(result)
+    key = ("expect_column_pair_values_a_to_be_greater_than_b", "max_quarantine_rate")
+    assert list(failed) == [key]
+    # openai_chat 6/99, openai_tools 1/31, glaive 1/21 are above 2%; sharegpt 1/62 is not
+    assert {r["source"] for r in failed[key]["sample_rows"]} == {
+        "openai_chat", "openai_tools", "glaive"}
+    assert failed[key]["unexpected_count"] == 3
+
+
+def test_a_failed_gate_stops_the_stage_and_explains_itself(failed_gate_run):
+    run, code, stderr = failed_gate_run
+    assert code == 1
+    assert "the conversations suite failed" in stderr
+    assert "expect_column_pair_values_a_to_be_greater_than_b" in stderr
+    assert "'max_quarantine_rate', 'quarantine_rate'" in stderr and "openai_chat" in stderr
+    report = run / "docs" / "validations" / "ingest.html"
+    assert f"Report: {report}" in stderr and report.exists()
+    assert "FAILED" in report.read_text()
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stages"]["ingest"]["status"] == "failed"
+    assert "quarantine_rate" in manifest["stages"]["ingest"]["error"]
+    assert not (run / "ingest").exists()  # nothing was published
+    result = json.loads((run / ".ingest.partial" / suites.RESULT_FILE).read_text())
+    assert result["passed"] is False
+
+
+def test_check_runs_contracts_and_suites_with_a_one_screen_summary(default_run_dir, tmp_path,
+                                                                   capsys):
+    out = tmp_path / "report"
+    assert main(["check", str(default_run_dir), "--report", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "PASS ingest: suite 'conversations'" in summary
+    assert "PASS tokenize: suite 'tokenized'" in summary
+    assert len(summary.splitlines()) < 25
+    html = (out / "index.html").read_text()
+    assert "Suite tokenized" in html and 'data-status="fail"' not in html
+
+    broken = _copy(default_run_dir / "tokenize", tmp_path)
+    _rewrite_dataset(broken, lambda f: f.with_columns(pl.col("seq_len") + 5000))
+    assert main(["check", str(broken), "--suite", "tokenized", "--report",
+                 str(tmp_path / "bad.html")]) == 1
+    summary = capsys.readouterr().out
+    assert "FAIL tokenize: suite 'tokenized'" in summary and "column 'seq_len'" in summary
+    assert len(summary.splitlines()) < 40
+    assert 'data-status="fail"' in (tmp_path / "bad.html").read_text()
+    assert main(["check", str(default_run_dir), "--suite", "nope"]) == 1
+    assert "unknown suite 'nope'" in capsys.readouterr().out
+
+
+def test_docs_command_rebuilds_the_report(default_run_dir, tmp_path, capsys):
+    (default_run_dir / "docs" / "index.html").unlink()
+    assert main(["docs", "--run", str(default_run_dir)]) == 0
+    assert (default_run_dir / "docs" / "index.html").exists()
+    assert main(["docs", "--run", str(tmp_path / "nothing")]) == 1
+    assert "not a run directory" in capsys.readouterr().err
