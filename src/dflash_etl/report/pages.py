@@ -169,6 +169,21 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
     return page(title, "".join(body), nav)
 
 
+def _short(value: Any) -> Any:
+    """Floats to 4 decimals (also inside lists), for tables a person reads."""
+    if isinstance(value, list):
+        return [_short(v) for v in value]
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def sample_rows_table(rows: list[dict[str, Any]]) -> str:
+    """The failing rows of an expectation as a small table (checked columns first)."""
+    if not rows:
+        return ""
+    cols = [c for c in rows[0] if any(r.get(c) is not None for r in rows)]
+    return table(cols, [[_short(r.get(c)) for c in cols] for r in rows])
+
+
 def expectation_rows(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
     rows, classes = [], []
     for e in result.get("expectations", []):
@@ -179,16 +194,16 @@ def expectation_rows(result: dict[str, Any]) -> tuple[list[list[str]], list[str]
                        f"({pct:.2f}%)"
         samples = ""
         if e.get("samples"):
-            samples += f"values: {esc(e['samples'])}"
+            samples += f"values: {esc(_short(e['samples']))}"
         if e.get("sample_rows"):
-            samples += f"<br>rows: {esc(e['sample_rows'])}"
+            samples += sample_rows_table(e["sample_rows"])
         if e.get("error"):
             samples += f"<br>error: <code>{escape(truncate(e['error'], 500))}</code>"
         rows.append([badge(bool(e["success"])), escape(e.get("frame", "")),
-                     f"<code>{escape(str(e.get('type')))}</code>",
+                     f"<code>{escape(str(e.get('type')))}</code>"
+                     f'<div class="muted">{escape(e.get("why", ""))}</div>',
                      escape(", ".join(map(str, e.get("columns", [])))) or "table",
-                     esc(e.get("kwargs") or None), esc(observed), samples,
-                     escape(e.get("why", ""))])
+                     esc(e.get("kwargs") or None), esc(_short(observed)), samples])
         classes.append("" if e["success"] else "failed")
     return rows, classes
 
@@ -201,7 +216,7 @@ def validation_body(result: dict[str, Any], heading: str) -> str:
     if sources:
         cols = list(sources[0])
         source_table = "<h3>Per-source frame</h3>" + table(
-            cols, [[r.get(c) for c in cols] for r in sources])
+            cols, [[_short(r.get(c)) for c in cols] for r in sources])
     return (
         f'<section data-suite="{escape(result.get("suite", ""))}">'
         f"<h2>{escape(heading)} {badge(bool(result.get('passed')))}</h2>"
@@ -214,8 +229,8 @@ def validation_body(result: dict[str, Any], heading: str) -> str:
             ("seconds", result.get("seconds")),
         ])
         + "<h3>Expectations</h3>"
-        + table(["status", "frame", "expectation", "column", "limits", "observed",
-                 "unexpected samples", "why"], rows, classes, raw=True)
+        + table(["status", "frame", "expectation (why)", "column", "limits", "observed",
+                 "unexpected samples"], rows, classes, raw=True)
         + source_table + "</section>"
     )
 
