@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup browser run test lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,7 +20,19 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/dflash-etl run
 
-test: setup
+# Debian's headless Chromium + ChromeDriver for the report's browser test (installed when root;
+# otherwise that test is skipped with the command to run).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+				apt-get install -y -qq chromium chromium-driver >/dev/null; \
+		else \
+			echo "note: no headless Chromium; run: sudo apt-get install chromium chromium-driver"; \
+		fi; \
+	fi
+
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 lint: setup
