@@ -22,7 +22,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=600,
+        timeout=1800,  # a loaded 2-core machine; the default run imports great_expectations
     )
 
 
