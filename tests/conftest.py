@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,25 +44,33 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def default_run_dir(tmp_path_factory) -> Path:
-    """ingest + tokenize (with their gates and the report) on data/pipeline.toml.
+def default_cli_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`python -m dflash_etl run` exactly as the README's `make run` calls it (default config,
+    default workers, its gates and report), once per session in a fresh working directory.
 
     DFLASH_TEST_DEFAULT_RUN=DIR reuses a copy of such a run (for iterating on the tests; the
     run takes minutes on a slow machine)."""
-    import os
-    import shutil
-
-    from dflash_etl.config import load_config
-    from dflash_etl.stages import ingest, tokenize
-
-    config = load_config(REPO_ROOT / "data" / "pipeline.toml")
-    run = tmp_path_factory.mktemp("default-run") / "run"
+    cwd = tmp_path_factory.mktemp("cwd")
+    run = cwd / "runs" / "default"
     if os.environ.get("DFLASH_TEST_DEFAULT_RUN"):
         shutil.copytree(os.environ["DFLASH_TEST_DEFAULT_RUN"], run)
-        return run
-    ingest.run(config, run, workers=1, progress=False)
-    tokenize.run(config, run, workers=1, progress=False)
-    return run
+        out = f"ingest done\n{run / 'ingest' / 'conversations'}"
+        done = subprocess.CompletedProcess([], 0, out, "")
+        return cwd, done
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_etl", "run"], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=2400,  # a loaded 2-core machine; great_expectations' import is slow
+    )
+    return cwd, result
+
+
+@pytest.fixture(scope="session")
+def default_run_dir(default_cli_run) -> Path:
+    """The embedded default's run directory (ingest + tokenize, gates passed, report built)."""
+    cwd, result = default_cli_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / "runs" / "default"
 
 
 @pytest.fixture(scope="session")

@@ -27,10 +27,9 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Path:
-    """`dflash-etl run` exactly as the README's `make run` calls it (default config)."""
-    cwd = tmp_path_factory.mktemp("cwd")
-    result = _cli("dflash_etl", "run", cwd=cwd)
+def default_run(default_cli_run) -> Path:
+    """`dflash-etl run` exactly as the README's `make run` calls it (the session's shared run)."""
+    cwd, result = default_cli_run
     assert result.returncode == 0, result.stderr
     assert "ingest done" in result.stdout
     assert str(Path("runs/default/ingest/conversations")) in result.stdout
