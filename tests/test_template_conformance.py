@@ -7,7 +7,10 @@ verification) or refused with a reason code. Writes benchmarks/results/template_
 from __future__ import annotations
 
 import collections
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,52 +43,63 @@ REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "templ
 QWEN36 = "qwen36/Qwen3.6-27B.official-reconstructed.jinja"
 
 
-def _run_all():
+def _one_template(path: Path) -> tuple[str, dict]:
     tok = qwen_tokenizer()
     convs = representative_conversations()
-    results = {}
-    for path in sorted(TEMPLATES_DIR.rglob("*.jinja")):
-        name = path.relative_to(TEMPLATES_DIR).as_posix()
-        src = path.read_text(encoding="utf-8")
-        t0 = time.perf_counter()
-        res = {
-            "strategy": "",
-            "correct": 0,
-            "rows": 0,
-            "refused": collections.Counter(),
-            "wrong": [],
-            "unusable": None,
-            "probe": None,
-            "ok_ids": set(),
-            "used": set(),
-        }
+    name = path.relative_to(TEMPLATES_DIR).as_posix()
+    src = path.read_text(encoding="utf-8")
+    t0 = time.perf_counter()
+    res = {
+        "strategy": "",
+        "correct": 0,
+        "rows": 0,
+        "refused": collections.Counter(),
+        "wrong": [],
+        "unusable": None,
+        "probe": None,
+        "ok_ids": set(),
+        "used": set(),
+    }
+    try:
+        probe = probe_template(tok, src)
+    except TemplateUnusable as exc:
+        res["unusable"] = str(exc)
+        return name, res
+    res["probe"] = probe
+    res["strategy"] = probe.strategy
+    for c in convs:
         try:
-            probe = probe_template(tok, src)
-        except TemplateUnusable as exc:
-            res["unusable"] = str(exc)
-            results[name] = res
+            rows = tokenize_conversation(c, tok, probe, chat_template=src)
+        except MaskRefused as exc:
+            res["refused"][exc.code] += 1
             continue
-        res["probe"] = probe
-        res["strategy"] = probe.strategy
-        for c in convs:
-            try:
-                rows = tokenize_conversation(c, tok, probe, chat_template=src)
-            except MaskRefused as exc:
-                res["refused"][exc.code] += 1
-                continue
-            bad = [p for r in rows for p in independent_problems(c, r, tok, probe)]
-            if bad:
-                res["wrong"].append((c["id"], bad[:3]))
-            else:
-                res["correct"] += 1
-                res["ok_ids"].add(c["id"])
-                res["rows"] += len(rows)
-                res["used"].update(r.strategy for r in rows)
-        if res["used"] - {probe.strategy}:  # e.g. render_diff, but some conversations per turn
-            res["strategy"] = f"{probe.strategy} (rows: {'/'.join(sorted(res['used']))})"
-        res["seconds"] = time.perf_counter() - t0
-        results[name] = res
-    return tok, convs, results
+        bad = [p for r in rows for p in independent_problems(c, r, tok, probe)]
+        if bad:
+            res["wrong"].append((c["id"], bad[:3]))
+        else:
+            res["correct"] += 1
+            res["ok_ids"].add(c["id"])
+            res["rows"] += len(rows)
+            res["used"].update(r.strategy for r in rows)
+    if res["used"] - {probe.strategy}:  # e.g. render_diff, but some conversations per turn
+        res["strategy"] = f"{probe.strategy} (rows: {'/'.join(sorted(res['used']))})"
+    res["seconds"] = time.perf_counter() - t0
+    return name, res
+
+
+def _run_all():
+    """Templates are independent: spread them over the cores (forked after the tokenizer and the
+    conversations are loaded, so each worker parses nothing again)."""
+    tok = qwen_tokenizer()
+    convs = representative_conversations()
+    paths = sorted(TEMPLATES_DIR.rglob("*.jinja"))
+    workers = min(os.cpu_count() or 1, 4)
+    if workers == 1:
+        done = [_one_template(p) for p in paths]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            done = list(pool.map(_one_template, paths))
+    return tok, convs, dict(done)
 
 
 @pytest.fixture(scope="module")
