@@ -198,15 +198,24 @@ def _failures(exc: SchemaErrors | SchemaError, shard: str) -> list[dict[str, Any
     return out
 
 
-def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
-    """A Parquet shard, or an Arrow stream file as `datasets.save_to_disk` writes them."""
-    if str(path).endswith(".parquet"):
-        return pl.read_parquet(path, columns=columns)
+def read_arrow(path: Path) -> Any:
+    """A Parquet shard, or an Arrow stream file as `datasets.save_to_disk` writes them, as a
+    pyarrow Table."""
     import pyarrow as pa_arrow
 
+    if str(path).endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path)
     with pa_arrow.memory_map(str(path)) as source:
-        table = pa_arrow.ipc.open_stream(source).read_all()
-    frame = pl.from_arrow(table)
+        return pa_arrow.ipc.open_stream(source).read_all()
+
+
+def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
+    """A stage shard as a polars frame (see `read_arrow`)."""
+    if str(path).endswith(".parquet"):
+        return pl.read_parquet(path, columns=columns)
+    frame = pl.from_arrow(read_arrow(path))
     return frame.select(columns) if columns else frame
 
 

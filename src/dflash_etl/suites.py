@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from dflash_etl import roles
 from dflash_etl.config import ConfigError
+from dflash_etl.contracts import read_arrow
 from dflash_etl.errors import StageError
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parents[2] / "expectations"
@@ -130,16 +131,6 @@ def resolve(value: Any, params: dict[str, Any], where: str) -> Any:
 
 
 # --------------------------------------------------------------- features (polars)
-def _read_arrow(path: Path) -> pa.Table:
-    """A Parquet shard, or an Arrow stream file as datasets.save_to_disk writes them."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path)
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_stream(source).read_all()
-
-
 def output_files(stage_dir: Path, kind: str) -> list[Path]:
     subdir = "conversations" if kind == "conversations" else "dataset"
     directory = Path(stage_dir) / subdir
@@ -230,9 +221,9 @@ def row_features(stage_dir: Path, kind: str) -> pl.DataFrame:
     parts = []
     for path in output_files(stage_dir, kind):
         if kind == "conversations":
-            parts.append(conversation_features(pl.from_arrow(_read_arrow(path))))
+            parts.append(conversation_features(pl.from_arrow(read_arrow(path))))
         else:
-            parts.append(tokenized_features(_read_arrow(path)))
+            parts.append(tokenized_features(read_arrow(path)))
     if not parts:
         return pl.DataFrame()
     return pl.concat(parts, how="diagonal_relaxed")
