@@ -26,13 +26,15 @@ browser:
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-				apt-get install -y -qq chromium chromium-driver >/dev/null; \
+				apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; \
 		else \
 			echo "note: no headless Chromium; run: sudo apt-get install chromium chromium-driver"; \
 		fi; \
 	fi
 
-test: setup browser
+# The Python set-up and the browser install run side by side (both take minutes on a slow machine).
+test:
+	$(MAKE) --no-print-directory -j2 setup browser
 	$(BIN)/python -m pytest -q
 
 lint: setup

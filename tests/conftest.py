@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,32 +38,78 @@ def fixture_data(fixtures_dir: Path) -> Path:
     return fixtures_dir / "data"
 
 
-# ---------------------------------------------------------------- runs shared by the suite and
-# report tests: one in-process run of the embedded default (great_expectations is imported once
-# per pytest process; its import alone can take a minute on a slow machine).
+# ---------------------------------------------------------------- runs shared by the CLI, suite
+# and report tests: one real run of the embedded default per session (great_expectations' import
+# alone takes minutes on a slow machine; each extra process pays it again).
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+_DEFAULT_RUN: dict[str, object] = {}
+
+
+def _start_default_run() -> None:
+    """Start `python -m dflash_etl run` in the background in a fresh working directory: it runs
+    on the second core while the in-process tests run (it takes minutes on a slow machine)."""
+    cwd = Path(tempfile.mkdtemp(prefix="dflash-default-run-"))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
+    stdout, stderr = open(cwd / "stdout.txt", "w+"), open(cwd / "stderr.txt", "w+")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dflash_etl", "run"], cwd=cwd, env=env, stdout=stdout,
+        stderr=stderr, text=True,
+    )
+    _DEFAULT_RUN.update(cwd=cwd, process=process, stdout=stdout, stderr=stderr)
+
+
+def _uses_default_run(item: pytest.Item) -> bool:
+    return "default_cli_run" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the default run go last, so the background run has time to finish."""
+    items.sort(key=_uses_default_run)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    wanted = any(_uses_default_run(item) for item in session.items)
+    if wanted and not os.environ.get("DFLASH_TEST_DEFAULT_RUN") and not _DEFAULT_RUN:
+        _start_default_run()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    process = _DEFAULT_RUN.get("process")
+    if isinstance(process, subprocess.Popen) and process.poll() is None:
+        process.kill()
+    if "cwd" in _DEFAULT_RUN:
+        shutil.rmtree(_DEFAULT_RUN["cwd"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def default_cli_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`python -m dflash_etl run` exactly as the README's `make run` calls it (default config,
-    default workers, its gates and report), once per session in a fresh working directory.
+    default workers, its gates and report), once per session in a fresh working directory,
+    started in the background as soon as collection finishes.
 
     DFLASH_TEST_DEFAULT_RUN=DIR reuses a copy of such a run (for iterating on the tests; the
     run takes minutes on a slow machine)."""
-    cwd = tmp_path_factory.mktemp("cwd")
-    run = cwd / "runs" / "default"
     if os.environ.get("DFLASH_TEST_DEFAULT_RUN"):
+        cwd = tmp_path_factory.mktemp("cwd")
+        run = cwd / "runs" / "default"
         shutil.copytree(os.environ["DFLASH_TEST_DEFAULT_RUN"], run)
         out = f"ingest done\n{run / 'ingest' / 'conversations'}"
-        done = subprocess.CompletedProcess([], 0, out, "")
-        return cwd, done
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_etl", "run"], cwd=cwd, env=env, capture_output=True,
-        text=True, timeout=2400,  # a loaded 2-core machine; great_expectations' import is slow
-    )
-    return cwd, result
+        return cwd, subprocess.CompletedProcess([], 0, out, "")
+    if not _DEFAULT_RUN:
+        _start_default_run()
+    process = _DEFAULT_RUN["process"]
+    assert isinstance(process, subprocess.Popen)
+    code = process.wait(timeout=2400)  # a loaded 2-core machine; great_expectations is slow
+    outputs = []
+    for key in ("stdout", "stderr"):
+        handle = _DEFAULT_RUN[key]
+        handle.seek(0)
+        outputs.append(handle.read())
+    cwd = _DEFAULT_RUN["cwd"]
+    assert isinstance(cwd, Path)
+    return cwd, subprocess.CompletedProcess(process.args, code, *outputs)
 
 
 @pytest.fixture(scope="session")

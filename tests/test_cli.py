@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -16,14 +15,6 @@ import pytest
 from dflash_etl.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=1800,  # a loaded 2-core machine; the default run imports great_expectations
-    )
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +78,19 @@ def test_check_on_a_run_dir_and_on_nothing(default_run, tmp_path, capsys):
     assert "no stage output found" in capsys.readouterr().out
 
 
-def test_stage_module_runs_like_the_subcommand(tmp_path):
-    result = _cli("dflash_etl.stages.ingest", "--config", str(REPO / "data" / "pipeline.toml"),
-                  "--run", str(tmp_path / "r"), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "r" / "ingest" / "stats.json").exists()
+def test_stage_module_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):
+    """`python -m dflash_etl.stages.ingest ...`, run in this process (a subprocess would pay
+    great_expectations' import again: minutes on a slow machine)."""
+    monkeypatch.setattr(sys, "argv", [
+        "dflash_etl.stages.ingest", "--config", str(REPO / "data" / "pipeline.toml"),
+        "--run", str(tmp_path / "r"), "--workers", "1",
+    ])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("dflash_etl.stages.ingest", run_name="__main__", alter_sys=True)
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    stats = json.loads((tmp_path / "r" / "ingest" / "stats.json").read_text())
+    assert stats["total"]["rows_out"] > 300
+    assert "ingest done" in capsys.readouterr().out
 
 
 def test_errors_exit_nonzero_with_a_message(tmp_path, capsys):
