@@ -85,6 +85,7 @@ def test_stage_module_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):
         "dflash_etl.stages.ingest", "--config", str(REPO / "data" / "pipeline.toml"),
         "--run", str(tmp_path / "r"), "--workers", "1",
     ])
+    monkeypatch.delitem(sys.modules, "dflash_etl.stages.ingest", raising=False)  # as if fresh
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("dflash_etl.stages.ingest", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0, capsys.readouterr().err

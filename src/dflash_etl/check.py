@@ -8,7 +8,13 @@ from typing import Any
 
 from dflash_etl.accounting import AccountingError, Stats
 from dflash_etl.contracts import format_failures, load_contract, validate_files
-from dflash_etl.suites import STAGE_SUITES, Thresholds, describe_failure, run_suite
+from dflash_etl.suites import (
+    STAGE_SUITES,
+    Thresholds,
+    describe_failure,
+    output_files,
+    run_suite,
+)
 
 # A stage output is recognised by what it holds: (subdirectory with shards, contract name).
 LAYOUTS = {"ingest": ("conversations", "conversations"), "tokenize": ("dataset", "tokenized")}
@@ -29,9 +35,8 @@ def _check_stats(stage_dir: Path) -> list[str]:
 
 
 def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, Any]:
-    subdir, contract_name = LAYOUTS[kind]
-    files = sorted((stage_dir / subdir).glob("*.parquet")) + sorted(
-        (stage_dir / subdir).glob("*.arrow"))
+    _, contract_name = LAYOUTS[kind]
+    files = output_files(stage_dir, contract_name)
     params = {}
     if (stage_dir / "settings.json").exists():  # limits the stage ran with (vocab, seq_length)
         params = json.loads((stage_dir / "settings.json").read_text())
