@@ -157,9 +157,9 @@ def main() -> int:
     m = doc["machine"]
     md = f"""# Suite benchmark: {args.rows:,} tokenized rows
 
-Machine: {m['cpu']}, {m['nproc']} cores, {m['memory']}; {m['date']}; load average at the end
-{', '.join(f'{x:.1f}' for x in doc['load_average'])} (shared machine: another engineer's jobs ran
-at the same time). dflash_etl {m['dflash_etl']}, Python {m['python']}, polars {m['polars']}.
+Machine: {m['cpu']}, {m['nproc']} cores, {m['memory']}; {m['date']}; load average (1, 5, 15 min)
+at the end {', '.join(f'{x:.1f}' for x in doc['load_average'])}. dflash_etl {m['dflash_etl']},
+Python {m['python']}, polars {m['polars']}.
 
 Command: `python benchmarks/bench_suites.py --rows {args.rows} --tokenize-rows \
 {args.tokenize_rows}`

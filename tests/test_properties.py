@@ -327,3 +327,13 @@ def test_openai_and_sharegpt_spellings_agree(turns, tools):
 
     assert strip_ids(a) == strip_ids(b)
     assert a["tools"] == b["tools"]
+
+
+@given(st.text(alphabet="ab<|>é", max_size=40), st.text(alphabet="ab<|>é", max_size=40),
+       st.text(alphabet="ab<|>é", max_size=40))
+def test_common_prefix_len_is_the_longest_shared_prefix(shared, a_tail, b_tail):
+    from dflash_etl.templates.render import common_prefix_len
+
+    a, b = shared + a_tail, shared + b_tail
+    expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert common_prefix_len(a, b) == expected == common_prefix_len(b, a)

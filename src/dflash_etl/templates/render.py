@@ -100,11 +100,18 @@ def try_render(
 
 
 def common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """Length of the longest common prefix, by bisecting on C-level slice compares (a loop over
+    characters costs more than the render on long conversations)."""
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo] holds; a[:hi+1] != b[:hi+1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def parse_json_list(text: str | None) -> list[Any] | None:
