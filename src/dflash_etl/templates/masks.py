@@ -174,6 +174,26 @@ class _Prepared:
     assistant_idx: list[int]
     pieces: dict[int, list[str]]  # per message index: texts that must appear in its reply
     reasoning_passed: dict[int, bool]
+    renders: dict[tuple[Any, ...], str] = field(default_factory=dict)
+
+
+def _render_prefix(
+    tokenizer: Any,
+    prep: _Prepared,
+    n: int,
+    generation_prompt: bool,
+    kwargs: dict[str, Any],
+    template: str | None,
+) -> str:
+    """The first `n` messages rendered, once per conversation: the last turn's render-diff
+    render is the full conversation's render, and each render is the stage's largest cost."""
+    key = (n, generation_prompt, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    if key not in prep.renders:
+        prep.renders[key] = render(
+            tokenizer, prep.messages[:n], chat_template=template, tools=prep.tools,
+            add_generation_prompt=generation_prompt, kwargs=kwargs,
+        )
+    return prep.renders[key]
 
 
 # --- preparation ------------------------------------------------------------------------------
@@ -369,19 +389,13 @@ def _render_turn(
 ) -> _Turn:
     """Prompt (history<i + generation prompt) and the reply of message i rendered as final turn."""
     failures: list[tuple[str, str]] = []
-    msgs, tools = prep.messages, prep.tools
-
-    def r(m: list[dict[str, Any]], gen: bool, kw: dict[str, Any]) -> str:
-        return render(
-            tokenizer, m, chat_template=template, tools=tools, add_generation_prompt=gen, kwargs=kw
-        )
 
     passed_reasoning = prep.reasoning_passed.get(i, False)
     for variant in _variants(probe, passed_reasoning):
         kw = {**probe.render_kwargs, **base, **variant}
         try:
-            prompt = r(msgs[:i], True, kw)
-            upto = r(msgs[: i + 1], False, kw)
+            prompt = _render_prefix(tokenizer, prep, i, True, kw, template)
+            upto = _render_prefix(tokenizer, prep, i + 1, False, kw, template)
         except RenderError as exc:
             failures.append((R_RENDER_ERROR, f"{variant or 'default'}: {exc}"))
             continue
@@ -618,18 +632,12 @@ def _build_row(
     return row
 
 
+_SUPERVISED_RUN = re.compile(rb"\x01+")
+
+
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    start = None
-    for i, v in enumerate(mask):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            out.append((start, i))
-            start = None
-    if start is not None:
-        out.append((start, len(mask)))
-    return out
+    """[start, end) of each run of 1s in a 0/1 mask (found in C: the mask as bytes)."""
+    return [m.span() for m in _SUPERVISED_RUN.finditer(bytes(mask))]
 
 
 def _longest_run(mask: list[int]) -> int:
@@ -651,7 +659,11 @@ def verify_row(
         raise MaskRefused(R_MASK_VERIFICATION_FAILED, msg)
 
     n = len(row.input_ids)
-    if len(row.loss_mask) != n or any(v not in (0, 1) for v in row.loss_mask):
+    try:
+        mask_bytes = bytes(row.loss_mask)
+    except (TypeError, ValueError):
+        mask_bytes = b"\x02"
+    if len(row.loss_mask) != n or mask_bytes.translate(None, b"\x00\x01"):
         fail("loss_mask is not a 0/1 list as long as input_ids")
     runs = _runs(row.loss_mask)
     if not runs:
@@ -722,9 +734,7 @@ def tokenize_conversation(
     prep = _prepare(conv, probe, policy)
     base_kw = dict(probe.render_kwargs)
     try:
-        full_default = render(
-            tokenizer, prep.messages, chat_template=template, tools=prep.tools, kwargs=base_kw
-        )
+        full_default = _render_prefix(tokenizer, prep, len(prep.messages), False, base_kw, template)
     except RenderError as exc:
         raise _classify_render_error(tokenizer, prep, base_kw, template, exc) from exc
     targets = prep.assistant_idx if policy.turns == "all" else prep.assistant_idx[-1:]
@@ -831,7 +841,7 @@ def _single_row(
         return "turns need an appended eos (no end-of-turn marker): one row per turn instead"
     kw = {**probe.render_kwargs, **base}
     if full is None:
-        full = render(tokenizer, prep.messages, chat_template=template, tools=prep.tools, kwargs=kw)
+        full = _render_prefix(tokenizer, prep, len(prep.messages), False, kw, template)
     spans: list[tuple[int, int]] = []
     for t in turns:
         if not full.startswith(t.prompt):
