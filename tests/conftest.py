@@ -79,6 +79,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     process = _DEFAULT_RUN.get("process")
     if isinstance(process, subprocess.Popen) and process.poll() is None:
         process.kill()
+    for key in ("stdout", "stderr"):
+        if key in _DEFAULT_RUN:
+            _DEFAULT_RUN[key].close()  # type: ignore[attr-defined]
     if "cwd" in _DEFAULT_RUN:
         shutil.rmtree(_DEFAULT_RUN["cwd"], ignore_errors=True)
 
