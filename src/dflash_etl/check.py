@@ -9,6 +9,7 @@ from typing import Any
 from dflash_etl.accounting import AccountingError, Stats
 from dflash_etl.contracts import format_failures, load_contract, validate_files
 from dflash_etl.suites import (
+    OUTPUT_DIRS,
     STAGE_SUITES,
     Thresholds,
     describe_failure,
@@ -16,8 +17,9 @@ from dflash_etl.suites import (
     run_suite,
 )
 
-# A stage output is recognised by what it holds: (subdirectory with shards, contract name).
-LAYOUTS = {"ingest": ("conversations", "conversations"), "tokenize": ("dataset", "tokenized")}
+# A stage output is recognised by what it holds: (subdirectory with shards, contract name);
+# the contract and the suite of a stage share a name.
+LAYOUTS = {stage: (OUTPUT_DIRS[suite], suite) for stage, suite in STAGE_SUITES.items()}
 
 
 def _check_stats(stage_dir: Path) -> list[str]:

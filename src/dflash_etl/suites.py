@@ -27,6 +27,8 @@ from dflash_etl.errors import StageError
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parents[2] / "expectations"
 STAGE_SUITES = {"ingest": "conversations", "tokenize": "tokenized"}
+# Where each suite's stage writes its shards (the contract of the same name checks them).
+OUTPUT_DIRS = {"conversations": "conversations", "tokenized": "dataset"}
 RESULT_FILE = "validation.json"
 SAMPLES = 5  # unexpected values / rows kept per failing expectation
 
@@ -132,8 +134,7 @@ def resolve(value: Any, params: dict[str, Any], where: str) -> Any:
 
 # --------------------------------------------------------------- features (polars)
 def output_files(stage_dir: Path, kind: str) -> list[Path]:
-    subdir = "conversations" if kind == "conversations" else "dataset"
-    directory = Path(stage_dir) / subdir
+    directory = Path(stage_dir) / OUTPUT_DIRS[kind]
     return sorted(directory.glob("*.parquet")) + sorted(directory.glob("*.arrow"))
 
 
