@@ -95,10 +95,25 @@ def _external_references(driver) -> list[str]:
 
 
 def _screenshot(driver, path: Path) -> Path:
+    """The whole page when the renderer keeps up, else a smaller window: chromedriver gives the
+    renderer 10 s per capture, which a loaded 2-core machine missed for a tall page (seen in CI:
+    "Timed out receiving message from renderer: 10.000")."""
+    from selenium.common.exceptions import TimeoutException
+
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1280, min(max(height, 800), 6000))
-    driver.save_screenshot(str(path))
-    driver.set_window_size(1280, 1600)
+    sizes = (min(max(height, 800), 3000), 1600, 900)
+    try:
+        for attempt, size in enumerate(sizes, 1):
+            driver.set_window_size(1280, size)
+            try:
+                driver.save_screenshot(str(path))
+                break
+            except TimeoutException as exc:
+                if attempt == len(sizes):
+                    raise
+                print(f"screenshot at 1280x{size} timed out ({exc.msg.strip()}); smaller next")
+    finally:
+        driver.set_window_size(1280, 1600)
     print(f"screenshot: {path}")
     return path
 
