@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
+.PHONY: setup browser run test lint bench clean
+
 # Set-up time dominated CI on a slow 2-core machine: pip resolves and unpacks on one core and
 # byte-compiles every file it installs (measured here: 24 min for the dev set even without
 # compiling, 20+ min for torch with it). So: pip only for torch (only pip finds the local CPU
