@@ -9,18 +9,22 @@ BIN := $(VENV)/bin
 
 # Set-up time dominated CI on a slow 2-core machine: pip resolves and unpacks on one core and
 # byte-compiles every file it installs (measured here: 24 min for the dev set even without
-# compiling, 20+ min for torch with it). So: pip only for torch (only pip finds the local CPU
-# wheel), uv (from PyPI) for the rest (the same versions, 4.7 min), no compile step, and Python
-# caches the bytecode of the modules actually imported, even where the environment says not to.
+# compiling, 20+ min for torch with it). So pip installs only uv (from PyPI); uv installs torch
+# from the machine's local wheel folder (pip's find-links, which uv does not read) and the rest,
+# with no compile step; Python caches the bytecode of the modules actually imported, even where
+# the environment says not to.
 export PYTHONDONTWRITEBYTECODE :=
+TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 
 setup: $(VENV)/.installed
 
-# torch first and exactly: 2.13.0 is a CPU build on local disk; anything else pulls CUDA wheels.
+# torch exactly 2.13.0+cpu, the CPU build on local disk (any other version pulls CUDA wheels),
+# resolved together with the rest so nothing can replace it.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -e ".[dev]"
+	$(BIN)/pip install --quiet --no-compile uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --find-links $(TORCH_WHEELS) \
+		"torch==2.13.0+cpu" -e ".[dev]"
 	touch $@
 
 run: setup
@@ -40,8 +44,10 @@ browser:
 
 # The Python set-up and the browser install run side by side (both take minutes on a slow machine).
 test:
+	@date -u +"%T set-up starts"
 	$(MAKE) --no-print-directory -j2 setup browser
-	$(BIN)/python -m pytest -q
+	@date -u +"%T set-up done, tests start"
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks data
