@@ -33,6 +33,7 @@ from dflash_etl.errors import ContractError, StageError
 from dflash_etl.progress import progress_bar
 from dflash_etl.report import publish_docs
 from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.torch_pickle import save_plain_dict
 
 STAGE = "tokenize"
 CHUNK = 256  # conversations per work item
@@ -401,14 +402,12 @@ def _save_dataset(row_files: list[Path], out: Path) -> None:
 
 def _save_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int,
                 out: Path) -> dict[str, Any]:
-    import torch
-
     ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
     write_json_atomic(out / "token_freq.json", {
         "vocab_size": vocab_size, "supervised_tokens": sum(freq.values()),
         "distinct_tokens": len(freq), "frequencies": {str(t): n for t, n in ranked},
     })
-    torch.save(dict(freq), out / "token_freq.pt")
+    save_plain_dict(dict(freq), out / "token_freq.pt")  # what torch.load gives the trainers
     d2t, t2d, coverage = draft_vocab(freq, draft_vocab_size, vocab_size)
     np.save(out / "d2t.npy", d2t)
     np.save(out / "t2d.npy", t2d)
