@@ -361,7 +361,7 @@ def _check_property(c, tok, probe, template, policy):
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(c=conversations(tools=True, reasoning=True), strategy=st.sampled_from(["auto", "per_turn"]))
 def test_property_qwen36(tok, qprobe, c, strategy):
@@ -369,7 +369,7 @@ def test_property_qwen36(tok, qprobe, c, strategy):
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(c=conversations(tools=False, reasoning=False))
 def test_property_strict_chatml(tok, c):

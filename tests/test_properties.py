@@ -24,7 +24,7 @@ from dflash_etl.stages.ingest import normalize_records
 REASONS = {v for k, v in vars(S).items() if k.startswith("Q_")}
 # deadline=None: the shared CI machines are noisy; the example counts keep the file at a few
 # seconds on an idle machine.
-FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def letters_of(row: dict[str, Any]) -> str:
@@ -290,7 +290,7 @@ tool_specs = st.none() | st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turns=conversations(), tools=tool_specs, style=st.sampled_from(["openai", "sharegpt"]))
 def test_normalizing_twice_changes_nothing(turns, tools, style):
     row = as_openai(turns, tools) if style == "openai" else as_sharegpt(turns, tools)
@@ -308,7 +308,7 @@ def test_normalizing_twice_changes_nothing(turns, tools, style):
             assert isinstance(c["function"]["arguments"], dict)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turns=conversations(), tools=tool_specs)
 def test_openai_and_sharegpt_spellings_agree(turns, tools):
     """The same conversation written in either format gets the same messages (ShareGPT has no
