@@ -64,9 +64,15 @@ def _uses_default_run(item: pytest.Item) -> bool:
     return "default_cli_run" in getattr(item, "fixturenames", ())
 
 
+def _in_browser_module(item: pytest.Item) -> bool:
+    return item.path.name == "test_report_browser.py"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the default run go last, so the background run has time to finish."""
-    items.sort(key=_uses_default_run)
+    """Tests on the default run go last, so the background run has time to finish; the browser
+    tests stay together among them, so one Chromium serves them all."""
+    items.sort(key=lambda item: (_uses_default_run(item) or _in_browser_module(item),
+                                 _in_browser_module(item)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

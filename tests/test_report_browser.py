@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,23 @@ def browser(tmp_path_factory):
             pytest.fail(why)
         pytest.skip(why)
     webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.common.exceptions import SessionNotCreatedException
     from selenium.webdriver.chrome.service import Service
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    for attempt in range(3):
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(CHROMIUM)
+        for flag in FLAGS:
+            options.add_argument(flag)
+        options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+        try:
+            driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+            break
+        except SessionNotCreatedException:  # "chrome not reachable": a slow start on a busy machine
+            if attempt == 2:
+                raise
+            time.sleep(10)
     driver.set_page_load_timeout(120)
     yield driver
     driver.quit()
