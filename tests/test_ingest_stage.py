@@ -14,7 +14,6 @@ from dflash_etl.errors import StageError
 from dflash_etl.stages import ingest
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "data" / "pipeline.toml"
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
