@@ -23,8 +23,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --find-links $(TORCH_WHEELS) \
-		"torch==2.13.0+cpu" -e ".[dev]"
+	$(BIN)/uv pip install --quiet --python $(BIN)/python \
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) "torch==2.13.0+cpu" -e ".[dev]"
 	touch $@
 
 run: setup
