@@ -91,6 +91,26 @@ def test_suite_files_name_only_known_parameters():
 
 
 # --------------------------------------------------------------- the gates on a real run
+def test_warming_up_builds_the_ge_context_in_a_thread_and_joins_it(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(suites, "_GX", {})
+    with suites.warming_up(("dflash_etl.report",)) as start:
+        assert "batch_definition" not in suites._GX  # nothing happens before start()
+        start()
+        start()  # a second call starts nothing more
+        warmers = [t for t in threading.enumerate() if t.name == "dflash-etl-warm-up"]
+        assert len(warmers) <= 1
+    assert not [t for t in threading.enumerate() if t.name == "dflash-etl-warm-up"]
+    built = suites._GX["batch_definition"]
+    assert suites._batch_definition() is built  # the gate reuses what the thread built
+
+    monkeypatch.setattr(suites, "_GX", {})
+    with suites.warming_up(("dflash_etl_no_such_module",)) as start:
+        start()  # an error in the thread is left for the gate; it does not escape here
+    assert "batch_definition" not in suites._GX
+
+
 def test_default_run_passes_both_gates_and_saves_results(default_run_dir):
     manifest = json.loads((default_run_dir / "manifest.json").read_text())
     for stage, suite in suites.STAGE_SUITES.items():

@@ -5,13 +5,18 @@ neither flat nor small. So the per-row features a suite needs (role order valid,
 supervised tokens, longest supervised run, supervised fraction, seq_len, source) are computed here
 with polars/numpy, and the per-source aggregates (quarantine rate, share of the mix) from
 stats.json; GE then checks those small flat frames. great_expectations is imported only inside
-`run_suite`: the import alone takes tens of seconds on slow machines.
+`run_suite` (the import alone takes tens of seconds to minutes on slow machines), or ahead of it by
+`warm_up_in_background` while a stage's worker processes are busy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,25 +306,27 @@ def _expectation(spec: dict[str, Any], params: dict[str, Any], where: str) -> An
 
 
 _GX: dict[str, Any] = {}
+_GX_LOCK = threading.Lock()  # the warm-up thread and the gate may both ask for the context
 
 
 def _batch_definition() -> Any:
     """One ephemeral GE context per process, with a pandas datasource whose batch is the whole
     dataframe passed at validation time (contexts are slow to build; frames differ per call)."""
-    if "batch_definition" not in _GX:
-        import logging
+    with _GX_LOCK:
+        if "batch_definition" not in _GX:
+            import logging
 
-        logging.getLogger("great_expectations").setLevel(logging.ERROR)
-        os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-        import great_expectations as gx
-        from great_expectations.data_context.types.base import ProgressBarsConfig
+            logging.getLogger("great_expectations").setLevel(logging.ERROR)
+            os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+            import great_expectations as gx
+            from great_expectations.data_context.types.base import ProgressBarsConfig
 
-        context = gx.get_context(mode="ephemeral")
-        context.variables.progress_bars = ProgressBarsConfig(globally=False)
-        asset = context.data_sources.add_pandas("dflash_etl").add_dataframe_asset("frame")
-        _GX["context"] = context
-        _GX["batch_definition"] = asset.add_batch_definition_whole_dataframe("whole")
-    return _GX["batch_definition"]
+            context = gx.get_context(mode="ephemeral")
+            context.variables.progress_bars = ProgressBarsConfig(globally=False)
+            asset = context.data_sources.add_pandas("dflash_etl").add_dataframe_asset("frame")
+            _GX["context"] = context
+            _GX["batch_definition"] = asset.add_batch_definition_whole_dataframe("whole")
+        return _GX["batch_definition"]
 
 
 def _validate_frame(suite_name: str, frame_name: str, spec: dict[str, Any],
@@ -499,6 +506,39 @@ def failure_message(result: dict[str, Any], report: Path | None, result_path: Pa
 def report_path(run_root: Path, stage: str) -> Path:
     """Where the run report shows a stage's validation (built by dflash_etl.report)."""
     return Path(run_root) / "docs" / "validations" / f"{stage}.html"
+
+
+@contextlib.contextmanager
+def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
+    """Yields `start()`: import `modules` and great_expectations and build the GE context in a
+    thread, for the gate at the end of the stage.
+
+    A stage calls `start()` once its worker processes are forked: the parent then only waits on
+    them, so the minutes these imports take on a slow 2-core machine overlap the work instead of
+    following it. (Started before the fork, a child could inherit an import lock held by the
+    thread and wait on it forever; the thread is joined on leaving, so no later fork meets it.)
+    Errors are left for the gate itself to raise with context.
+    """
+    threads: list[threading.Thread] = []
+
+    def warm() -> None:
+        try:
+            for name in modules:
+                importlib.import_module(name)
+            _batch_definition()
+        except Exception:  # the gate itself reports what is wrong
+            pass
+
+    def start() -> None:
+        if not threads:
+            threads.append(threading.Thread(target=warm, name="dflash-etl-warm-up", daemon=True))
+            threads[0].start()
+
+    try:
+        yield start
+    finally:
+        for thread in threads:
+            thread.join()
 
 
 def gate(stage: str, stage_dir: Path, run_root: Path, thresholds: Thresholds) -> dict[str, Any]:

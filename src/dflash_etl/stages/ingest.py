@@ -224,12 +224,13 @@ def run(
         for path in paths
         for unit in readers.plan_units(path)
     ]
-    results = _run_units(config, jobs, units_dir, progress, workers)
     try:
-        doc = _finish(config, jobs, results, partial, units_dir)
-        validate_conversations(partial / "conversations", partial)
-        write_json_atomic(partial / "stats.json", doc)
-        suites.gate(STAGE, partial, run.root, thresholds)
+        with suites.warming_up() as warm_up:
+            results = _run_units(config, jobs, units_dir, progress, workers, warm_up)
+            doc = _finish(config, jobs, results, partial, units_dir)
+            validate_conversations(partial / "conversations", partial)
+            write_json_atomic(partial / "stats.json", doc)
+            suites.gate(STAGE, partial, run.root, thresholds)
     except StageError as exc:
         run.fail(STAGE, str(exc))
         publish_docs(run.root)
@@ -240,7 +241,10 @@ def run(
     return doc
 
 
-def _run_units(config, jobs, units_dir: Path, progress, workers) -> list[dict[str, Any]]:
+def _run_units(config, jobs, units_dir: Path, progress, workers,
+               on_forked=lambda: None) -> list[dict[str, Any]]:
+    """Read every unit not done yet (resume), in forked workers when there are several;
+    `on_forked` runs once they all exist."""
     results: dict[int, dict[str, Any]] = {}
     todo = []
     for unit_id, (source, unit) in enumerate(jobs):
@@ -264,6 +268,7 @@ def _run_units(config, jobs, units_dir: Path, progress, workers) -> list[dict[st
                     pool.submit(ingest_unit, source, unit, unit_id, *args)
                     for unit_id, source, unit in todo
                 ]
+                on_forked()  # the first submit forked every worker
                 for future in futures:
                     result = future.result()
                     results[result["unit_id"]] = result

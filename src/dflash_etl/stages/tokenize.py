@@ -304,11 +304,12 @@ def run(
     chunks_dir = partial / "chunks"
     chunks_dir.mkdir(exist_ok=True)
     try:
-        results = _run_chunks(settings, tokenizer, template_probe, files, chunks_dir,
-                              progress, workers)
-        doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc)
-        write_json_atomic(partial / "stats.json", doc)
-        suites.gate(STAGE, partial, run.root, thresholds)
+        with suites.warming_up(("datasets",)) as warm_up:
+            results = _run_chunks(settings, tokenizer, template_probe, files, chunks_dir,
+                                  progress, workers, on_forked=warm_up)
+            doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc)
+            write_json_atomic(partial / "stats.json", doc)
+            suites.gate(STAGE, partial, run.root, thresholds)
     except StageError as exc:
         run.fail(STAGE, str(exc))
         publish_docs(run.root)
@@ -320,7 +321,9 @@ def run(
 
 
 def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, progress,
-                workers):
+                workers, on_forked=lambda: None):
+    """Tokenize every chunk not done yet (resume), in forked workers when there are several;
+    `on_forked` runs once they all exist."""
     results: dict[int, dict[str, Any]] = {}
     todo = []
     for index, conversations in _chunks(files):
@@ -342,7 +345,9 @@ def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, pr
                 bar.advance(1)
         else:
             with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
-                for result in pool.map(_work, todo):
+                mapped = pool.map(_work, todo)  # submits all: every worker is forked now
+                on_forked()
+                for result in mapped:
                     results[result["index"]] = result
                     bar.advance(1)
     return [results[k] for k in sorted(results)]
