@@ -223,13 +223,20 @@ def tokenized_features(table: pa.Table) -> pl.DataFrame:
 
 
 def row_features(stage_dir: Path, kind: str) -> pl.DataFrame:
-    """The suite's row frame for a stage output, shard by shard."""
+    """The suite's row frame for a stage output, shard by shard.
+
+    Text columns other than the id (source, file, roles, ...) repeat from row to row and are kept
+    as categoricals: as strings, and as Python strings once handed to GE, they made the frame for
+    1M conversations several hundred MB and the stage's peak memory grow with the dataset.
+    """
     parts = []
     for path in output_files(stage_dir, kind):
         if kind == "conversations":
-            parts.append(conversation_features(pl.from_arrow(read_arrow(path))))
+            part = conversation_features(pl.from_arrow(read_arrow(path)))
         else:
-            parts.append(tokenized_features(read_arrow(path)))
+            part = tokenized_features(read_arrow(path))
+        repetitive = [c for c, dtype in part.schema.items() if dtype == pl.String and c != "id"]
+        parts.append(part.with_columns(pl.col(repetitive).cast(pl.Categorical)))
     if not parts:
         return pl.DataFrame()
     return pl.concat(parts, how="diagonal_relaxed")
