@@ -232,7 +232,7 @@ def row_features(stage_dir: Path, kind: str) -> pl.DataFrame:
     parts = []
     for path in output_files(stage_dir, kind):
         if kind == "conversations":
-            part = conversation_features(pl.from_arrow(read_arrow(path)))
+            part = conversation_features(_conversation_columns(path))
         else:
             part = tokenized_features(read_arrow(path))
         repetitive = [c for c, dtype in part.schema.items() if dtype == pl.String and c != "id"]
@@ -240,6 +240,22 @@ def row_features(stage_dir: Path, kind: str) -> pl.DataFrame:
     if not parts:
         return pl.DataFrame()
     return pl.concat(parts, how="diagonal_relaxed")
+
+
+def _conversation_columns(path: Path) -> pl.DataFrame:
+    """The columns the conversation features read: of the messages only role and tool_calls,
+    not the contents (a tenth of the shard's memory)."""
+    if path.suffix != ".parquet":
+        return pl.from_arrow(read_arrow(path))
+    import pyarrow.parquet as pq
+
+    shard = pq.ParquetFile(path)
+    leaves = [shard.schema.column(i).path for i in range(len(shard.schema))]
+    columns = [leaf for leaf in leaves
+               if leaf in ("id", "source", "format", "needs_response", "file", "line")
+               or (leaf.startswith("messages.") and leaf.rsplit(".", 1)[1] in ("role",
+                                                                             "tool_calls"))]
+    return pl.from_arrow(shard.read(columns=columns))
 
 
 def source_frame(stage_dir: Path, kind: str, rows: pl.DataFrame,
