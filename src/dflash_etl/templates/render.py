@@ -1,13 +1,21 @@
 """Rendering a conversation through a chat template, inside transformers' sandboxed Jinja.
 
-Chat templates are untrusted code (DESIGN principle 6), so every render goes through
-`tokenizer.apply_chat_template(..., tokenize=False)`, which compiles templates in an
+Chat templates are untrusted code (DESIGN principle 6), so every render runs in transformers'
 `ImmutableSandboxedEnvironment`. Any exception a template raises is turned into `RenderError`
 carrying the template's own text, so callers can report it instead of dying.
+
+The stage renders each conversation several times (render-diff), and `apply_chat_template`
+re-normalises and deep-copies the messages and rebuilds the special-token map on every call (a
+fifth of the stage's time). So `render` calls transformers' own compiled template directly with the
+same inputs `apply_chat_template` would give it: messages without None values, reasoning aliased as
+transformers aliases it, the special tokens as variables. Where those internals are missing (another
+transformers version) it uses `apply_chat_template`; tests/test_template_render.py checks that both
+give the same text on the fixture templates.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -72,14 +80,17 @@ def render(
 ) -> str:
     """Render `messages` to text; raise RenderError with the template's message on failure."""
     try:
-        out = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **(kwargs or {}),
-        )
+        direct = _direct_renderer(tokenizer, chat_template, tools is not None) if messages else None
+        if direct is not None:
+            compiled, variables, alias = direct
+            chat = alias([{k: v for k, v in m.items() if v is not None} for m in messages])
+            out = compiled.render(messages=chat, tools=tools, documents=None,
+                                  add_generation_prompt=add_generation_prompt,
+                                  **{**variables, **(kwargs or {})})
+        else:
+            out = render_with_transformers(tokenizer, messages, chat_template=chat_template,
+                                           tools=tools, add_generation_prompt=add_generation_prompt,
+                                           kwargs=kwargs)
     except Exception as exc:  # templates raise anything: TemplateError, TypeError, KeyError...
         raise RenderError(f"{type(exc).__name__}: {exc}") from exc
     if isinstance(out, list):  # batched return shape of some transformers versions
@@ -87,6 +98,39 @@ def render(
     if not isinstance(out, str):
         raise RenderError(f"template returned {type(out).__name__}, not text")
     return out
+
+
+def render_with_transformers(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """`apply_chat_template` to text: the reference `render` must agree with."""
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=chat_template, tokenize=False,
+        add_generation_prompt=add_generation_prompt, **(kwargs or {}),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _direct_renderer(tokenizer: Any, chat_template: str | None, has_tools: bool) -> Any:
+    """(compiled template, special-token variables, reasoning aliaser) for this tokenizer and
+    template, or None where transformers lacks the internals this relies on."""
+    try:
+        from transformers.utils.chat_template_utils import (
+            _alias_reasoning_fields,
+            _compile_jinja_template,
+        )
+    except ImportError:
+        return None
+    template = tokenizer.get_chat_template(chat_template, [{}] if has_tools else None)
+    variables = {k: v for k, v in tokenizer.special_tokens_map.items()
+                 if isinstance(v, (str, list))}
+    return _compile_jinja_template(template), variables, _alias_reasoning_fields
 
 
 def try_render(
