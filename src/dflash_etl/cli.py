@@ -75,6 +75,26 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from dflash_etl.stages import regenerate
+
+    config = load_config(args.config) if args.config else None
+    names = ("model", "backend", "mode", "max_new_tokens", "temperature", "seed", "batch_size",
+             "thinking", "keep_truncated")
+    doc = regenerate.run(config, args.run, force=args.force,
+                         **{n: getattr(args, n, None) for n in names})
+    out = Path(args.run) / "regenerate"
+    total = doc["total"]
+    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    _say(f"regenerate {state}: conversations {_counts_line(total)}")
+    _say(f"  generated turns: {total.get('generated_turns')}, finish reasons: "
+         f"{total.get('finish_reasons')}")
+    _say(f"  conversations: {out / 'conversations'}  (tokenize reads these now)")
+    _say(f"  quarantine:    {out / 'quarantine.parquet'}")
+    _say(f"  stats:         {out / 'stats.json'}")
+    return 0
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from dflash_etl.stages import tokenize
 
@@ -97,6 +117,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     code = cmd_ingest(args)
     if code:
         return code
+    if load_config(args.config).section("regenerate").get("model"):
+        code = cmd_regenerate(args)
+        if code:
+            return code
     if load_config(args.config).section("tokenize").get("model"):
         code = cmd_tokenize(args)
         if code:
@@ -172,6 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
     stage_args(p, config_required=False)
     tokenize_args(p)
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("regenerate", help="the target model writes the assistant turns")
+    stage_args(p, config_required=False)
+    p.add_argument("--model", help="the target model directory (offline)")
+    p.add_argument("--backend", choices=["transformers"], help="generation backend")
+    p.add_argument("--mode", choices=["missing", "all"],
+                   help="answer conversations that need a reply (default) or rewrite every turn")
+    p.add_argument("--max-new-tokens", type=int, help="per reply (default 256)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    p.add_argument("--batch-size", type=int, help="prompts per generate call (default 8)")
+    p.add_argument("--thinking", choices=["on", "off", "keep"],
+                   help="the template's enable_thinking (default keep)")
+    p.add_argument("--keep-truncated", action="store_true", default=None,
+                   help="keep replies cut at --max-new-tokens (default: filter them)")
+    p.set_defaults(func=cmd_regenerate)
 
     p = sub.add_parser("probe-template", help="what a chat template does (nothing written)")
     p.add_argument("--model", required=True, help="local tokenizer or model directory")

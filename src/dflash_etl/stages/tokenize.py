@@ -247,7 +247,15 @@ def _work(args: tuple[int, list[dict[str, Any]], str]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- shell
 def _conversations(run: RunDir) -> list[Path]:
+    """The regenerated conversations when regenerate completed on the current ingest output,
+    else ingest's."""
+    stages = run.manifest().get("stages", {})
+    regen = stages.get("regenerate", {})
     directory = run.stage_dir("ingest") / "conversations"
+    if (regen.get("status") == "complete"
+            and regen.get("input_fingerprint") == stages.get("ingest", {}).get("fingerprint")
+            and (run.stage_dir("regenerate") / "conversations").is_dir()):
+        directory = run.stage_dir("regenerate") / "conversations"
     files = sorted(directory.glob("*.parquet"))
     if not files:
         raise StageError(f"no conversations in {directory}: run `dflash-etl ingest` for this run "

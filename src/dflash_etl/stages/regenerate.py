@@ -1,0 +1,450 @@
+"""regenerate: the target model writes the assistant turns (on-policy data for the drafter).
+
+`--mode missing` answers the conversations ingest flagged as needing a response (they end on a
+user turn: never padded with dummy replies); `--mode all` rewrites every assistant turn in order,
+each on the regenerated history before it. Replies are checked (empty, truncated, dummy-like,
+reasoning leaking into content with thinking off) and counted like every stage's rows.
+
+Each generation is cached under a content hash of (history, tools, sampling settings, model), in
+the partial output directory: an interrupted run keeps what finished, a rerun generates only what
+is missing, and the output order never depends on which request finished first.
+
+Backends: `transformers` (a local model, batched greedy or sampled generate with left padding).
+The `openai` and `vllm` backends of the issue are not built yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_etl import schema as S
+from dflash_etl.accounting import Stats, stats_document
+from dflash_etl.config import PipelineConfig
+from dflash_etl.errors import StageError
+from dflash_etl.progress import progress_bar
+from dflash_etl.report import publish_docs
+from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.templates.render import RenderError
+
+STAGE = "regenerate"
+BACKENDS = ("transformers",)
+
+# Reason codes
+Q_EMPTY_RESPONSE = "empty_response"
+Q_DUMMY_REPLY = "dummy_reply"
+Q_REASONING_LEAK = "reasoning_in_content"
+Q_RENDER_ERROR = "template_render_error"
+F_TRUNCATED = "truncated_response"
+F_TOOL_CALLS = "tool_call_turns"  # mode=all cannot re-run tools, so those rows keep nothing
+
+THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
+DUMMY_MAX_CHARS = 40
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    """[regenerate] in pipeline.toml; CLI flags override it."""
+
+    model: str = ""
+    backend: str = "transformers"
+    mode: str = "missing"  # or "all"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 8
+    thinking: str = "keep"  # on | off | keep (the template's default)
+    keep_truncated: bool = False
+    dummy_min_repeats: int = 3  # one short reply for this many different prompts is a dummy
+
+    @classmethod
+    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
+                     base_dir: Path | None) -> RegenerateSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = set(section) - known
+        if unknown:
+            raise StageError(f"[regenerate]: unknown keys {sorted(unknown)}; known: "
+                             f"{sorted(known)}")
+        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+        if section.get("model") and base_dir is not None and overrides.get("model") is None:
+            values["model"] = str((base_dir / section["model"]).resolve())
+        settings = cls(**values)
+        if not settings.model:
+            raise StageError("regenerate needs the target model: pass --model DIR or set "
+                             "[regenerate] model = 'DIR' in the config")
+        if settings.backend not in BACKENDS:
+            raise StageError(f"--backend {settings.backend!r} is not available in this version; "
+                             f"available: {list(BACKENDS)} (openai and vllm are planned)")
+        if settings.mode not in ("missing", "all"):
+            raise StageError(f"--mode {settings.mode!r}: use 'missing' or 'all'")
+        if settings.thinking not in ("on", "off", "keep"):
+            raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
+        return settings
+
+
+@dataclass
+class Reply:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    new_tokens: int
+
+
+class Backend(Protocol):
+    model_id: str
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str: ...
+
+    def generate(self, prompts: list[str]) -> list[Reply]: ...
+
+
+# ---------------------------------------------------------------- pure core
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """A leading <think>..</think> block goes to the reasoning field."""
+    m = THINK_RE.match(text)
+    if not m:
+        return text.strip(), None
+    return text[m.end():].strip(), m.group(1).strip() or None
+
+
+def check_reply(reply: Reply, settings: RegenerateSettings) -> tuple[str, str, str] | None:
+    """(kind, code, message) when a reply must not be kept; kind is quarantine or filter."""
+    content, reasoning = split_reasoning(reply.text)
+    if reply.finish_reason == "length" and not settings.keep_truncated:
+        return ("filter", F_TRUNCATED,
+                f"stopped at max_new_tokens={settings.max_new_tokens} before the end of turn")
+    if not content and not reasoning:
+        return ("quarantine", Q_EMPTY_RESPONSE, "the model returned an empty reply")
+    if settings.thinking == "off" and ("<think>" in content or "</think>" in content):
+        return ("quarantine", Q_REASONING_LEAK,
+                "thinking is off but the reply contains think markup")
+    return None
+
+
+def dummy_replies(replies: dict[str, str], min_repeats: int) -> set[str]:
+    """Keys whose reply is a short text the model gave to at least `min_repeats` different
+    prompts ("OK.", "Sure!"): the signature of padded or collapsed data."""
+    norm = {k: " ".join(v.split()).lower() for k, v in replies.items()}
+    counts = Counter(v for v in norm.values() if len(v) <= DUMMY_MAX_CHARS)
+    repeated = {v for v, n in counts.items() if n >= min_repeats}
+    return {k for k, v in norm.items() if v in repeated}
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Canonical messages as chat templates read them (tool-call arguments as objects)."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("reasoning"):
+            msg["reasoning_content"] = m["reasoning"]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = json.loads(m["tool_calls"])
+        for key in ("tool_call_id", "name"):
+            if m.get(key):
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def cache_key(messages: list[dict[str, Any]], tools: str | None, settings: RegenerateSettings,
+              model_id: str) -> str:
+    sampling = {k: getattr(settings, k) for k in ("max_new_tokens", "temperature", "seed",
+                                                   "thinking")}
+    blob = json.dumps([messages, tools, sampling, model_id], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- transformers backend
+class TransformersBackend:
+    """A local causal LM; batched generate with left padding, on GPU when there is one."""
+
+    def __init__(self, settings: RegenerateSettings) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from dflash_etl.stages.tokenize import load_tokenizer
+
+        self.settings = settings
+        self.torch = torch
+        self.tokenizer = load_tokenizer(settings.model)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(settings.model,
+                                                              local_files_only=True)
+        except Exception as exc:  # transformers raises many types for a bad directory
+            raise StageError(f"cannot load a causal LM from {settings.model}: {exc}") from exc
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model.to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        if not self.eos_ids:
+            raise StageError(f"{settings.model}: neither the generation config nor the tokenizer "
+                             "names an end-of-turn (eos) token, so no reply could ever finish")
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = min(self.eos_ids)
+        files = sorted(p for p in Path(settings.model).iterdir()
+                       if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".bin"))
+        self.model_id = hashlib.sha256("".join(sha256_file(p) for p in files).encode()
+                                       ).hexdigest()
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        from dflash_etl.templates.render import render
+
+        kwargs = {} if self.settings.thinking == "keep" else {
+            "enable_thinking": self.settings.thinking == "on"}
+        return render(self.tokenizer, messages, chat_template=None, tools=tools,
+                      add_generation_prompt=True, kwargs=kwargs)
+
+    def generate(self, prompts: list[str]) -> list[Reply]:
+        torch = self.torch
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        width = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, e in enumerate(encoded):  # left padding: every prompt ends at the same column
+            ids[row, width - len(e):] = torch.tensor(e)
+            mask[row, width - len(e):] = 1
+        sample = self.settings.temperature > 0
+        # seeded by the batch's own prompts: a resumed run samples what an uninterrupted one did
+        digest = hashlib.sha256("\x00".join(prompts).encode()).digest()
+        torch.manual_seed(self.settings.seed + int.from_bytes(digest[:6], "little"))
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                max_new_tokens=self.settings.max_new_tokens, do_sample=sample,
+                temperature=self.settings.temperature if sample else None, top_p=None, top_k=None,
+                pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))
+        replies = []
+        for row in out[:, width:].tolist():
+            end = next((k for k, t in enumerate(row) if t in self.eos_ids), None)
+            new = row if end is None else row[:end]
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
+            replies.append(Reply(text, "length" if end is None else "stop", len(new)))
+        return replies
+
+
+# ---------------------------------------------------------------- shell
+def _input_files(run: RunDir) -> list[Path]:
+    directory = run.stage_dir("ingest") / "conversations"
+    files = sorted(directory.glob("*.parquet"))
+    if not files:
+        raise StageError(f"no conversations in {directory}: run `dflash-etl ingest` for this run "
+                         "first (regenerate reads the ingest stage's output)")
+    return files
+
+
+def _targets(conv: dict[str, Any], mode: str) -> list[int]:
+    """Message positions to (re)generate: each assistant turn (mode all) plus the missing reply."""
+    positions = [k for k, m in enumerate(conv["messages"]) if m["role"] == "assistant"] \
+        if mode == "all" else []
+    if conv.get("needs_response"):
+        positions.append(len(conv["messages"]))
+    return positions
+
+
+class _Cache:
+    """Finished generations, appended as JSON lines and flushed per batch."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a crash: generated again
+                    continue
+                self.entries[entry["key"]] = entry
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        with self.path.open("a", encoding="utf-8") as fh:
+            for entry in entries:
+                fh.write(json.dumps(entry) + "\n")
+                self.entries[entry["key"]] = entry
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def _generate_round(pending: list[tuple[str, list[dict[str, Any]], Any]], backend: Backend,
+                    cache: _Cache, settings: RegenerateSettings, bar: Any) -> None:
+    """Generate every (key, messages, tools) not in the cache, in batches."""
+    todo = [p for p in pending if p[0] not in cache.entries]
+    bar.advance(len(pending) - len(todo))
+    for start in range(0, len(todo), settings.batch_size):
+        batch = todo[start:start + settings.batch_size]
+        prompts, keys, failed = [], [], []
+        for key, messages, tools in batch:
+            try:
+                prompts.append(backend.render(messages, tools))
+                keys.append(key)
+            except RenderError as exc:
+                failed.append({"key": key, "error": str(exc)[:2000]})
+        replies = backend.generate(prompts) if prompts else []
+        cache.add(failed + [{"key": k, "text": r.text, "finish_reason": r.finish_reason,
+                             "new_tokens": r.new_tokens} for k, r in zip(keys, replies)])
+        bar.advance(len(batch))
+
+
+def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backend,
+                             cache: _Cache, settings: RegenerateSettings, bar: Any):
+    """Conversations -> (kept, quarantine rows, per-source stats, finish reasons). Turn by turn:
+    round r generates the r-th target of every conversation on its history so far."""
+    state = []
+    for conv in conversations:
+        tools = json.loads(conv["tools"]) if conv.get("tools") else None
+        has_calls = settings.mode == "all" and any(
+            m["role"] == "assistant" and m.get("tool_calls") for m in conv["messages"])
+        state.append({"conv": conv, "tools": tools, "targets": _targets(conv, settings.mode),
+                      "messages": list(conv["messages"]), "done": 0, "failure": None,
+                      "skip": F_TOOL_CALLS if has_calls else None})
+    while True:
+        pending, slots = [], []
+        for s in state:
+            if s["skip"] or s["failure"] or s["done"] >= len(s["targets"]):
+                continue
+            pos = s["targets"][s["done"]]
+            history = template_messages(s["messages"][:pos])
+            key = cache_key(history, s["conv"].get("tools"), settings, backend.model_id)
+            pending.append((key, history, s["tools"]))
+            slots.append((s, pos, key))
+        if not pending:
+            break
+        _generate_round(pending, backend, cache, settings, bar)
+        for s, pos, key in slots:
+            entry = cache.entries[key]
+            if "error" in entry:
+                s["failure"] = ("quarantine", Q_RENDER_ERROR, entry["error"])
+                continue
+            reply = Reply(entry["text"], entry["finish_reason"], entry["new_tokens"])
+            bad = check_reply(reply, settings)
+            if bad:
+                s["failure"] = bad
+                continue
+            content, reasoning = split_reasoning(reply.text)
+            message = {"role": "assistant", "content": content, "reasoning": reasoning,
+                       "tool_calls": None, "tool_call_id": None, "name": None}
+            s["messages"] = [*s["messages"][:pos], message, *s["messages"][pos + 1:]]
+            s.setdefault("finish", []).append(reply.finish_reason)
+            s["last_reply"] = content
+            s["done"] += 1
+    answered = {s["conv"]["id"]: s["last_reply"] for s in state
+                if s["targets"] and not s["failure"] and not s["skip"]}
+    dummies = dummy_replies(answered, settings.dummy_min_repeats)
+    kept, quarantine, per_source = [], [], {}
+    finish: Counter[str] = Counter()
+    for s in state:
+        conv = s["conv"]
+        stats = per_source.setdefault(conv["source"], Stats(extra={"generated_turns": 0}))
+        stats.rows_in += 1
+        failure = s["failure"]
+        if conv["id"] in dummies:
+            failure = ("quarantine", Q_DUMMY_REPLY,
+                       f"reply {answered[conv['id']]!r} was given to at least "
+                       f"{settings.dummy_min_repeats} different prompts")
+        if s["skip"]:
+            stats.filter(s["skip"])
+            continue
+        if failure:
+            kind, code, message = failure
+            if kind == "filter":
+                stats.filter(code)
+            else:
+                stats.quarantine(code)
+                quarantine.append({"source": conv["source"], "file": conv.get("file"),
+                                   "line": conv.get("line"), "reason": code,
+                                   "message": f"conversation {conv['id']}: {message}",
+                                   "raw": None, "raw_bytes": None})
+            continue
+        stats.rows_out += 1
+        stats.extra["generated_turns"] += s["done"]
+        finish.update(s.get("finish", []))
+        kept.append({**conv, "messages": s["messages"],
+                     "needs_response": False if s["targets"] else conv.get("needs_response")})
+    return kept, quarantine, per_source, finish
+
+
+def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
+        progress: bool | None = None, backend: Backend | None = None,
+        **overrides: Any) -> dict[str, Any]:
+    """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete."""
+    from dflash_etl.contracts import validate_conversations
+
+    section = config.section("regenerate") if config else {}
+    settings = RegenerateSettings.from_sources(section, overrides,
+                                               config.base_dir if config else None)
+    run = RunDir(run_dir)
+    timer = Timer()
+    files = _input_files(run)
+    backend = backend or TransformersBackend(settings)
+    ingest_fingerprint = run.manifest().get("stages", {}).get("ingest", {}).get("fingerprint")
+    fingerprint = hashlib.sha256(json.dumps({
+        "settings": asdict(settings), "model": backend.model_id,
+        "inputs": [sha256_file(f) for f in files]}, sort_keys=True).encode()).hexdigest()
+    if not force and run.is_complete(STAGE, fingerprint):
+        doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
+        doc["skipped"] = True
+        return doc
+    partial = run.begin(STAGE, fingerprint)
+    run.update_stage(STAGE, settings=asdict(settings), input_fingerprint=ingest_fingerprint)
+    cache = _Cache(partial / "generations.jsonl")
+    conversations = pl.read_parquet(files).to_dicts()
+    total = sum(len(_targets(c, settings.mode)) for c in conversations)
+    try:
+        with progress_bar("regenerate", total=total, enabled=progress) as bar:
+            kept, quarantine, per_source, finish = regenerate_conversations(
+                conversations, backend, cache, settings, bar)
+        doc = stats_document(per_source, STAGE)
+        doc["total"]["finish_reasons"] = dict(finish)
+        out = partial / "conversations"
+        out.mkdir(exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(kept, schema=S.CONVERSATIONS),
+                       out / "part-00000.parquet")
+        pq.write_table(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE),
+                       partial / "quarantine.parquet")
+        if not kept:
+            reasons = Counter(doc["total"]["quarantine_reasons"]) + Counter(
+                doc["total"]["rows_filtered"])
+            raise StageError(
+                f"regenerate kept no conversations of {doc['total']['rows_in']}; most common "
+                f"reasons: {dict(reasons.most_common(4))}. 'truncated_response': raise "
+                "--max-new-tokens or pass --keep-truncated; 'dummy_reply': the model gives one "
+                f"short reply to everything (check {settings.model}). See "
+                f"{partial / 'quarantine.parquet'}.")
+        validate_conversations(out, partial)
+        needed = {c["id"] for c in conversations if c.get("needs_response")}
+        unanswered = [c["id"] for c in kept
+                      if c["id"] in needed and c["messages"][-1]["role"] != "assistant"]
+        if unanswered:  # an invariant of the code above, checked on the data it wrote
+            raise StageError(f"{len(unanswered)} conversations still end without a reply, "
+                             f"e.g. {unanswered[:3]}")
+        write_json_atomic(partial / "stats.json", doc)
+    except StageError as exc:
+        run.fail(STAGE, str(exc))
+        publish_docs(run.root)
+        raise
+    run.commit(STAGE, doc["total"], timer.seconds)
+    publish_docs(run.root)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_etl.cli import main as cli_main
+
+    return cli_main(["regenerate", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""The regenerate stage with the transformers backend on a tiny random-weight model (built from a
+config, with the project's own tokenizer in data/tokenizer): real generate, real files, the stage's
+accounting, and the checks that keep dummy, empty and truncated replies out of the data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from dflash_etl.config import load_config
+from dflash_etl.errors import StageError
+from dflash_etl.stages import ingest, regenerate
+from dflash_etl.stages.regenerate import (
+    RegenerateSettings,
+    Reply,
+    check_reply,
+    dummy_replies,
+    split_reasoning,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "data" / "tokenizer"
+ROWS = [
+    {"id": "p1", "prompt": "Name three colours of the rainbow."},
+    {"id": "p2", "prompt": "What is the capital of France?"},
+    {"id": "p3", "messages": [{"role": "user", "content": "Say something about rivers."}]},
+    {"id": "c1", "messages": [{"role": "user", "content": "Hi there"},
+                              {"role": "assistant", "content": "Hello! How can I help?"},
+                              {"role": "user", "content": "Tell me about trees."},
+                              {"role": "assistant", "content": "Trees are tall plants."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer random Qwen2 with the project's tokenizer: generates real (meaningless) text."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, out / f.name)
+    vocab = json.loads((TOKENIZER / "tokenizer.json").read_text())
+    size = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=2048, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2,
+                                                            "pad_token_id": 0}))
+    return out
+
+
+@pytest.fixture()
+def ingested(tmp_path) -> Path:
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "pipeline.toml").write_text(
+        '[[sources]]\nname = "mixed"\npath = "rows.jsonl"\n')
+    run_dir = tmp_path / "run"
+    ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
+    return run_dir
+
+
+def _conversations(run_dir: Path) -> dict[str, dict]:
+    frame = pl.read_parquet(run_dir / "regenerate" / "conversations" / "*.parquet")
+    return {r["id"]: r for r in frame.to_dicts()}
+
+
+def _ids(run_dir: Path, stage: str) -> dict[str, str]:
+    """source row id (the `line` of the source file) -> conversation id"""
+    frame = pl.read_parquet(run_dir / stage / "conversations" / "*.parquet")
+    return {ROWS[r["line"] - 1]["id"]: r["id"] for r in frame.to_dicts()}
+
+
+def test_missing_mode_answers_prompts_with_real_generations(tiny_model, ingested):
+    doc = regenerate.run(None, ingested, progress=False, model=str(tiny_model),
+                         max_new_tokens=12, temperature=1.0, keep_truncated=True,
+                         dummy_min_repeats=99)
+    total = doc["total"]
+    assert total["rows_in"] == 4
+    assert total["rows_in"] == (total["rows_out"] + total["rows_quarantined"]
+                                + sum(total["rows_filtered"].values()))
+    ids = _ids(ingested, "ingest")
+    out = _conversations(ingested)
+    before = {r["id"]: r for r in pl.read_parquet(
+        ingested / "ingest" / "conversations" / "*.parquet").to_dicts()}
+    answered = [out[ids[k]] for k in ("p1", "p2", "p3") if ids[k] in out]
+    assert answered, f"no prompt kept: {total}"
+    for conv in answered:
+        assert conv["messages"][-1]["role"] == "assistant"
+        assert conv["needs_response"] is False
+        assert len(conv["messages"]) == len(before[conv["id"]]["messages"]) + 1
+    assert out[ids["c1"]]["messages"] == before[ids["c1"]]["messages"]  # complete: untouched
+    assert total["generated_turns"] == len(answered)
+    assert sum(total["finish_reasons"].values()) == len(answered)
+    # tokenize now reads the regenerated conversations
+    from dflash_etl.stages.tokenize import _conversations as tokenize_input
+
+    assert tokenize_input(regenerate.RunDir(ingested))[0].parent == \
+        ingested / "regenerate" / "conversations"
+
+
+def test_truncated_replies_are_filtered_and_counted(tiny_model, ingested):
+    # greedy decoding of random weights repeats one token and never reaches the end of turn:
+    # with mode=all every turn is cut at max_new_tokens, so every conversation is filtered
+    with pytest.raises(StageError, match=r"kept no conversations of 4.*truncated_response"):
+        regenerate.run(None, ingested, progress=False, model=str(tiny_model), mode="all",
+                       max_new_tokens=3)
+    assert not (ingested / "regenerate").exists()  # a failed stage publishes nothing
+    manifest = json.loads((ingested / "manifest.json").read_text())
+    assert manifest["stages"]["regenerate"]["status"] == "failed"
+
+
+def test_an_interrupted_run_resumes_to_the_same_result(tiny_model, ingested, tmp_path):
+    kw = {"progress": False, "model": str(tiny_model), "max_new_tokens": 8, "temperature": 1.0,
+          "keep_truncated": True, "dummy_min_repeats": 99, "batch_size": 1, "mode": "all"}
+    backend = regenerate.TransformersBackend(RegenerateSettings(
+        **{k: v for k, v in kw.items() if k != "progress"}))
+    calls = {"n": 0}
+    real = backend.generate
+
+    def crash_after_two(prompts):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt
+        return real(prompts)
+
+    backend.generate = crash_after_two
+    with pytest.raises(KeyboardInterrupt):
+        regenerate.run(None, ingested, backend=backend, **kw)
+    cached = (ingested / ".regenerate.partial" / "generations.jsonl").read_text().splitlines()
+    assert len(cached) == 2  # what finished is kept
+
+    backend.generate = real
+    calls_after = {"n": 0}
+
+    def counting(prompts):
+        calls_after["n"] += 1
+        return real(prompts)
+
+    backend.generate = counting
+    resumed_doc = regenerate.run(None, ingested, backend=backend, **kw)
+    resumed = _conversations(ingested)
+    targets = resumed_doc["total"]["generated_turns"]
+    assert calls_after["n"] == targets - 2  # only what was missing
+
+    fresh_run = tmp_path / "fresh"
+    shutil.copytree(ingested, fresh_run, ignore=shutil.ignore_patterns("*regenerate*"))
+    regenerate.run(None, fresh_run, backend=backend, **kw)
+    assert _conversations(fresh_run) == resumed
+
+
+def test_reply_checks():
+    s = RegenerateSettings(model="m", max_new_tokens=5)
+    assert check_reply(Reply("   ", "stop", 1), s)[1] == "empty_response"
+    assert check_reply(Reply("cut off mid", "length", 5), s)[1] == "truncated_response"
+    assert check_reply(Reply("cut off mid", "length", 5),
+                       RegenerateSettings(model="m", keep_truncated=True)) is None
+    off = RegenerateSettings(model="m", thinking="off")
+    assert check_reply(Reply("sure </think> answer", "stop", 3), off)[1] == "reasoning_in_content"
+    assert check_reply(Reply("A fine answer.", "stop", 3), s) is None
+    assert split_reasoning("<think>\nstep 1\n</think>\n\nThe answer") == ("The answer", "step 1")
+    assert split_reasoning("plain") == ("plain", None)
+
+
+def test_dummy_replies_are_found_across_prompts():
+    replies = {"a": "OK.", "b": " ok. ", "c": "OK.", "d": "A long and specific answer about x.",
+               "e": "Sure!", "f": "Sure!"}
+    assert dummy_replies(replies, 3) == {"a", "b", "c"}
+    assert dummy_replies(replies, 2) == {"a", "b", "c", "e", "f"}
+    long = {str(k): "the same long answer repeated for every single prompt here" for k in range(5)}
+    assert dummy_replies(long, 3) == set()  # only short replies are dummy-like
+
+
+def test_cli_subcommand_and_module_entry(tiny_model, ingested, capsys):
+    from dflash_etl.cli import main
+    from dflash_etl.stages.regenerate import main as module_main
+
+    args = ["--run", str(ingested), "--model", str(tiny_model), "--max-new-tokens", "6",
+            "--temperature", "1.0", "--keep-truncated"]
+    assert main(["regenerate", *args]) == 0
+    out = capsys.readouterr().out
+    assert "regenerate done: conversations 4 in" in out
+    assert module_main(args) == 0  # python -m dflash_etl.stages.regenerate: same inputs, skipped
+    assert "already complete, skipped" in capsys.readouterr().out
+    assert main(["regenerate", "--run", str(ingested), "--model",
+                 str(ingested / "no-such-model")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
