@@ -134,7 +134,7 @@ def test_an_interrupted_run_resumes_to_the_same_result(tiny_model, ingested, tmp
 
     backend.generate = crash_after_two
     with pytest.raises(KeyboardInterrupt):
-        regenerate.run(None, ingested, backend=backend, **kw)
+        regenerate.run(None, ingested, generator=backend, **kw)
     cached = (ingested / ".regenerate.partial" / "generations.jsonl").read_text().splitlines()
     assert len(cached) == 2  # what finished is kept
 
@@ -146,14 +146,14 @@ def test_an_interrupted_run_resumes_to_the_same_result(tiny_model, ingested, tmp
         return real(prompts)
 
     backend.generate = counting
-    resumed_doc = regenerate.run(None, ingested, backend=backend, **kw)
+    resumed_doc = regenerate.run(None, ingested, generator=backend, **kw)
     resumed = _conversations(ingested)
     targets = resumed_doc["total"]["generated_turns"]
     assert calls_after["n"] == targets - 2  # only what was missing
 
     fresh_run = tmp_path / "fresh"
     shutil.copytree(ingested, fresh_run, ignore=shutil.ignore_patterns("*regenerate*"))
-    regenerate.run(None, fresh_run, backend=backend, **kw)
+    regenerate.run(None, fresh_run, generator=backend, **kw)
     assert _conversations(fresh_run) == resumed
 
 
@@ -193,3 +193,60 @@ def test_cli_subcommand_and_module_entry(tiny_model, ingested, capsys):
     assert main(["regenerate", "--run", str(ingested), "--model",
                  str(ingested / "no-such-model")]) == 1
     assert "is not a directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- openai backend
+def _openai_kw(server, **extra):
+    return {"progress": False, "model": str(server.model_dir), "backend": "openai",
+            "endpoint": server.url, "max_new_tokens": 8, "temperature": 1.0,
+            "keep_truncated": True, "dummy_min_repeats": 99, "mode": "all", **extra}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    from dflash_etl.devserver import DevServer
+
+    with DevServer(str(tiny_model)) as srv:
+        srv.model_dir = tiny_model
+        yield srv
+
+
+def test_openai_backend_over_real_http_matches_the_local_model(tiny_model, server, ingested,
+                                                               tmp_path):
+    regenerate.run(None, ingested, **_openai_kw(server, concurrency=4))
+    over_http = _conversations(ingested)
+    streamed_run = tmp_path / "streamed"
+    shutil.copytree(ingested, streamed_run, ignore=shutil.ignore_patterns("*regenerate*"))
+    regenerate.run(None, streamed_run, **_openai_kw(server, stream=True))
+    local_run = tmp_path / "local"
+    shutil.copytree(ingested, local_run, ignore=shutil.ignore_patterns("*regenerate*"))
+    regenerate.run(None, local_run, progress=False, model=str(tiny_model), max_new_tokens=8,
+                   temperature=1.0, keep_truncated=True, dummy_min_repeats=99, mode="all",
+                   batch_size=1)
+    assert over_http == _conversations(streamed_run) == _conversations(local_run)
+    assert any(m["content"] for c in over_http.values() for m in c["messages"]
+               if m["role"] == "assistant")
+
+
+def test_openai_backend_retries_failures_and_timeouts(server, ingested):
+    from dflash_etl.stages.regenerate import OpenAIBackend
+
+    kw = _openai_kw(server, timeout_s=1.0, retries=2)
+    backend = OpenAIBackend(RegenerateSettings(**{k: v for k, v in kw.items()
+                                                  if k != "progress"}))
+    server.fail_next, server.delay_next, server.delay_s = 1, 1, 3.0  # a 500, then a timeout
+    doc = regenerate.run(None, ingested, generator=backend, **kw)
+    assert backend.retried == 2
+    assert doc["total"]["rows_quarantined"] == 0
+
+    server.fail_next = 10  # more failures than attempts: the conversation is quarantined
+    kw = {**kw, "retries": 1, "concurrency": 1, "seed": 7}
+    stubborn = OpenAIBackend(RegenerateSettings(**{k: v for k, v in kw.items()
+                                                   if k != "progress"}))
+    with pytest.raises(StageError) as err:
+        regenerate.run(None, ingested, generator=stubborn, **kw)
+    server.fail_next = 0
+    assert "generation_failed" in str(err.value)
+    quarantine = pl.read_parquet(ingested / ".regenerate.partial" / "quarantine.parquet")
+    assert quarantine.height >= 1
+    assert "failed after 2 attempts; last: HTTP 500" in quarantine["message"][0]

@@ -80,7 +80,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
     config = load_config(args.config) if args.config else None
     names = ("model", "backend", "mode", "max_new_tokens", "temperature", "seed", "batch_size",
-             "thinking", "keep_truncated")
+             "thinking", "keep_truncated", "endpoint", "served_model", "concurrency",
+             "timeout_s", "retries", "stream")
     doc = regenerate.run(config, args.run, force=args.force,
                          **{n: getattr(args, n, None) for n in names})
     out = Path(args.run) / "regenerate"
@@ -200,7 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="the target model writes the assistant turns")
     stage_args(p, config_required=False)
     p.add_argument("--model", help="the target model directory (offline)")
-    p.add_argument("--backend", choices=["transformers"], help="generation backend")
+    p.add_argument("--backend", choices=["transformers", "openai"], help="generation backend")
+    p.add_argument("--endpoint", help="openai backend: the server's /v1 URL "
+                                      "(default http://127.0.0.1:8000/v1)")
+    p.add_argument("--served-model", help="openai backend: model name (default: the first the "
+                                          "server lists)")
+    p.add_argument("--concurrency", type=int, help="openai backend: requests in flight (8)")
+    p.add_argument("--timeout-s", type=float, help="openai backend: per request (120)")
+    p.add_argument("--retries", type=int, help="openai backend: on timeouts/429/5xx (3)")
+    p.add_argument("--stream", action="store_true", default=None,
+                   help="openai backend: stream the responses")
     p.add_argument("--mode", choices=["missing", "all"],
                    help="answer conversations that need a reply (default) or rewrite every turn")
     p.add_argument("--max-new-tokens", type=int, help="per reply (default 256)")

@@ -39,13 +39,13 @@ from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
 from dflash_etl.templates.render import RenderError
 
 STAGE = "regenerate"
-BACKENDS = ("transformers",)
+BACKENDS = ("transformers", "openai")
 
 # Reason codes
 Q_EMPTY_RESPONSE = "empty_response"
 Q_DUMMY_REPLY = "dummy_reply"
 Q_REASONING_LEAK = "reasoning_in_content"
-Q_RENDER_ERROR = "template_render_error"
+Q_GENERATION_FAILED = "generation_failed"  # the template refused, or the server failed
 F_TRUNCATED = "truncated_response"
 F_TOOL_CALLS = "tool_call_turns"  # mode=all cannot re-run tools, so those rows keep nothing
 
@@ -67,6 +67,13 @@ class RegenerateSettings:
     thinking: str = "keep"  # on | off | keep (the template's default)
     keep_truncated: bool = False
     dummy_min_repeats: int = 3  # one short reply for this many different prompts is a dummy
+    # openai backend
+    endpoint: str = "http://127.0.0.1:8000/v1"
+    served_model: str | None = None  # default: the first model the server lists
+    concurrency: int = 8
+    timeout_s: float = 120.0
+    retries: int = 3  # on timeouts, connection errors, 429 and 5xx, with exponential backoff
+    stream: bool = False
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -85,7 +92,7 @@ class RegenerateSettings:
                              "[regenerate] model = 'DIR' in the config")
         if settings.backend not in BACKENDS:
             raise StageError(f"--backend {settings.backend!r} is not available in this version; "
-                             f"available: {list(BACKENDS)} (openai and vllm are planned)")
+                             f"available: {list(BACKENDS)} (vllm is planned)")
         if settings.mode not in ("missing", "all"):
             raise StageError(f"--mode {settings.mode!r}: use 'missing' or 'all'")
         if settings.thinking not in ("on", "off", "keep"):
@@ -96,16 +103,19 @@ class RegenerateSettings:
 @dataclass
 class Reply:
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" (or whatever the server said)
     new_tokens: int
+    reasoning: str | None = None  # when the server returns it separately (reasoning parsers)
+    error: str | None = None  # the request could not be rendered or served
+
+
+Request = tuple[list[dict[str, Any]], list[Any] | None]  # (messages, tools)
 
 
 class Backend(Protocol):
     model_id: str
 
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str: ...
-
-    def generate(self, prompts: list[str]) -> list[Reply]: ...
+    def generate(self, requests: list[Request]) -> list[Reply]: ...
 
 
 # ---------------------------------------------------------------- pure core
@@ -117,9 +127,17 @@ def split_reasoning(text: str) -> tuple[str, str | None]:
     return text[m.end():].strip(), m.group(1).strip() or None
 
 
+def reply_parts(reply: Reply) -> tuple[str, str | None]:
+    """(content, reasoning) of a reply."""
+    content, reasoning = split_reasoning(reply.text)
+    return content, reply.reasoning.strip() if reply.reasoning else reasoning
+
+
 def check_reply(reply: Reply, settings: RegenerateSettings) -> tuple[str, str, str] | None:
     """(kind, code, message) when a reply must not be kept; kind is quarantine or filter."""
-    content, reasoning = split_reasoning(reply.text)
+    if reply.error:
+        return ("quarantine", Q_GENERATION_FAILED, reply.error)
+    content, reasoning = reply_parts(reply)
     if reply.finish_reason == "length" and not settings.keep_truncated:
         return ("filter", F_TRUNCATED,
                 f"stopped at max_new_tokens={settings.max_new_tokens} before the end of turn")
@@ -208,7 +226,21 @@ class TransformersBackend:
         return render(self.tokenizer, messages, chat_template=None, tools=tools,
                       add_generation_prompt=True, kwargs=kwargs)
 
-    def generate(self, prompts: list[str]) -> list[Reply]:
+    def generate(self, requests: list[Request]) -> list[Reply]:
+        """Render each request with the model's template and generate in one batch; a request
+        the template refuses gets an error reply with the template's message."""
+        prompts, where, replies = [], [], [Reply("", "", 0)] * len(requests)
+        for k, (messages, tools) in enumerate(requests):
+            try:
+                prompts.append(self.render(messages, tools))
+                where.append(k)
+            except RenderError as exc:
+                replies[k] = Reply("", "", 0, error=f"the chat template refused: {exc}")
+        for k, reply in zip(where, self.generate_text(prompts) if prompts else [], strict=True):
+            replies[k] = reply
+        return replies
+
+    def generate_text(self, prompts: list[str]) -> list[Reply]:
         torch = self.torch
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         width = max(len(e) for e in encoded)
@@ -234,6 +266,129 @@ class TransformersBackend:
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             replies.append(Reply(text, "length" if end is None else "stop", len(new)))
         return replies
+
+
+# ---------------------------------------------------------------- openai backend
+class OpenAIBackend:
+    """Any OpenAI-compatible chat-completions server (vLLM serve, SGLang): the server applies the
+    chat template. Async requests with bounded concurrency, per-request timeouts and retries with
+    exponential backoff; replies come back in request order whatever order they finish in."""
+
+    def __init__(self, settings: RegenerateSettings) -> None:
+        import httpx
+
+        self.settings = settings
+        self.httpx = httpx
+        self.base = settings.endpoint.rstrip("/")
+        self.retried = 0
+        name = settings.served_model
+        if name is None:
+            try:
+                listed = httpx.get(f"{self.base}/models", timeout=settings.timeout_s)
+                listed.raise_for_status()
+                name = listed.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                raise StageError(f"cannot list the models of {self.base}/models ({exc}): is the "
+                                 "server running? Pass --served-model to skip the lookup") from exc
+        self.served_model = name
+        self.batch_hint = settings.concurrency * 4  # requests per cache flush
+        files = sorted(p for p in Path(settings.model).iterdir() if p.is_file()) \
+            if Path(settings.model).is_dir() else []
+        identity = [name, *(sha256_file(p) for p in files if p.suffix in (".json", ".jinja"))]
+        self.model_id = hashlib.sha256("\x00".join(identity).encode()).hexdigest()
+
+    def payload(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.served_model, "messages": messages,
+            "max_tokens": self.settings.max_new_tokens,
+            "temperature": self.settings.temperature, "seed": self.settings.seed,
+            "stream": self.settings.stream}
+        if tools:
+            body["tools"] = tools
+        if self.settings.thinking != "keep":  # vLLM / SGLang pass these to the template
+            body["chat_template_kwargs"] = {"enable_thinking": self.settings.thinking == "on"}
+        return body
+
+    def generate(self, requests: list[Request]) -> list[Reply]:
+        import asyncio
+
+        return asyncio.run(self._generate_all(requests))
+
+    async def _generate_all(self, requests: list[Request]) -> list[Reply]:
+        import asyncio
+
+        gate = asyncio.Semaphore(self.settings.concurrency)
+        limits = self.httpx.Limits(max_connections=self.settings.concurrency)
+        async with self.httpx.AsyncClient(timeout=self.settings.timeout_s, limits=limits) as client:
+
+            async def one(request: Request) -> Reply:
+                async with gate:
+                    return await self._request(client, self.payload(*request))
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    async def _request(self, client: Any, body: dict[str, Any]) -> Reply:
+        import asyncio
+
+        url = f"{self.base}/chat/completions"
+        problem = ""
+        for attempt in range(self.settings.retries + 1):
+            if attempt:
+                self.retried += 1
+                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
+            try:
+                if body["stream"]:
+                    return await self._streamed(client, url, body)
+                response = await client.post(url, json=body)
+                if response.status_code == 429 or response.status_code >= 500:
+                    problem = f"HTTP {response.status_code}: {response.text[:300]}"
+                    continue
+                if response.status_code >= 400:  # the request itself is wrong: no retry
+                    return Reply("", "", 0, error=f"{url} refused the request: HTTP "
+                                 f"{response.status_code}: {response.text[:500]}")
+                return _reply_from_completion(response.json())
+            except _Retry as exc:
+                problem = str(exc)
+            except (self.httpx.TimeoutException, self.httpx.TransportError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        return Reply("", "", 0, error=f"{url} failed after {self.settings.retries + 1} attempts; "
+                     f"last: {problem}")
+
+    async def _streamed(self, client: Any, url: str, body: dict[str, Any]) -> Reply:
+        content, reasoning, finish, chunks = [], [], "", 0
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code == 429 or response.status_code >= 500:
+                raise _Retry(f"HTTP {response.status_code}")
+            if response.status_code >= 400:
+                await response.aread()
+                return Reply("", "", 0, error=f"{url} refused the request: HTTP "
+                             f"{response.status_code}: {response.text[:500]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                choice = json.loads(data)["choices"][0]
+                delta = choice.get("delta") or {}
+                content.append(delta.get("content") or "")
+                reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+                finish = choice.get("finish_reason") or finish
+                chunks += 1
+        return Reply("".join(content), finish or "stop", chunks, "".join(reasoning) or None)
+
+
+class _Retry(Exception):
+    """A streamed response that failed in a way worth retrying."""
+
+
+def _reply_from_completion(data: dict[str, Any]) -> Reply:
+    choice = data["choices"][0]
+    message = choice.get("message") or {}
+    usage = data.get("usage") or {}
+    return Reply(message.get("content") or "", choice.get("finish_reason") or "stop",
+                 int(usage.get("completion_tokens") or 0),
+                 message.get("reasoning_content") or message.get("reasoning"))
 
 
 # ---------------------------------------------------------------- shell
@@ -283,18 +438,12 @@ def _generate_round(pending: list[tuple[str, list[dict[str, Any]], Any]], backen
     """Generate every (key, messages, tools) not in the cache, in batches."""
     todo = [p for p in pending if p[0] not in cache.entries]
     bar.advance(len(pending) - len(todo))
-    for start in range(0, len(todo), settings.batch_size):
-        batch = todo[start:start + settings.batch_size]
-        prompts, keys, failed = [], [], []
-        for key, messages, tools in batch:
-            try:
-                prompts.append(backend.render(messages, tools))
-                keys.append(key)
-            except RenderError as exc:
-                failed.append({"key": key, "error": str(exc)[:2000]})
-        replies = backend.generate(prompts) if prompts else []
-        cache.add(failed + [{"key": k, "text": r.text, "finish_reason": r.finish_reason,
-                             "new_tokens": r.new_tokens} for k, r in zip(keys, replies)])
+    size = getattr(backend, "batch_hint", settings.batch_size)
+    for start in range(0, len(todo), size):
+        batch = todo[start:start + size]
+        replies = backend.generate([(messages, tools) for _, messages, tools in batch])
+        cache.add([{"key": key, **asdict(reply)}
+                   for (key, _, _), reply in zip(batch, replies, strict=True)])
         bar.advance(len(batch))
 
 
@@ -325,15 +474,12 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
         _generate_round(pending, backend, cache, settings, bar)
         for s, pos, key in slots:
             entry = cache.entries[key]
-            if "error" in entry:
-                s["failure"] = ("quarantine", Q_RENDER_ERROR, entry["error"])
-                continue
-            reply = Reply(entry["text"], entry["finish_reason"], entry["new_tokens"])
+            reply = Reply(**{k: v for k, v in entry.items() if k != "key"})
             bad = check_reply(reply, settings)
             if bad:
                 s["failure"] = bad
                 continue
-            content, reasoning = split_reasoning(reply.text)
+            content, reasoning = reply_parts(reply)
             message = {"role": "assistant", "content": content, "reasoning": reasoning,
                        "tool_calls": None, "tool_call_id": None, "name": None}
             s["messages"] = [*s["messages"][:pos], message, *s["messages"][pos + 1:]]
@@ -377,9 +523,10 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
 
 
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, backend: Backend | None = None,
+        progress: bool | None = None, generator: Backend | None = None,
         **overrides: Any) -> dict[str, Any]:
-    """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete."""
+    """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete.
+    `generator` replaces the backend the settings name (an instance, e.g. shared between runs)."""
     from dflash_etl.contracts import validate_conversations
 
     section = config.section("regenerate") if config else {}
@@ -388,7 +535,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     run = RunDir(run_dir)
     timer = Timer()
     files = _input_files(run)
-    backend = backend or TransformersBackend(settings)
+    backend = generator or (OpenAIBackend(settings) if settings.backend == "openai"
+                            else TransformersBackend(settings))
     ingest_fingerprint = run.manifest().get("stages", {}).get("ingest", {}).get("fingerprint")
     fingerprint = hashlib.sha256(json.dumps({
         "settings": asdict(settings), "model": backend.model_id,

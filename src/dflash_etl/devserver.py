@@ -1,0 +1,179 @@
+"""A small OpenAI-compatible chat-completions server over a local transformers model.
+
+For trying `regenerate --backend openai` without vLLM, and for that backend's tests and benchmark:
+
+    python -m dflash_etl.devserver --model DIR [--port 8000]
+
+It serves `GET /v1/models` and `POST /v1/chat/completions` (streaming on and off) through the
+same `TransformersBackend` the regenerate stage uses, one generation at a time. `--instant` answers
+every request with a fixed reply without touching the model, to measure a client's own overhead.
+Failures can be injected (`fail_next`, `delay_next`) to test retries and timeouts. Not for
+production serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+INSTANT_REPLY = "This is the development server's fixed reply."
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that gave up (timed out) closes its end: not worth a traceback."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
+class DevServer:
+    """The server, started in a background thread; `url` is its /v1 base."""
+
+    def __init__(self, model: str | None, host: str = "127.0.0.1", port: int = 0,
+                 instant: bool = False) -> None:
+        self.model_name = Path(model).name if model else "instant"
+        self.backend: Any = None
+        if not instant:
+            from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
+
+            self.backend = TransformersBackend(RegenerateSettings(model=str(model)))
+        self.lock = threading.Lock()
+        self.fail_next = 0  # answer this many coming requests with HTTP 500
+        self.delay_next = 0  # delay this many coming requests by `delay_s`
+        self.delay_s = 0.0
+        self.requests = 0
+        self.httpd = _QuietServer((host, port), _handler(self))
+        self.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def start(self) -> DevServer:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> DevServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def take(self, name: str) -> bool:
+        """Consume one injected failure or delay."""
+        with self.lock:
+            if getattr(self, name) > 0:
+                setattr(self, name, getattr(self, name) - 1)
+                return True
+            return False
+
+    def complete(self, body: dict[str, Any]) -> tuple[str, str, int]:
+        """(text, finish_reason, completion tokens) for one chat-completions request."""
+        if self.backend is None:
+            return INSTANT_REPLY, "stop", len(INSTANT_REPLY.split())
+        thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking")
+        with self.lock:
+            self.backend.settings = dataclasses.replace(
+                self.backend.settings, max_new_tokens=int(body.get("max_tokens") or 256),
+                temperature=float(body.get("temperature") or 0.0),
+                seed=int(body.get("seed") or 0),
+                thinking="keep" if thinking is None else ("on" if thinking else "off"))
+            reply = self.backend.generate([(body["messages"], body.get("tools"))])[0]
+        if reply.error:
+            raise ValueError(reply.error)
+        return reply.text, reply.finish_reason, reply.new_tokens
+
+
+def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # quiet
+            pass
+
+        def _json(self, status: int, data: dict[str, Any]) -> None:
+            blob = json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(blob)))
+            self.end_headers()
+            self.wfile.write(blob)
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") == "/v1/models":
+                self._json(200, {"object": "list", "data": [
+                    {"id": server.model_name, "object": "model"}]})
+            else:
+                self._json(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self) -> None:
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                self._json(404, {"error": {"message": f"no route {self.path}"}})
+                return
+            with server.lock:
+                server.requests += 1
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if server.take("fail_next"):
+                self._json(500, {"error": {"message": "injected failure"}})
+                return
+            if server.take("delay_next"):
+                time.sleep(server.delay_s)
+            try:
+                text, finish, tokens = server.complete(body)
+            except (KeyError, ValueError) as exc:
+                self._json(400, {"error": {"message": str(exc)}})
+                return
+            if body.get("stream"):
+                self._stream(text, finish)
+                return
+            self._json(200, {
+                "id": f"dev-{server.requests}", "object": "chat.completion",
+                "model": server.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": finish}],
+                "usage": {"completion_tokens": tokens}})
+
+        def _stream(self, text: str, finish: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            step = max(1, len(text) // 4)
+            pieces = [text[k:k + step] for k in range(0, len(text), step)] or [""]
+            for k, piece in enumerate(pieces):
+                chunk = {"object": "chat.completion.chunk", "choices": [{
+                    "index": 0, "delta": {"content": piece},
+                    "finish_reason": finish if k == len(pieces) - 1 else None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a local causal LM directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--instant", action="store_true", help="fixed replies, no model")
+    args = parser.parse_args(argv)
+    if not args.instant and not args.model:
+        parser.error("--model DIR is required (or --instant)")
+    server = DevServer(args.model, args.host, args.port, instant=args.instant)
+    print(f"serving {server.model_name} at {server.url}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.httpd.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
