@@ -28,6 +28,7 @@ INSTANT_REPLY = "This is the development server's fixed reply."
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # the default 5 drops connections at concurrency 32 (1 s SYN retry)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that gave up (timed out) closes its end: not worth a traceback."""
