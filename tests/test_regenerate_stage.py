@@ -99,6 +99,9 @@ def test_missing_mode_answers_prompts_with_real_generations(tiny_model, ingested
         assert len(conv["messages"]) == len(before[conv["id"]]["messages"]) + 1
     assert out[ids["c1"]]["messages"] == before[ids["c1"]]["messages"]  # complete: untouched
     assert total["generated_turns"] == len(answered)
+    gate = json.loads((ingested / "regenerate" / "validation.json").read_text())
+    assert gate["suite"] == "conversations" and gate["passed"]
+    assert gate["rows"] == total["rows_out"]
     assert sum(total["finish_reasons"].values()) == len(answered)
     # tokenize now reads the regenerated conversations
     from dflash_etl.stages.tokenize import _conversations as tokenize_input
@@ -190,6 +193,10 @@ def test_cli_subcommand_and_module_entry(tiny_model, ingested, capsys):
     assert "regenerate done: conversations 4 in" in out
     assert module_main(args) == 0  # python -m dflash_etl.stages.regenerate: same inputs, skipped
     assert "already complete, skipped" in capsys.readouterr().out
+    assert main(["check", str(ingested / "regenerate")]) == 0
+    assert "PASS regenerate" in capsys.readouterr().out
+    report = (ingested / "docs" / "index.html").read_text()
+    assert "regenerate" in report
     assert main(["regenerate", "--run", str(ingested), "--model",
                  str(ingested / "no-such-model")]) == 1
     assert "is not a directory" in capsys.readouterr().err

@@ -57,6 +57,8 @@ def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, An
 
 
 def _kind(path: Path) -> str | None:
+    if path.name in LAYOUTS and (path / LAYOUTS[path.name][0]).is_dir():
+        return path.name  # ingest/ and regenerate/ both hold conversations/
     for kind, (subdir, _) in LAYOUTS.items():
         if (path / subdir).is_dir():
             return kind

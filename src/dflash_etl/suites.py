@@ -31,7 +31,8 @@ from dflash_etl.contracts import read_arrow
 from dflash_etl.errors import StageError
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parents[2] / "expectations"
-STAGE_SUITES = {"ingest": "conversations", "tokenize": "tokenized"}
+STAGE_SUITES = {"ingest": "conversations", "regenerate": "conversations",
+                "tokenize": "tokenized"}
 # Where each suite's stage writes its shards (the contract of the same name checks them).
 OUTPUT_DIRS = {"conversations": "conversations", "tokenized": "dataset"}
 RESULT_FILE = "validation.json"

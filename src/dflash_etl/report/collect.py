@@ -12,7 +12,7 @@ import polars as pl
 
 from dflash_etl.suites import RESULT_FILE
 
-STAGES = ("ingest", "tokenize")
+STAGES = ("ingest", "regenerate", "tokenize")
 EXAMPLES_PER_REASON = 2
 TOP_REASONS = 10
 

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl import schema as S
+from dflash_etl import suites
 from dflash_etl.accounting import Stats, stats_document
 from dflash_etl.config import PipelineConfig
 from dflash_etl.errors import StageError
@@ -534,6 +535,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
                                                config.base_dir if config else None)
     run = RunDir(run_dir)
     timer = Timer()
+    thresholds = (suites.Thresholds.from_config(config) if config
+                  else suites.Thresholds.from_manifest(run.root))
     files = _input_files(run)
     backend = generator or (OpenAIBackend(settings) if settings.backend == "openai"
                             else TransformersBackend(settings))
@@ -571,14 +574,15 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
                 "--max-new-tokens or pass --keep-truncated; 'dummy_reply': the model gives one "
                 f"short reply to everything (check {settings.model}). See "
                 f"{partial / 'quarantine.parquet'}.")
-        validate_conversations(out, partial)
         needed = {c["id"] for c in conversations if c.get("needs_response")}
         unanswered = [c["id"] for c in kept
                       if c["id"] in needed and c["messages"][-1]["role"] != "assistant"]
         if unanswered:  # an invariant of the code above, checked on the data it wrote
             raise StageError(f"{len(unanswered)} conversations still end without a reply, "
                              f"e.g. {unanswered[:3]}")
+        validate_conversations(out, partial)
         write_json_atomic(partial / "stats.json", doc)
+        suites.gate(STAGE, partial, run.root, thresholds)
     except StageError as exc:
         run.fail(STAGE, str(exc))
         publish_docs(run.root)
