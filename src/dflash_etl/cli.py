@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="the target model writes the assistant turns")
     stage_args(p, config_required=False)
     p.add_argument("--model", help="the target model directory (offline)")
-    p.add_argument("--backend", choices=["transformers", "openai"], help="generation backend")
+    p.add_argument("--backend", choices=["transformers", "openai", "vllm"],
+                   help="generation backend (default transformers)")
     p.add_argument("--endpoint", help="openai backend: the server's /v1 URL "
                                       "(default http://127.0.0.1:8000/v1)")
     p.add_argument("--served-model", help="openai backend: model name (default: the first the "

@@ -9,8 +9,9 @@ Each generation is cached under a content hash of (history, tools, sampling sett
 the partial output directory: an interrupted run keeps what finished, a rerun generates only what
 is missing, and the output order never depends on which request finished first.
 
-Backends: `transformers` (a local model, batched greedy or sampled generate with left padding).
-The `openai` and `vllm` backends of the issue are not built yet.
+Backends: `transformers` (a local model, batched generate with left padding), `openai` (any
+OpenAI-compatible server, async with bounded concurrency, timeouts and retries) and `vllm`
+(offline `LLM.generate`, from the optional extra `gpu`, imported only when chosen).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
 from dflash_etl.templates.render import RenderError
 
 STAGE = "regenerate"
-BACKENDS = ("transformers", "openai")
+BACKENDS = ("transformers", "openai", "vllm")
 
 # Reason codes
 Q_EMPTY_RESPONSE = "empty_response"
@@ -49,6 +50,11 @@ Q_REASONING_LEAK = "reasoning_in_content"
 Q_GENERATION_FAILED = "generation_failed"  # the template refused, or the server failed
 F_TRUNCATED = "truncated_response"
 F_TOOL_CALLS = "tool_call_turns"  # mode=all cannot re-run tools, so those rows keep nothing
+
+# One row per generated assistant turn of the kept conversations (message index = turn).
+GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
+                             ("finish_reason", pa.string()), ("new_tokens", pa.int32()),
+                             ("key", pa.string())])
 
 THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
 DUMMY_MAX_CHARS = 40
@@ -93,7 +99,7 @@ class RegenerateSettings:
                              "[regenerate] model = 'DIR' in the config")
         if settings.backend not in BACKENDS:
             raise StageError(f"--backend {settings.backend!r} is not available in this version; "
-                             f"available: {list(BACKENDS)} (vllm is planned)")
+                             f"available: {list(BACKENDS)}")
         if settings.mode not in ("missing", "all"):
             raise StageError(f"--mode {settings.mode!r}: use 'missing' or 'all'")
         if settings.thinking not in ("on", "off", "keep"):
@@ -184,7 +190,46 @@ def cache_key(messages: list[dict[str, Any]], tools: str | None, settings: Regen
 
 
 # ---------------------------------------------------------------- transformers backend
-class TransformersBackend:
+def _model_identity(model_dir: str) -> str:
+    """A hash of the model directory's weights, config, tokenizer and template files."""
+    files = sorted(p for p in Path(model_dir).iterdir()
+                   if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".bin"))
+    return hashlib.sha256("".join(sha256_file(p) for p in files).encode()).hexdigest()
+
+
+class _LocalTemplate:
+    """Backends that render the chat template themselves (in the sandbox) and generate text."""
+
+    settings: RegenerateSettings
+    tokenizer: Any
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        from dflash_etl.templates.render import render
+
+        kwargs = {} if self.settings.thinking == "keep" else {
+            "enable_thinking": self.settings.thinking == "on"}
+        return render(self.tokenizer, messages, chat_template=None, tools=tools,
+                      add_generation_prompt=True, kwargs=kwargs)
+
+    def generate(self, requests: list[Request]) -> list[Reply]:
+        """Render each request with the model's template and generate in one batch; a request
+        the template refuses gets an error reply with the template's message."""
+        prompts, where, replies = [], [], [Reply("", "", 0)] * len(requests)
+        for k, (messages, tools) in enumerate(requests):
+            try:
+                prompts.append(self.render(messages, tools))
+                where.append(k)
+            except RenderError as exc:
+                replies[k] = Reply("", "", 0, error=f"the chat template refused: {exc}")
+        for k, reply in zip(where, self.generate_text(prompts) if prompts else [], strict=True):
+            replies[k] = reply
+        return replies
+
+    def generate_text(self, prompts: list[str]) -> list[Reply]:
+        raise NotImplementedError
+
+
+class TransformersBackend(_LocalTemplate):
     """A local causal LM; batched generate with left padding, on GPU when there is one."""
 
     def __init__(self, settings: RegenerateSettings) -> None:
@@ -214,32 +259,7 @@ class TransformersBackend:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = min(self.eos_ids)
-        files = sorted(p for p in Path(settings.model).iterdir()
-                       if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".bin"))
-        self.model_id = hashlib.sha256("".join(sha256_file(p) for p in files).encode()
-                                       ).hexdigest()
-
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
-        from dflash_etl.templates.render import render
-
-        kwargs = {} if self.settings.thinking == "keep" else {
-            "enable_thinking": self.settings.thinking == "on"}
-        return render(self.tokenizer, messages, chat_template=None, tools=tools,
-                      add_generation_prompt=True, kwargs=kwargs)
-
-    def generate(self, requests: list[Request]) -> list[Reply]:
-        """Render each request with the model's template and generate in one batch; a request
-        the template refuses gets an error reply with the template's message."""
-        prompts, where, replies = [], [], [Reply("", "", 0)] * len(requests)
-        for k, (messages, tools) in enumerate(requests):
-            try:
-                prompts.append(self.render(messages, tools))
-                where.append(k)
-            except RenderError as exc:
-                replies[k] = Reply("", "", 0, error=f"the chat template refused: {exc}")
-        for k, reply in zip(where, self.generate_text(prompts) if prompts else [], strict=True):
-            replies[k] = reply
-        return replies
+        self.model_id = _model_identity(settings.model)
 
     def generate_text(self, prompts: list[str]) -> list[Reply]:
         torch = self.torch
@@ -266,6 +286,41 @@ class TransformersBackend:
             new = row if end is None else row[:end]
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             replies.append(Reply(text, "length" if end is None else "stop", len(new)))
+        return replies
+
+
+# ---------------------------------------------------------------- vllm backend
+class VLLMBackend(_LocalTemplate):
+    """Offline vLLM (`LLM.generate`) from the optional extra `gpu`, imported only when chosen.
+    Prompts are rendered here and passed as token ids, exactly as the transformers backend
+    tokenizes them (vLLM would otherwise add the tokenizer's BOS to text prompts)."""
+
+    def __init__(self, settings: RegenerateSettings) -> None:
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError as exc:
+            raise StageError("--backend vllm needs vLLM, which is not installed: pip install "
+                             "'dflash-etl[gpu]' on a CUDA machine, or use --backend transformers "
+                             "or --backend openai (e.g. against `vllm serve`)") from exc
+        from dflash_etl.stages.tokenize import load_tokenizer
+
+        self.settings = settings
+        self.tokenizer = load_tokenizer(settings.model)
+        self.llm = LLM(model=settings.model, seed=settings.seed, trust_remote_code=False)
+        self.params = SamplingParams(max_tokens=settings.max_new_tokens,
+                                     temperature=settings.temperature, seed=settings.seed)
+        self.model_id = _model_identity(settings.model)
+        self.batch_hint = max(settings.batch_size, 256)  # vLLM schedules a large batch itself
+
+    def generate_text(self, prompts: list[str]) -> list[Reply]:
+        inputs = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
+                  for p in prompts]
+        outputs = self.llm.generate(inputs, self.params, use_tqdm=False)
+        replies = []
+        for out in outputs:
+            choice = out.outputs[0]
+            replies.append(Reply(choice.text, choice.finish_reason or "stop",
+                                 len(choice.token_ids)))
         return replies
 
 
@@ -450,7 +505,8 @@ def _generate_round(pending: list[tuple[str, list[dict[str, Any]], Any]], backen
 
 def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backend,
                              cache: _Cache, settings: RegenerateSettings, bar: Any):
-    """Conversations -> (kept, quarantine rows, per-source stats, finish reasons). Turn by turn:
+    """Conversations -> (kept, quarantine rows, per-source stats, finish reasons, generated
+    turns). Turn by turn:
     round r generates the r-th target of every conversation on its history so far."""
     state = []
     for conv in conversations:
@@ -485,12 +541,14 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
                        "tool_calls": None, "tool_call_id": None, "name": None}
             s["messages"] = [*s["messages"][:pos], message, *s["messages"][pos + 1:]]
             s.setdefault("finish", []).append(reply.finish_reason)
+            s.setdefault("turns", []).append({"turn": pos, "finish_reason": reply.finish_reason,
+                                              "new_tokens": reply.new_tokens, "key": key})
             s["last_reply"] = content
             s["done"] += 1
     answered = {s["conv"]["id"]: s["last_reply"] for s in state
                 if s["targets"] and not s["failure"] and not s["skip"]}
     dummies = dummy_replies(answered, settings.dummy_min_repeats)
-    kept, quarantine, per_source = [], [], {}
+    kept, quarantine, per_source, turns = [], [], {}, []
     finish: Counter[str] = Counter()
     for s in state:
         conv = s["conv"]
@@ -518,9 +576,10 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
         stats.rows_out += 1
         stats.extra["generated_turns"] += s["done"]
         finish.update(s.get("finish", []))
+        turns.extend({"id": conv["id"], **t} for t in s.get("turns", []))
         kept.append({**conv, "messages": s["messages"],
                      "needs_response": False if s["targets"] else conv.get("needs_response")})
-    return kept, quarantine, per_source, finish
+    return kept, quarantine, per_source, finish, turns
 
 
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
@@ -538,8 +597,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     thresholds = (suites.Thresholds.from_config(config) if config
                   else suites.Thresholds.from_manifest(run.root))
     files = _input_files(run)
-    backend = generator or (OpenAIBackend(settings) if settings.backend == "openai"
-                            else TransformersBackend(settings))
+    backend = generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
+        settings.backend, TransformersBackend)(settings)
     ingest_fingerprint = run.manifest().get("stages", {}).get("ingest", {}).get("fingerprint")
     fingerprint = hashlib.sha256(json.dumps({
         "settings": asdict(settings), "model": backend.model_id,
@@ -555,7 +614,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     total = sum(len(_targets(c, settings.mode)) for c in conversations)
     try:
         with progress_bar("regenerate", total=total, enabled=progress) as bar:
-            kept, quarantine, per_source, finish = regenerate_conversations(
+            kept, quarantine, per_source, finish, turns = regenerate_conversations(
                 conversations, backend, cache, settings, bar)
         doc = stats_document(per_source, STAGE)
         doc["total"]["finish_reasons"] = dict(finish)
@@ -563,6 +622,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         out.mkdir(exist_ok=True)
         pq.write_table(pa.Table.from_pylist(kept, schema=S.CONVERSATIONS),
                        out / "part-00000.parquet")
+        pq.write_table(pa.Table.from_pylist(turns, schema=GENERATED_TURNS),
+                       partial / "generated_turns.parquet")
         pq.write_table(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE),
                        partial / "quarantine.parquet")
         if not kept:
