@@ -96,6 +96,25 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_extract(args: argparse.Namespace) -> int:
+    from dflash_etl.stages import extract
+
+    config = load_config(args.config) if args.config else None
+    names = ("model", "layers", "draft_layers", "dtype", "batch_tokens", "device", "format")
+    doc = extract.run(config, args.run, force=args.force,
+                      **{n: getattr(args, n, None) for n in names})
+    out = Path(args.run) / "extract"
+    total = doc["total"]
+    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    _say(f"extract {state}: rows {_counts_line(total)}")
+    _say(f"  layers {total.get('layers')} of {total.get('n_layers')}, hidden "
+         f"{total.get('hidden_size')}, {total.get('dtype')}, {total.get('tokens')} tokens, "
+         f"padding {total.get('padding_share')}")
+    _say(f"  hidden states: {out / 'hidden_states'}  ({total.get('format')})")
+    _say(f"  index:         {out / 'index.parquet'}")
+    return 0
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from dflash_etl.stages import tokenize
 
@@ -223,6 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-truncated", action="store_true", default=None,
                    help="keep replies cut at --max-new-tokens (default: filter them)")
     p.set_defaults(func=cmd_regenerate)
+
+    p = sub.add_parser("extract", help="tokenized rows -> the target's hidden states")
+    stage_args(p, config_required=False)
+    p.add_argument("--model", help="the target model directory (offline)")
+    p.add_argument("--layers", help="'auto' (DFlash rule) or decoder layer indices, e.g. 1,16,31")
+    p.add_argument("--draft-layers", type=int, help="K for --layers auto (default 5)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"])
+    p.add_argument("--batch-tokens", type=int, help="padded tokens per forward pass (8192)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--format", choices=["native", "speculators"])
+    p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser("probe-template", help="what a chat template does (nothing written)")
     p.add_argument("--model", required=True, help="local tokenizer or model directory")

@@ -1,0 +1,383 @@
+"""extract: the target model's hidden states at chosen decoder layers, for every tokenized row.
+
+The target runs under transformers with forward hooks on its decoder layers, so any architecture
+whose layers sit in one ModuleList works (dense, MoE, hybrid linear attention): nothing depends on
+a serving engine's KV cache. Rows are sorted by length and cut into batches of at most
+`batch_tokens` padded tokens, which keeps padding small; shards are written atomically and a
+rerun skips the finished ones.
+
+Output (runs/<name>/extract/):
+  native:      hidden_states/shard-NNNNN.safetensors with `hidden_states` [tokens, layers, hidden]
+               and `token_ids` [tokens] (rows concatenated), plus index.parquet: id, turn, shard,
+               offset, length;
+  speculators: hidden_states/hs_{i}.safetensors per row with `hidden_states` [seq, layers,
+               hidden] and `token_ids` [seq], i the row's position in the tokenized dataset (the
+               index says which file holds which row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_etl.accounting import Stats, stats_document
+from dflash_etl.config import PipelineConfig
+from dflash_etl.contracts import read_arrow
+from dflash_etl.errors import ContractError, StageError
+from dflash_etl.progress import progress_bar
+from dflash_etl.report import publish_docs
+from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+
+STAGE = "extract"
+INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
+                   ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
+Q_NON_FINITE = "non_finite_hidden_states"
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """[extract] in pipeline.toml; CLI flags override it."""
+
+    model: str = ""
+    layers: str = "auto"  # or "1,16,31": decoder layer indices (0-based)
+    draft_layers: int = 5  # K for `auto`: the DFlash rule spreads K layers from 1 to L-3
+    dtype: str = "fp32"  # or bf16
+    batch_tokens: int = 8192  # padded tokens per forward pass
+    shard_rows: int = 256
+    device: str = "auto"  # cpu | cuda | auto
+    format: str = "native"  # or speculators
+
+    @classmethod
+    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
+                     base_dir: Path | None) -> ExtractSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = set(section) - known
+        if unknown:
+            raise StageError(f"[extract]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+        if section.get("model") and base_dir is not None and overrides.get("model") is None:
+            values["model"] = str((base_dir / section["model"]).resolve())
+        settings = cls(**values)
+        if not settings.model:
+            raise StageError("extract needs the target model: pass --model DIR or set "
+                             "[extract] model = 'DIR' in the config")
+        if settings.dtype not in ("fp32", "bf16"):
+            raise StageError(f"--dtype {settings.dtype!r}: use fp32 or bf16")
+        if settings.format not in ("native", "speculators"):
+            raise StageError(f"--format {settings.format!r}: use native or speculators")
+        return settings
+
+
+# ---------------------------------------------------------------- pure core
+def auto_layers(n_layers: int, k: int) -> list[int]:
+    """DFlash's rule: K target layers spread evenly from layer 1 to layer L-3."""
+    last = max(1, n_layers - 3)
+    return sorted({round(float(x)) for x in np.linspace(1, last, max(1, k))})
+
+
+def parse_layers(spec: str, n_layers: int, k: int) -> list[int]:
+    if spec == "auto":
+        return auto_layers(n_layers, k)
+    try:
+        layers = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError as exc:
+        raise StageError(f"--layers {spec!r}: give 'auto' or comma-separated indices") from exc
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad or not layers:
+        raise StageError(f"--layers {spec!r}: the target has decoder layers 0..{n_layers - 1}")
+    return layers
+
+
+def length_batches(lengths: list[int], batch_tokens: int,
+                   max_padding: float = 0.04) -> list[list[int]]:
+    """Row indices grouped so that (longest row x rows) <= batch_tokens, rows sorted by length,
+    and a batch starts anew rather than let padding exceed `max_padding` of its tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in order:
+        padded = lengths[i] * (len(current) + 1)  # sorted: this row is the batch's longest
+        if current and (padded > batch_tokens
+                        or padded - real - lengths[i] > max_padding * padded):
+            batches.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    return 1 - sum(lengths) / padded if padded else 0.0
+
+
+def decoder_layers(model: Any) -> Any:
+    """The model's decoder layer list: the ModuleList as long as config.num_hidden_layers."""
+    import torch
+
+    n = model.config.num_hidden_layers
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise StageError(f"cannot find the {n} decoder layers of {type(model).__name__}: no "
+                     "ModuleList of that length; this architecture needs explicit support")
+
+
+# ---------------------------------------------------------------- the target
+class Target:
+    """The target model with forward hooks that keep the chosen layers' outputs."""
+
+    def __init__(self, settings: ExtractSettings) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = settings.device if settings.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                settings.model, local_files_only=True, torch_dtype=dtype)
+        except Exception as exc:  # transformers raises many types for a bad directory
+            raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
+        self.model.to(self.device).eval()
+        self.n_layers = self.model.config.num_hidden_layers
+        self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
+        self.hidden = self.model.config.hidden_size
+        self.captured: dict[int, Any] = {}
+        modules = decoder_layers(self.model)
+        for index in self.layers:
+            modules[index].register_forward_hook(self._keep(index))
+
+    def _keep(self, index: int):
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def states(self, rows: list[list[int]]) -> list[Any]:
+        """[seq, layers, hidden] per row (right padding; causal attention ignores the pad)."""
+        torch = self.torch
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for k, r in enumerate(rows):
+            ids[k, :len(r)] = torch.tensor(r)
+            mask[k, :len(r)] = 1
+        self.captured.clear()
+        with torch.no_grad():
+            self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                       use_cache=False)
+        stacked = torch.stack([self.captured[i] for i in self.layers], dim=2).cpu()
+        return [stacked[k, :len(r)] for k, r in enumerate(rows)]
+
+
+# ---------------------------------------------------------------- shell
+def _dataset_files(run: RunDir) -> list[Path]:
+    files = sorted((run.stage_dir("tokenize") / "dataset").glob("*.arrow"))
+    if not files:
+        raise StageError(f"no tokenized dataset in {run.stage_dir('tokenize') / 'dataset'}: run "
+                         "`dflash-etl tokenize` for this run first")
+    return files
+
+
+def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) -> int:
+    need = tokens * layers * hidden * (2 if dtype == "bf16" else 4) + tokens * 8
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise StageError(f"the hidden states need ~{need / 2**30:.1f} GiB ({tokens} tokens x "
+                         f"{layers} layers x {hidden} x {dtype}) but {out} has "
+                         f"{free / 2**30:.1f} GiB free: free space, choose fewer --layers, or "
+                         "use --dtype bf16")
+    return need
+
+
+def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str, Any]],
+                 name: str, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Extract one shard's rows; returns (index rows, quarantined rows)."""
+    from safetensors.torch import save_file
+
+    torch = target.torch
+    lengths = [len(r["input_ids"]) for r in rows]
+    states: list[Any] = [None] * len(rows)
+    for batch in length_batches(lengths, settings.batch_tokens):
+        for k, s in zip(batch, target.states([rows[k]["input_ids"] for k in batch]),
+                        strict=True):
+            states[k] = s
+    index, quarantine, keep = [], [], []
+    for k, row in enumerate(rows):
+        if not torch.isfinite(states[k].float()).all():
+            quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
+        else:
+            keep.append(k)
+    (out / "hidden_states").mkdir(exist_ok=True)
+    if settings.format == "speculators":
+        for k in keep:
+            path = out / "hidden_states" / f"hs_{rows[k]['row']}.safetensors"
+            save_file({"hidden_states": states[k].contiguous(),
+                       "token_ids": torch.tensor(rows[k]["input_ids"], dtype=torch.long)},
+                      str(path.with_suffix(".tmp")))
+            os.replace(path.with_suffix(".tmp"), path)
+            index.append({"id": rows[k]["id"], "turn": rows[k]["turn"], "row": rows[k]["row"],
+                          "shard": path.name, "offset": 0, "length": lengths[k]})
+    else:
+        offset = 0
+        for k in keep:
+            index.append({"id": rows[k]["id"], "turn": rows[k]["turn"], "row": rows[k]["row"],
+                          "shard": f"{name}.safetensors", "offset": offset,
+                          "length": lengths[k]})
+            offset += lengths[k]
+        if keep:
+            path = out / "hidden_states" / f"{name}.safetensors"
+            save_file({"hidden_states": torch.cat([states[k] for k in keep]).contiguous(),
+                       "token_ids": torch.tensor([t for k in keep for t in rows[k]["input_ids"]],
+                                                 dtype=torch.long)},
+                      str(path.with_suffix(".tmp")))
+            os.replace(path.with_suffix(".tmp"), path)
+    return index, quarantine
+
+
+def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) -> list[str]:
+    """The contract of an extract output: every indexed row's states are [length, layers, hidden],
+    finite, and stored with token ids equal to the tokenized row. Returns the problems."""
+    from safetensors import safe_open
+
+    index = pq.read_table(out / "index.parquet").to_pylist()
+    problems = []
+    handles: dict[str, Any] = {}
+    for entry in index:
+        if entry["shard"] not in handles:
+            handles[entry["shard"]] = safe_open(str(out / "hidden_states" / entry["shard"]), "pt")
+        f = handles[entry["shard"]]
+        a, b = entry["offset"], entry["offset"] + entry["length"]
+        states = f.get_slice("hidden_states")[a:b]
+        tokens = f.get_slice("token_ids")[a:b].tolist()
+        where = f"row {entry['row']} (id {entry['id']}, turn {entry['turn']})"
+        if tuple(states.shape) != (entry["length"], n_layers, hidden):
+            problems.append(f"{where}: states {tuple(states.shape)}, expected "
+                            f"({entry['length']}, {n_layers}, {hidden})")
+        elif not bool(states.float().isfinite().all()):
+            problems.append(f"{where}: non-finite values")
+        if tokens != rows.get(entry["row"]):
+            problems.append(f"{where}: token ids differ from the tokenized row")
+        if len(problems) >= 20:
+            break
+    return problems
+
+
+def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
+        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
+    """Extract into `run_dir/extract`; returns the stats document. Skips when complete."""
+    section = config.section("extract") if config else {}
+    settings = ExtractSettings.from_sources(section, overrides,
+                                            config.base_dir if config else None)
+    run = RunDir(run_dir)
+    timer = Timer()
+    files = _dataset_files(run)
+    table = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
+                              for f in files])
+    rows = table.to_pylist()
+    for position, row in enumerate(rows):
+        row["row"] = position
+    target = Target(settings)
+    model_files = sorted(p for p in Path(settings.model).iterdir() if p.is_file())
+    fingerprint = hashlib.sha256(json.dumps({
+        "settings": asdict(settings), "layers": target.layers,
+        "inputs": [sha256_file(f) for f in files],
+        "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
+    }, sort_keys=True).encode()).hexdigest()
+    if not force and run.is_complete(STAGE, fingerprint):
+        doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
+        doc["skipped"] = True
+        return doc
+    partial = run.begin(STAGE, fingerprint)
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    need = _check_disk(partial, tokens, len(target.layers), target.hidden, settings.dtype)
+    run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
+                     n_layers=target.n_layers, estimated_bytes=need)
+    lengths = [len(r["input_ids"]) for r in rows]
+    # shards hold rows of similar length (sorted), so each shard's batches pad little
+    order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
+    shards = [order[k:k + settings.shard_rows] for k in range(0, len(order), settings.shard_rows)]
+    done_dir = partial / "shards"
+    done_dir.mkdir(exist_ok=True)
+    per_source: dict[str, Stats] = {}
+    index: list[dict[str, Any]] = []
+    padded = 0
+    try:
+        with progress_bar("extract", total=len(shards), enabled=progress) as bar:
+            for n, members in enumerate(shards):
+                name = f"shard-{n:05d}"
+                marker = done_dir / f"{name}.json"
+                if marker.exists():  # resume
+                    result = json.loads(marker.read_text())
+                else:
+                    shard_rows = [rows[i] for i in members]
+                    got, quarantined = _write_shard(target, settings, shard_rows, name, partial)
+                    shard_lengths = [lengths[i] for i in members]
+                    batches = length_batches(shard_lengths, settings.batch_tokens)
+                    result = {"index": got, "quarantine": quarantined,
+                              "padded": sum(max(shard_lengths[i] for i in b) * len(b)
+                                            for b in batches)}
+                    write_json_atomic(marker, result)
+                index.extend(result["index"])
+                padded += result["padded"]
+                bad = {(q["id"], q["turn"]) for q in result["quarantine"]}
+                for i in members:
+                    stats = per_source.setdefault(rows[i]["source"], Stats(extra={"tokens": 0}))
+                    stats.rows_in += 1
+                    if (rows[i]["id"], rows[i]["turn"]) in bad:
+                        stats.quarantine(Q_NON_FINITE)
+                    else:
+                        stats.rows_out += 1
+                        stats.extra["tokens"] += lengths[i]
+                bar.advance(1)
+        pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
+                       partial / "index.parquet")
+        doc = stats_document(per_source, STAGE)
+        doc["total"].update({"layers": target.layers, "n_layers": target.n_layers,
+                             "hidden_size": target.hidden, "dtype": settings.dtype,
+                             "format": settings.format,
+                             "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
+        if not index:
+            raise StageError(f"extract kept no rows of {len(rows)}: every row's hidden states "
+                             f"were non-finite ({Q_NON_FINITE}); try --dtype fp32")
+        problems = verify(partial, {r["row"]: r["input_ids"] for r in rows},
+                          len(target.layers), target.hidden)
+        write_json_atomic(partial / "contract.json", {"passed": not problems,
+                                                      "problems": problems})
+        if problems:
+            raise ContractError("the extract contract failed:\n  - " + "\n  - ".join(problems),
+                                {"problems": problems})
+        write_json_atomic(partial / "stats.json", doc)
+    except StageError as exc:
+        run.fail(STAGE, str(exc))
+        publish_docs(run.root)
+        raise
+    shutil.rmtree(done_dir)
+    run.commit(STAGE, doc["total"], timer.seconds)
+    publish_docs(run.root)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_etl.cli import main as cli_main
+
+    return cli_main(["extract", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

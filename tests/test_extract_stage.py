@@ -1,0 +1,163 @@
+"""The extract stage on a tiny random-weight target (4 layers, hidden 64, the project's tokenizer):
+ingest -> tokenize -> extract on real files; the states equal an independent forward pass, the
+rows are bucketed with little padding, both output formats, the contract, resume and errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_etl.config import load_config
+from dflash_etl.errors import StageError
+from dflash_etl.stages import extract, ingest, tokenize
+from dflash_etl.stages.extract import auto_layers, length_batches, padding_share
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "data" / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, out / f.name)
+    vocab = json.loads((TOKENIZER / "tokenizer.json").read_text())
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(vocab["model"]["vocab"]) + len(vocab["added_tokens"]), hidden_size=64,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> Path:
+    """The embedded default's sources, ingested and tokenized with the project tokenizer."""
+    run_dir = tmp_path_factory.mktemp("extract-run") / "run"
+    config = load_config(REPO / "data" / "pipeline.toml")
+    ingest.run(config, run_dir, progress=False)
+    tokenize.run(config, run_dir, progress=False)
+    return run_dir
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*"))
+    return out
+
+
+def test_states_equal_an_independent_forward_pass(target, tokenized, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    run_dir = _copy(tokenized, tmp_path)
+    doc = extract.run(None, run_dir, progress=False, model=str(target), layers="0,2,3",
+                      batch_tokens=2048, shard_rows=100)
+    total = doc["total"]
+    rows_in = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
+    assert total["rows_in"] == total["rows_out"] == rows_in["rows_written"]
+    assert total["layers"] == [0, 2, 3] and total["n_layers"] == 4
+    assert total["padding_share"] < 0.05
+    index = pq.read_table(run_dir / "extract" / "index.parquet").to_pylist()
+    assert len(index) == total["rows_out"]
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    dataset = tokenize_rows(run_dir)
+    for entry in index[:: max(1, len(index) // 12)]:  # a dozen rows across the shards
+        ids = dataset[entry["row"]]
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        # hidden_states[0] is the embeddings, [i + 1] layer i's output; the last entry has the
+        # final norm applied, while the hook keeps layer 3's own (pre-norm) output
+        want = torch.stack([ref[1][0], ref[3][0]], dim=1)
+        with safe_open(str(run_dir / "extract" / "hidden_states" / entry["shard"]), "pt") as f:
+            a, b = entry["offset"], entry["offset"] + entry["length"]
+            got = f.get_slice("hidden_states")[a:b]
+            assert f.get_slice("token_ids")[a:b].tolist() == ids
+        assert got.shape == (len(ids), 3, 64)
+        assert torch.allclose(got[:, :2], want, atol=1e-4), entry
+        with torch.no_grad():
+            assert torch.allclose(model.model.norm(got[:, 2]), ref[4][0], atol=1e-4), entry
+
+
+def tokenize_rows(run_dir: Path) -> list[list[int]]:
+    import datasets
+
+    return datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"]
+
+
+def test_speculators_format_resume_and_contract(target, tokenized, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    run_dir = _copy(tokenized, tmp_path)
+    doc = extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
+                      shard_rows=64)
+    layers = auto_layers(4, 5)
+    assert doc["total"]["layers"] == layers == [1]  # L-3 = 1: the rule leaves only layer 1
+    ids = tokenize_rows(run_dir)
+    files = sorted((run_dir / "extract" / "hidden_states").glob("hs_*.safetensors"))
+    assert len(files) == len(ids)
+    sample = load_file(str(run_dir / "extract" / "hidden_states" / "hs_7.safetensors"))
+    assert sample["hidden_states"].shape == (len(ids[7]), 1, 64)
+    assert sample["token_ids"].tolist() == ids[7]
+
+    again = extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
+                        shard_rows=64)
+    assert again.get("skipped") is True  # same inputs and settings: not redone
+
+    broken = load_file(str(files[0]))
+    broken["token_ids"][0] += 1
+    save_file(broken, str(files[0]))
+    entries = {r["row"]: r["input_ids"] for r in [{"row": k, "input_ids": v}
+                                                  for k, v in enumerate(ids)]}
+    problems = extract.verify(run_dir / "extract", entries, 1, 64)
+    assert problems and "token ids differ" in problems[0]
+
+
+def test_interrupted_extract_resumes_from_finished_shards(target, tokenized, tmp_path,
+                                                          monkeypatch):
+    run_dir = _copy(tokenized, tmp_path)
+    real = extract._write_shard
+    written = []
+
+    def stop_after_two(*args, **kw):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(args[3])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(extract, "_write_shard", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(None, run_dir, progress=False, model=str(target), shard_rows=64)
+    assert written == ["shard-00000", "shard-00001"]
+    monkeypatch.setattr(extract, "_write_shard", lambda *a, **k: (written.append(a[3]),
+                                                                  real(*a, **k))[1])
+    doc = extract.run(None, run_dir, progress=False, model=str(target), shard_rows=64)
+    assert "shard-00000" not in written[2:] and "shard-00001" not in written[2:]
+    assert doc["total"]["rows_out"] == len(tokenize_rows(run_dir))
+
+
+def test_bucketing_and_layer_rules():
+    lengths = [5, 100, 7, 98, 6, 99]
+    batches = length_batches(lengths, 300)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(max(lengths[i] for i in b) * len(b) <= 300 for b in batches)
+    assert padding_share(lengths, batches) < 0.05
+    assert padding_share(lengths, [list(range(6))]) > 0.4  # one unsorted batch pads a lot
+    assert auto_layers(64, 5) == [1, 16, 31, 46, 61]  # the issue's example for L = 64
+    with pytest.raises(StageError, match=r"decoder layers 0\.\.3"):
+        extract.parse_layers("1,9", 4, 5)
+
+
+def test_errors_name_the_cause(target, tmp_path, monkeypatch):
+    with pytest.raises(StageError, match="run `dflash-etl tokenize`"):
+        extract.run(None, tmp_path / "empty-run", progress=False, model=str(target))
+    with pytest.raises(StageError, match="GiB free"):
+        extract._check_disk(tmp_path, 10**12, 5, 4096, "bf16")
