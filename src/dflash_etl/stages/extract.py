@@ -151,7 +151,7 @@ class Target:
         dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
-                settings.model, local_files_only=True, torch_dtype=dtype)
+                settings.model, local_files_only=True, dtype=dtype)
         except Exception as exc:  # transformers raises many types for a bad directory
             raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
         self.model.to(self.device).eval()
