@@ -161,3 +161,32 @@ def test_errors_name_the_cause(target, tmp_path, monkeypatch):
         extract.run(None, tmp_path / "empty-run", progress=False, model=str(target))
     with pytest.raises(StageError, match="GiB free"):
         extract._check_disk(tmp_path, 10**12, 5, 4096, "bf16")
+
+
+def test_run_chains_ingest_regenerate_tokenize_extract(target, tmp_path, capsys):
+    """`dflash-etl run` on the embedded default's sources with a target model configured: the
+    prompt-only rows get real replies and every stage completes in order."""
+    from dflash_etl.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "data", data)
+    text = (data / "pipeline.toml").read_text().replace(
+        'model = "tokenizer"', f'model = "{target}"')
+    text += (f'\n[regenerate]\nmodel = "{target}"\nmax_new_tokens = 8\ntemperature = 1.0\n'
+             f'keep_truncated = true\n\n[extract]\nmodel = "{target}"\nlayers = "1,2"\n')
+    (data / "pipeline.toml").write_text(text)
+    run_dir = tmp_path / "run"
+    assert main(["run", "--config", str(data / "pipeline.toml"), "--run", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert [s for s in ("ingest", "regenerate", "tokenize", "extract")
+            if manifest["stages"][s]["status"] == "complete"] == [
+        "ingest", "regenerate", "tokenize", "extract"]
+    regen = json.loads((run_dir / "regenerate" / "stats.json").read_text())["total"]
+    assert regen["generated_turns"] > 0
+    tok = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
+    assert tok["rows_in"] == regen["rows_out"]  # tokenize read the regenerated conversations
+    assert "no_assistant_turn" not in tok["rows_filtered"]  # the prompts were answered
+    ext = json.loads((run_dir / "extract" / "stats.json").read_text())["total"]
+    assert ext["rows_out"] == tok["rows_written"] and ext["layers"] == [1, 2]
+    assert "extract done" in out

@@ -145,6 +145,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = cmd_tokenize(args)
         if code:
             return code
+        if load_config(args.config).section("extract").get("model"):
+            code = cmd_extract(args)
+            if code:
+                return code
     else:
         _say("tokenize skipped: no [tokenize] model in the config")
     _say(f"manifest: {Path(args.run) / 'manifest.json'}")
