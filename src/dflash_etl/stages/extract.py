@@ -278,6 +278,17 @@ def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) ->
     return problems
 
 
+def _n_layers(model: str) -> int:
+    """The target's decoder layer count, from its config (no weights loaded)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers)
+    except Exception as exc:  # transformers raises many types for a bad directory
+        raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
+
+
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
     """Extract into `run_dir/extract`; returns the stats document. Skips when complete."""
@@ -292,10 +303,10 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     rows = table.to_pylist()
     for position, row in enumerate(rows):
         row["row"] = position
-    target = Target(settings)
+    layers = parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
     model_files = sorted(p for p in Path(settings.model).iterdir() if p.is_file())
     fingerprint = hashlib.sha256(json.dumps({
-        "settings": asdict(settings), "layers": target.layers,
+        "settings": asdict(settings), "layers": layers,
         "inputs": [sha256_file(f) for f in files],
         "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
     }, sort_keys=True).encode()).hexdigest()
@@ -303,6 +314,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
         doc["skipped"] = True
         return doc
+    target = Target(settings)  # loaded only when there is work: a big target takes minutes
     partial = run.begin(STAGE, fingerprint)
     tokens = sum(len(r["input_ids"]) for r in rows)
     need = _check_disk(partial, tokens, len(target.layers), target.hidden, settings.dtype)

@@ -102,6 +102,8 @@ class RegenerateSettings:
                              f"available: {list(BACKENDS)}")
         if settings.mode not in ("missing", "all"):
             raise StageError(f"--mode {settings.mode!r}: use 'missing' or 'all'")
+        if settings.dummy_min_repeats < 2:
+            raise StageError("dummy_min_repeats must be >= 2: a reply given once is not a dummy")
         if settings.thinking not in ("on", "off", "keep"):
             raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
         return settings
@@ -506,8 +508,7 @@ def _generate_round(pending: list[tuple[str, list[dict[str, Any]], Any]], backen
 def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backend,
                              cache: _Cache, settings: RegenerateSettings, bar: Any):
     """Conversations -> (kept, quarantine rows, per-source stats, finish reasons, generated
-    turns). Turn by turn:
-    round r generates the r-th target of every conversation on its history so far."""
+    turns). Round r generates the r-th target of every conversation on its history so far."""
     state = []
     for conv in conversations:
         tools = json.loads(conv["tools"]) if conv.get("tools") else None
