@@ -190,3 +190,5 @@ def test_run_chains_ingest_regenerate_tokenize_extract(target, tmp_path, capsys)
     ext = json.loads((run_dir / "extract" / "stats.json").read_text())["total"]
     assert ext["rows_out"] == tok["rows_written"] and ext["layers"] == [1, 2]
     assert "extract done" in out
+    report = (run_dir / "docs" / "index.html").read_text()
+    assert all(stage in report for stage in ("regenerate", "extract"))

@@ -12,7 +12,7 @@ import polars as pl
 
 from dflash_etl.suites import RESULT_FILE
 
-STAGES = ("ingest", "regenerate", "tokenize")
+STAGES = ("ingest", "regenerate", "tokenize", "extract")
 EXAMPLES_PER_REASON = 2
 TOP_REASONS = 10
 
