@@ -11,6 +11,17 @@ from pathlib import Path
 
 import pytest
 
+# Property tests draw the same examples on every run, so CI is never red by the luck of the draw;
+# HYPOTHESIS_PROFILE=explore draws new ones (run it locally to look for new failures).
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("deterministic", derandomize=True, database=None)
+    _hypothesis_settings.register_profile("explore", derandomize=False)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+except ImportError:  # hypothesis is a dev dependency; its tests skip without it
+    pass
+
 # The repository is <root>/main (or any checkout name); fixtures live next to it in
 # <root>/shared/fixtures, locally and in CI.
 FIXTURES_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
