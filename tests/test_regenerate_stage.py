@@ -243,10 +243,10 @@ def test_openai_backend_over_real_http_matches_the_local_model(tiny_model, serve
 def test_openai_backend_retries_failures_and_timeouts(server, ingested):
     from dflash_etl.stages.regenerate import OpenAIBackend
 
-    kw = _openai_kw(server, timeout_s=1.0, retries=2)
+    kw = _openai_kw(server, timeout_s=5.0, retries=2)  # generous: CI machines can be slow
     backend = OpenAIBackend(RegenerateSettings(**{k: v for k, v in kw.items()
                                                   if k != "progress"}))
-    server.fail_next, server.delay_next, server.delay_s = 1, 1, 3.0  # a 500, then a timeout
+    server.fail_next, server.delay_next, server.delay_s = 1, 1, 8.0  # a 500, then a timeout
     doc = regenerate.run(None, ingested, generator=backend, **kw)
     assert backend.retried == 2
     assert doc["total"]["rows_quarantined"] == 0
