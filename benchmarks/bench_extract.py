@@ -17,32 +17,18 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORK = HERE / "work" / "extract"
-TOKENIZER = REPO / "data" / "tokenizer"
 
 
 def target(out: Path) -> Path:
-    if (out / "config.json").exists():
-        return out
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from dflash_etl.tiny_model import build_tiny_qwen2
 
-    out.mkdir(parents=True, exist_ok=True)
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, out / f.name)
-    vocab = json.loads((TOKENIZER / "tokenizer.json").read_text())
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(vocab["model"]["vocab"]) + len(vocab["added_tokens"]), hidden_size=256,
-        intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)).save_pretrained(out)
-    return out
+    return build_tiny_qwen2(out, hidden_size=256, layers=4, heads=4, kv_heads=2)
 
 
 def main() -> None:

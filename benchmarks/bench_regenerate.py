@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,28 +27,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 WORK = HERE / "work" / "regenerate"
-TOKENIZER = REPO / "data" / "tokenizer"
 
 
 def tiny_model(out: Path) -> Path:
     """A 2-layer random Qwen2 with the project's tokenizer (as in tests/test_regenerate_stage)."""
-    if (out / "config.json").exists():
-        return out
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from dflash_etl.tiny_model import build_tiny_qwen2
 
-    out.mkdir(parents=True, exist_ok=True)
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, out / f.name)
-    vocab = json.loads((TOKENIZER / "tokenizer.json").read_text())
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(vocab["model"]["vocab"]) + len(vocab["added_tokens"]), hidden_size=32,
-        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)).save_pretrained(out)
-    return out
+    return build_tiny_qwen2(out, hidden_size=32, layers=2, heads=2, kv_heads=1)
 
 
 def free_port() -> int:

@@ -17,24 +17,14 @@ from dflash_etl.stages import extract, ingest, tokenize
 from dflash_etl.stages.extract import auto_layers, length_batches, padding_share
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "data" / "tokenizer"
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    torch = pytest.importorskip("torch")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    pytest.importorskip("torch")
+    from dflash_etl.tiny_model import build_tiny_qwen2
 
-    out = tmp_path_factory.mktemp("tiny-target")
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, out / f.name)
-    vocab = json.loads((TOKENIZER / "tokenizer.json").read_text())
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(vocab["model"]["vocab"]) + len(vocab["added_tokens"]), hidden_size=64,
-        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)).save_pretrained(out)
-    return out
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-target") / "model")  # 4 x 64
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,6 @@ from dflash_etl.stages.regenerate import (
     split_reasoning,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "data" / "tokenizer"
 ROWS = [
     {"id": "p1", "prompt": "Name three colours of the rainbow."},
     {"id": "p2", "prompt": "What is the capital of France?"},
@@ -38,23 +36,11 @@ ROWS = [
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer random Qwen2 with the project's tokenizer: generates real (meaningless) text."""
-    torch = pytest.importorskip("torch")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    pytest.importorskip("torch")
+    from dflash_etl.tiny_model import build_tiny_qwen2
 
-    out = tmp_path_factory.mktemp("tiny-model")
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, out / f.name)
-    vocab = json.loads((TOKENIZER / "tokenizer.json").read_text())
-    size = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=2048, eos_token_id=2, pad_token_id=0,
-                         tie_word_embeddings=True)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2,
-                                                            "pad_token_id": 0}))
-    return out
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-model") / "model", hidden_size=32,
+                            layers=2, heads=2, kv_heads=1)
 
 
 @pytest.fixture()

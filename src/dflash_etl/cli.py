@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -29,13 +30,23 @@ def _counts_line(total: dict[str, Any]) -> str:
     ).replace("  ", " ")
 
 
+def _state(doc: dict[str, Any]) -> str:
+    return "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+
+
+def _overrides(args: argparse.Namespace, settings: type) -> dict[str, Any]:
+    """A stage's settings given on the command line (None: not given; the config decides). A
+    subcommand without a flag for a setting (e.g. `run`) leaves it to the config."""
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(settings)}
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dflash_etl.stages import ingest
 
     config = load_config(args.config)
     doc = ingest.run(config, args.run, force=args.force, workers=args.workers)
     out = Path(args.run) / "ingest"
-    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    state = _state(doc)
     _say(f"ingest {state}: {_counts_line(doc['total'])}")
     for name, stats in doc["sources"].items():
         _say(f"  {name}: {_counts_line(stats)}")
@@ -64,7 +75,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
                        **_tokenize_overrides(args))
     out = Path(args.run) / "tokenize"
     total = doc["total"]
-    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    state = _state(doc)
     _say(f"tokenize {state}: conversations {_counts_line(total)}")
     _say(f"  rows written: {total.get('rows_written')}, tokens: {total.get('tokens')}, "
          f"supervised: {total.get('supervised_tokens')}, strategies: {total.get('strategies')}")
@@ -79,14 +90,11 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from dflash_etl.stages import regenerate
 
     config = load_config(args.config) if args.config else None
-    names = ("model", "backend", "mode", "max_new_tokens", "temperature", "seed", "batch_size",
-             "thinking", "keep_truncated", "endpoint", "served_model", "concurrency",
-             "timeout_s", "retries", "stream")
     doc = regenerate.run(config, args.run, force=args.force,
-                         **{n: getattr(args, n, None) for n in names})
+                         **_overrides(args, regenerate.RegenerateSettings))
     out = Path(args.run) / "regenerate"
     total = doc["total"]
-    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    state = _state(doc)
     _say(f"regenerate {state}: conversations {_counts_line(total)}")
     _say(f"  generated turns: {total.get('generated_turns')}, finish reasons: "
          f"{total.get('finish_reasons')}")
@@ -100,12 +108,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from dflash_etl.stages import extract
 
     config = load_config(args.config) if args.config else None
-    names = ("model", "layers", "draft_layers", "dtype", "batch_tokens", "device", "format")
     doc = extract.run(config, args.run, force=args.force,
-                      **{n: getattr(args, n, None) for n in names})
+                      **_overrides(args, extract.ExtractSettings))
     out = Path(args.run) / "extract"
     total = doc["total"]
-    state = "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
+    state = _state(doc)
     _say(f"extract {state}: rows {_counts_line(total)}")
     _say(f"  layers {total.get('layers')} of {total.get('n_layers')}, hidden "
          f"{total.get('hidden_size')}, {total.get('dtype')}, {total.get('tokens')} tokens, "

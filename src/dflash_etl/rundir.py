@@ -94,6 +94,14 @@ class RunDir:
             and info.get("fingerprint") == fingerprint
         )
 
+    def completed_stats(self, stage: str, fingerprint: str) -> dict[str, Any] | None:
+        """The stats of a stage already complete for these inputs (marked skipped), or None."""
+        if not self.is_complete(stage, fingerprint):
+            return None
+        doc = json.loads((self.stage_dir(stage) / "stats.json").read_text())
+        doc["skipped"] = True
+        return doc
+
     def begin(self, stage: str, fingerprint: str) -> Path:
         """A partial directory to write into; kept (for resume) when its fingerprint matches."""
         partial = self.partial_dir(stage)

@@ -17,6 +17,7 @@ Output (runs/<name>/extract/):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -206,14 +207,15 @@ def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) ->
 
 
 def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str, Any]],
-                 name: str, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Extract one shard's rows; returns (index rows, quarantined rows)."""
+                 name: str, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """Extract one shard's rows; returns (index rows, quarantined rows, padded tokens run)."""
     from safetensors.torch import save_file
 
     torch = target.torch
     lengths = [len(r["input_ids"]) for r in rows]
     states: list[Any] = [None] * len(rows)
-    for batch in length_batches(lengths, settings.batch_tokens):
+    batches = length_batches(lengths, settings.batch_tokens)
+    for batch in batches:
         for k, s in zip(batch, target.states([rows[k]["input_ids"] for k in batch]),
                         strict=True):
             states[k] = s
@@ -247,7 +249,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
                                                  dtype=torch.long)},
                       str(path.with_suffix(".tmp")))
             os.replace(path.with_suffix(".tmp"), path)
-    return index, quarantine
+    return index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches)
 
 
 def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) -> list[str]:
@@ -258,23 +260,32 @@ def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) ->
     index = pq.read_table(out / "index.parquet").to_pylist()
     problems = []
     handles: dict[str, Any] = {}
-    for entry in index:
-        if entry["shard"] not in handles:
-            handles[entry["shard"]] = safe_open(str(out / "hidden_states" / entry["shard"]), "pt")
-        f = handles[entry["shard"]]
-        a, b = entry["offset"], entry["offset"] + entry["length"]
-        states = f.get_slice("hidden_states")[a:b]
-        tokens = f.get_slice("token_ids")[a:b].tolist()
-        where = f"row {entry['row']} (id {entry['id']}, turn {entry['turn']})"
-        if tuple(states.shape) != (entry["length"], n_layers, hidden):
-            problems.append(f"{where}: states {tuple(states.shape)}, expected "
-                            f"({entry['length']}, {n_layers}, {hidden})")
-        elif not bool(states.float().isfinite().all()):
-            problems.append(f"{where}: non-finite values")
-        if tokens != rows.get(entry["row"]):
-            problems.append(f"{where}: token ids differ from the tokenized row")
-        if len(problems) >= 20:
-            break
+    with contextlib.ExitStack() as files:
+        for entry in index:
+            if entry["shard"] not in handles:
+                handles[entry["shard"]] = files.enter_context(
+                    safe_open(str(out / "hidden_states" / entry["shard"]), "pt"))
+            problems += _entry_problems(handles[entry["shard"]], entry, rows, n_layers, hidden)
+            if len(problems) >= 20:
+                break
+    return problems
+
+
+def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n_layers: int,
+                    hidden: int) -> list[str]:
+    """One index entry's problems: shape, finite values, token ids."""
+    problems = []
+    a, b = entry["offset"], entry["offset"] + entry["length"]
+    states = f.get_slice("hidden_states")[a:b]
+    tokens = f.get_slice("token_ids")[a:b].tolist()
+    where = f"row {entry['row']} (id {entry['id']}, turn {entry['turn']})"
+    if tuple(states.shape) != (entry["length"], n_layers, hidden):
+        problems.append(f"{where}: states {tuple(states.shape)}, expected "
+                        f"({entry['length']}, {n_layers}, {hidden})")
+    elif not bool(states.float().isfinite().all()):
+        problems.append(f"{where}: non-finite values")
+    if tokens != rows.get(entry["row"]):
+        problems.append(f"{where}: token ids differ from the tokenized row")
     return problems
 
 
@@ -310,10 +321,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         "inputs": [sha256_file(f) for f in files],
         "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
     }, sort_keys=True).encode()).hexdigest()
-    if not force and run.is_complete(STAGE, fingerprint):
-        doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
-        doc["skipped"] = True
-        return doc
+    if not force and (done := run.completed_stats(STAGE, fingerprint)):
+        return done
     target = Target(settings)  # loaded only when there is work: a big target takes minutes
     partial = run.begin(STAGE, fingerprint)
     tokens = sum(len(r["input_ids"]) for r in rows)
@@ -338,12 +347,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
                     result = json.loads(marker.read_text())
                 else:
                     shard_rows = [rows[i] for i in members]
-                    got, quarantined = _write_shard(target, settings, shard_rows, name, partial)
-                    shard_lengths = [lengths[i] for i in members]
-                    batches = length_batches(shard_lengths, settings.batch_tokens)
-                    result = {"index": got, "quarantine": quarantined,
-                              "padded": sum(max(shard_lengths[i] for i in b) * len(b)
-                                            for b in batches)}
+                    got, quarantined, padded_tokens = _write_shard(target, settings, shard_rows,
+                                                                   name, partial)
+                    result = {"index": got, "quarantine": quarantined, "padded": padded_tokens}
                     write_json_atomic(marker, result)
                 index.extend(result["index"])
                 padded += result["padded"]

@@ -211,10 +211,8 @@ def run(
         (config.digest() + ":" + ",".join(i["sha256"] for i in inputs)).encode()
     ).hexdigest()
     run.update_manifest(config=config.to_dict(), config_hash=config.digest(), inputs=inputs)
-    if not force and run.is_complete(STAGE, fingerprint):
-        doc = _read_json(run.stage_dir(STAGE) / "stats.json")
-        doc["skipped"] = True
-        return doc
+    if not force and (done := run.completed_stats(STAGE, fingerprint)):
+        return done
     partial = run.begin(STAGE, fingerprint)
     units_dir = partial / "units"
     units_dir.mkdir(exist_ok=True)

@@ -604,10 +604,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     fingerprint = hashlib.sha256(json.dumps({
         "settings": asdict(settings), "model": backend.model_id,
         "inputs": [sha256_file(f) for f in files]}, sort_keys=True).encode()).hexdigest()
-    if not force and run.is_complete(STAGE, fingerprint):
-        doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
-        doc["skipped"] = True
-        return doc
+    if not force and (done := run.completed_stats(STAGE, fingerprint)):
+        return done
     partial = run.begin(STAGE, fingerprint)
     run.update_stage(STAGE, settings=asdict(settings), input_fingerprint=ingest_fingerprint)
     cache = _Cache(partial / "generations.jsonl")

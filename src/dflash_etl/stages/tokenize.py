@@ -300,10 +300,8 @@ def run(
         "tokenizer": [sha256_file(f) for f in tok_files],
         "template": probe_doc["template_sha256"],
     }, sort_keys=True).encode()).hexdigest()
-    if not force and run.is_complete(STAGE, fingerprint):
-        doc = json.loads((run.stage_dir(STAGE) / "stats.json").read_text())
-        doc["skipped"] = True
-        return doc
+    if not force and (done := run.completed_stats(STAGE, fingerprint)):
+        return done
     partial = run.begin(STAGE, fingerprint)
     write_json_atomic(partial / "probe.json", probe_doc)
     run.update_stage(STAGE, settings=asdict(settings), probe={
