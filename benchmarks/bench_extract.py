@@ -49,7 +49,8 @@ def main() -> None:
                                        batch_tokens=args.batch_tokens)
     import datasets
 
-    rows = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"]
+    rows = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset")).with_format(None)[
+        "input_ids"]
     tokens = sum(len(r) for r in rows)
     naive_target = extract.Target(settings)
     naive_target.states([rows[0]])  # warm-up

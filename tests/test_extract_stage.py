@@ -80,7 +80,8 @@ def test_states_equal_an_independent_forward_pass(target, tokenized, tmp_path):
 def tokenize_rows(run_dir: Path) -> list[list[int]]:
     import datasets
 
-    return datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"]
+    return datasets.load_from_disk(str(run_dir / "tokenize" / "dataset")).with_format(None)[
+        "input_ids"]
 
 
 def test_speculators_format_resume_and_contract(target, tokenized, tmp_path):
@@ -95,7 +96,8 @@ def test_speculators_format_resume_and_contract(target, tokenized, tmp_path):
     files = sorted((run_dir / "extract" / "hidden_states").glob("hs_*.safetensors"))
     assert len(files) == len(ids)
     sample = load_file(str(run_dir / "extract" / "hidden_states" / "hs_7.safetensors"))
-    assert sample["hidden_states"].shape == (len(ids[7]), 1, 64)
+    assert doc["total"]["stored_layers"] == [1, 3]  # then the last layer, for speculators
+    assert sample["hidden_states"].shape == (len(ids[7]), 2, 64)
     assert sample["token_ids"].tolist() == ids[7]
 
     again = extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
@@ -107,8 +109,31 @@ def test_speculators_format_resume_and_contract(target, tokenized, tmp_path):
     save_file(broken, str(files[0]))
     entries = {r["row"]: r["input_ids"] for r in [{"row": k, "input_ids": v}
                                                   for k, v in enumerate(ids)]}
-    problems = extract.verify(run_dir / "extract", entries, 1, 64)
+    problems = extract.verify(run_dir / "extract", entries, 2, 64)
     assert problems and "token ids differ" in problems[0]
+
+
+def test_speculators_export_loads_with_speculators_data_loader(target, tokenized, tmp_path):
+    """speculators' own ArrowDataset reads the export: the chosen layers as its auxiliary states,
+    the appended last layer as the verifier's, the tokenized row's ids and loss mask."""
+    pytest.importorskip("speculators.train.data")
+    import torch
+    from hs_connectors import FileTransfer
+    from speculators.train.data import ArrowDataset
+
+    run_dir = _copy(tokenized, tmp_path)
+    extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
+                layers="1,2")
+    loaded = ArrowDataset(max_len=1024, datapath=run_dir / "tokenize" / "dataset",
+                          transfer=FileTransfer(run_dir / "extract" / "hidden_states"),
+                          on_missing="raise", hidden_states_dtype=torch.float32)
+    ids = tokenize_rows(run_dir)
+    assert len(loaded) == len(ids)
+    sample = loaded[5]
+    assert sample["input_ids"].tolist() == ids[5]
+    assert sample["hidden_states"].shape == (len(ids[5]), 2 * 64)  # layers 1 and 2
+    assert sample["verifier_last_hidden_states"].shape == (len(ids[5]), 64)  # layer 3
+    assert int(sample["loss_mask"].sum()) > 0
 
 
 def test_interrupted_extract_resumes_from_finished_shards(target, tokenized, tmp_path,

@@ -112,7 +112,7 @@ def test_accounting_token_freq_and_draft_vocab(run_dir):
     assert total["rows_in"] == total["rows_out"] + total["rows_quarantined"] + sum(
         total["rows_filtered"].values())
     assert sum(total["rows_filtered"].values()) == 1
-    dataset = load_from_disk(str(out / "dataset"))
+    dataset = load_from_disk(str(out / "dataset")).with_format(None)
     counted: dict[int, int] = {}
     for row in dataset:
         for t, m in zip(row["input_ids"], row["loss_mask"]):
@@ -167,7 +167,7 @@ def test_qwen36_multi_turn_reasoning_and_tool_calls(run_dir, tmp_path):
     shutil.copytree(run_dir / "ingest", tmp_path / "run" / "ingest")
     doc = tokenize.run(None, tmp_path / "run", workers=1, model=str(QWEN), seq_length=2048)
     assert doc["total"]["rows_out"] == 3 and doc["total"]["rows_quarantined"] == 0
-    dataset = load_from_disk(str(tmp_path / "run" / "tokenize" / "dataset"))
+    dataset = load_from_disk(str(tmp_path / "run" / "tokenize" / "dataset")).with_format(None)
     tok = tokenize.load_tokenizer(str(QWEN))
     supervised = [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m])
                   for r in dataset]

@@ -10,9 +10,10 @@ Output (runs/<name>/extract/):
   native:      hidden_states/shard-NNNNN.safetensors with `hidden_states` [tokens, layers, hidden]
                and `token_ids` [tokens] (rows concatenated), plus index.parquet: id, turn, shard,
                offset, length;
-  speculators: hidden_states/hs_{i}.safetensors per row with `hidden_states` [seq, layers,
-               hidden] and `token_ids` [seq], i the row's position in the tokenized dataset (the
-               index says which file holds which row).
+  speculators: hidden_states/hs_{i}.safetensors per row with `hidden_states` [seq, layers + 1,
+               hidden] (the chosen layers, then the last decoder layer, as speculators' loader
+               splits them) and `token_ids` [seq], i the row's position in the tokenized
+               dataset (the index says which file holds which row).
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ class ExtractSettings:
 
 # ---------------------------------------------------------------- pure core
 def auto_layers(n_layers: int, k: int) -> list[int]:
-    """DFlash's rule: K target layers spread evenly from layer 1 to layer L-3."""
+    """DFlash's rule: K target layers spread evenly from layer 1 to layer L-3 (one layer: the
+    middle one), as SpecForge's and z-lab's build_target_layer_ids."""
+    if k == 1:
+        return [n_layers // 2]
     last = max(1, n_layers - 3)
     return sorted({round(float(x)) for x in np.linspace(1, last, max(1, k))})
 
@@ -97,6 +101,12 @@ def parse_layers(spec: str, n_layers: int, k: int) -> list[int]:
     if bad or not layers:
         raise StageError(f"--layers {spec!r}: the target has decoder layers 0..{n_layers - 1}")
     return layers
+
+
+def stored_layers(layers: list[int], n_layers: int, fmt: str) -> list[int]:
+    """The layers a shard holds, in order: the chosen ones; the speculators format appends the
+    last decoder layer, which speculators' loader reads as the verifier's final hidden state."""
+    return [*layers, n_layers - 1] if fmt == "speculators" else list(layers)
 
 
 def length_batches(lengths: list[int], batch_tokens: int,
@@ -161,7 +171,8 @@ class Target:
         self.hidden = self.model.config.hidden_size
         self.captured: dict[int, Any] = {}
         modules = decoder_layers(self.model)
-        for index in self.layers:
+        self.last_layer = self.n_layers - 1
+        for index in sorted({*self.layers, self.last_layer}):
             modules[index].register_forward_hook(self._keep(index))
 
     def _keep(self, index: int):
@@ -171,6 +182,12 @@ class Target:
 
     def states(self, rows: list[list[int]]) -> list[Any]:
         """[seq, layers, hidden] per row (right padding; causal attention ignores the pad)."""
+        return self.forward(rows)[1]
+
+    def forward(self, rows: list[list[int]], logits: bool = False,
+                extra_layers: tuple[int, ...] = ()) -> tuple[list[Any] | None, list[Any]]:
+        """(logits [seq, vocab] per row when asked, else None; states [seq, layers + extra,
+        hidden] per row). `extra_layers` appends more decoder layers' outputs (hooked too)."""
         torch = self.torch
         width = max(len(r) for r in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -180,10 +197,14 @@ class Target:
             mask[k, :len(r)] = 1
         self.captured.clear()
         with torch.no_grad():
-            self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                       use_cache=False)
-        stacked = torch.stack([self.captured[i] for i in self.layers], dim=2).cpu()
-        return [stacked[k, :len(r)] for k, r in enumerate(rows)]
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             use_cache=False, logits_to_keep=0 if logits else 1)
+        stacked = torch.stack([self.captured[i] for i in (*self.layers, *extra_layers)],
+                              dim=2).cpu()
+        states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
+        if not logits:
+            return None, states
+        return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
 
 
 # ---------------------------------------------------------------- shell
@@ -215,9 +236,10 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
     lengths = [len(r["input_ids"]) for r in rows]
     states: list[Any] = [None] * len(rows)
     batches = length_batches(lengths, settings.batch_tokens)
+    extra = (target.last_layer,) if settings.format == "speculators" else ()
     for batch in batches:
-        for k, s in zip(batch, target.states([rows[k]["input_ids"] for k in batch]),
-                        strict=True):
+        _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra)
+        for k, s in zip(batch, got, strict=True):
             states[k] = s
     index, quarantine, keep = [], [], []
     for k, row in enumerate(rows):
@@ -326,9 +348,10 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     target = Target(settings)  # loaded only when there is work: a big target takes minutes
     partial = run.begin(STAGE, fingerprint)
     tokens = sum(len(r["input_ids"]) for r in rows)
-    need = _check_disk(partial, tokens, len(target.layers), target.hidden, settings.dtype)
+    stored = stored_layers(target.layers, target.n_layers, settings.format)
+    need = _check_disk(partial, tokens, len(stored), target.hidden, settings.dtype)
     run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
-                     n_layers=target.n_layers, estimated_bytes=need)
+                     stored_layers=stored, n_layers=target.n_layers, estimated_bytes=need)
     lengths = [len(r["input_ids"]) for r in rows]
     # shards hold rows of similar length (sorted), so each shard's batches pad little
     order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
@@ -366,7 +389,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
                        partial / "index.parquet")
         doc = stats_document(per_source, STAGE)
-        doc["total"].update({"layers": target.layers, "n_layers": target.n_layers,
+        doc["total"].update({"layers": target.layers, "stored_layers": stored,
+                             "n_layers": target.n_layers,
                              "hidden_size": target.hidden, "dtype": settings.dtype,
                              "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
@@ -374,7 +398,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
             raise StageError(f"extract kept no rows of {len(rows)}: every row's hidden states "
                              f"were non-finite ({Q_NON_FINITE}); try --dtype fp32")
         problems = verify(partial, {r["row"]: r["input_ids"] for r in rows},
-                          len(target.layers), target.hidden)
+                          len(stored), target.hidden)
         write_json_atomic(partial / "contract.json", {"passed": not problems,
                                                       "problems": problems})
         if problems:

@@ -406,6 +406,9 @@ def _save_dataset(row_files: list[Path], out: Path) -> None:
     cache = out.parent / ".datasets-cache"
     dataset = Dataset.from_parquet([str(f) for f in row_files], features=features,
                                    cache_dir=str(cache))
+    # speculators' preprocessing saves its datasets in torch format and its loader relies on it
+    dataset.set_format(type="torch", columns=["input_ids", "loss_mask", "seq_len"],
+                       output_all_columns=True)
     dataset.save_to_disk(str(out))
     del dataset
     shutil.rmtree(cache, ignore_errors=True)
