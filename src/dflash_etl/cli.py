@@ -122,6 +122,35 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from dflash_etl.stages import train
+
+    config = load_config(args.config) if args.config else None
+    doc = train.run(config, args.run, force=args.force, **_overrides(args, train.TrainSettings))
+    out = Path(args.run) / "train"
+    total = doc["total"]
+    _say(f"train {_state(doc)}: rows {_counts_line(total)}")
+    _say(f"  {total.get('steps')} steps ({total.get('steps_this_run')} this run, "
+         f"{total.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
+         f"{total.get('drafter_parameters')} drafter parameters")
+    _say(f"  acceptance length tau on {total.get('eval_prompts')} held-out prompts: "
+         f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))} "
+         f"trained (block {total.get('block_size')})")
+    _say(f"  drafter: {out / 'drafter'}")
+    _say(f"  eval:    {out / 'eval.json'}")
+    return 0
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _has_target(config_path: str, stage: str, key: str = "model") -> bool:
+    """Whether the config gives `stage` a target model (its own section or [target])."""
+    config = load_config(config_path)
+    return bool(config.section(stage).get(key) or config.section("target"))
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from dflash_etl.stages import tokenize
 
@@ -144,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     code = cmd_ingest(args)
     if code:
         return code
-    if load_config(args.config).section("regenerate").get("model"):
+    if _has_target(args.config, "regenerate"):
         code = cmd_regenerate(args)
         if code:
             return code
@@ -152,8 +181,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = cmd_tokenize(args)
         if code:
             return code
-        if load_config(args.config).section("extract").get("model"):
+        if _has_target(args.config, "extract"):
             code = cmd_extract(args)
+            if code:
+                return code
+        if _has_target(args.config, "train", "target"):
+            code = cmd_train(args)
             if code:
                 return code
     else:
@@ -264,6 +297,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--format", choices=["native", "speculators"])
     p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("train", help="hidden states -> a DFlash drafter, with its tau")
+    stage_args(p, config_required=False)
+    p.add_argument("--target", help="the target model directory (offline)")
+    p.add_argument("--draft-layers", type=int, help="decoder layers of the drafter (5)")
+    p.add_argument("--block-size", type=int, help="anchor + tokens predicted per block (16)")
+    p.add_argument("--steps", type=int, help="optimizer steps (1000)")
+    p.add_argument("--lr", type=float, help="peak learning rate (6e-4)")
+    p.add_argument("--batch-rows", type=int, help="rows per step, over all ranks (8)")
+    p.add_argument("--anchors-per-row", type=int, help="blocks sampled per row (64)")
+    p.add_argument("--gamma", type=float, help="loss decay over block offsets (7)")
+    p.add_argument("--online", action="store_true", default=None,
+                   help="compute the hidden states from the target (no extract output needed)")
+    p.add_argument("--layers", help="--online: 'auto' or target layer indices")
+    p.add_argument("--mask-token-id", type=int, help="the blocks' mask token (default: found)")
+    p.add_argument("--eval-prompts", type=int, help="held-out prompts for tau (16)")
+    p.add_argument("--eval-new-tokens", type=int, help="tokens decoded per prompt (48)")
+    p.add_argument("--eval-every", type=int, help="steps between evaluations (0: end only)")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (200)")
+    p.add_argument("--seed", type=int, help="(0)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="the target's dtype")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("probe-template", help="what a chat template does (nothing written)")
     p.add_argument("--model", required=True, help="local tokenizer or model directory")

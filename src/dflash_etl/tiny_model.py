@@ -7,15 +7,21 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
+
+from dflash_etl.config import PipelineConfig
+from dflash_etl.errors import StageError
 
 PROJECT_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer"
 
 
 def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads: int = 4,
-                     kv_heads: int = 2, seed: int = 0,
+                     kv_heads: int = 2, seed: int = 0, tie_word_embeddings: bool = True,
                      tokenizer_dir: Path = PROJECT_TOKENIZER) -> Path:
     """Write the model (seeded weights, MLP width 2 x hidden) and the tokenizer files to `out`;
-    a directory that already holds a config.json is reused as it is."""
+    a directory that already holds a config.json is reused as it is. A tied random model's
+    greedy reply mostly repeats its input token (its output row is its input row); an untied one
+    writes varied text, which is what a drafter should learn from."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -31,8 +37,36 @@ def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads
         vocab_size=len(vocab["model"]["vocab"]) + len(vocab["added_tokens"]),
         hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=True)).save_pretrained(out)
+        tie_word_embeddings=tie_word_embeddings)).save_pretrained(out)
     # save_pretrained writes its own generation config; keep the tokenizer's end-of-turn id
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2,
                                                             "pad_token_id": 0}))
     return out
+
+
+def configured_target(config: PipelineConfig | None, run_dir: str | Path) -> str | None:
+    """The target model directory the config's [target] section names: `model = "DIR"`
+    (relative to the config), or `tiny = {...}`, build_tiny_qwen2's arguments, built into
+    `<run>/target/` on first use (the embedded default: there is no model hub to fetch from)."""
+    if config is None:
+        return None
+    section = config.section("target")
+    unknown = set(section) - {"model", "tiny"}
+    if unknown:
+        raise StageError(f"[target]: unknown keys {sorted(unknown)}; known: ['model', 'tiny']")
+    if section.get("model"):
+        return str((config.base_dir / section["model"]).resolve())
+    if "tiny" in section:
+        return str(build_tiny_qwen2(Path(run_dir) / "target", **section["tiny"]))
+    return None
+
+
+def with_target(config: PipelineConfig | None, run_dir: str | Path, section: dict[str, Any],
+                overrides: dict[str, Any], key: str) -> dict[str, Any]:
+    """`overrides` with the stage's model (`key`) taken from [target] when neither the command
+    line nor the stage's own section names one."""
+    if overrides.get(key) is None and not section.get(key):
+        found = configured_target(config, run_dir)
+        if found:
+            return {**overrides, key: found}
+    return overrides

@@ -39,6 +39,7 @@ from dflash_etl.errors import ContractError, StageError
 from dflash_etl.progress import progress_bar
 from dflash_etl.report import publish_docs
 from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.tiny_model import with_target
 
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
@@ -326,6 +327,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
     """Extract into `run_dir/extract`; returns the stats document. Skips when complete."""
     section = config.section("extract") if config else {}
+    overrides = with_target(config, run_dir, section, overrides, "model")
     settings = ExtractSettings.from_sources(section, overrides,
                                             config.base_dir if config else None)
     run = RunDir(run_dir)

@@ -39,6 +39,7 @@ from dflash_etl.progress import progress_bar
 from dflash_etl.report import publish_docs
 from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
 from dflash_etl.templates.render import RenderError
+from dflash_etl.tiny_model import with_target
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
@@ -591,6 +592,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     from dflash_etl.contracts import validate_conversations
 
     section = config.section("regenerate") if config else {}
+    overrides = with_target(config, run_dir, section, overrides, "model")
     settings = RegenerateSettings.from_sources(section, overrides,
                                                config.base_dir if config else None)
     run = RunDir(run_dir)

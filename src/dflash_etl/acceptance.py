@@ -1,0 +1,89 @@
+"""Acceptance length (tau): simulated speculative decoding of a drafter against its target.
+
+Each step the drafter proposes a block (the last accepted token, then block_size-1 mask tokens,
+one forward pass), the target checks it greedily, the longest agreeing prefix is accepted plus
+the target's own next token (the bonus), and the step scores accepted + 1. The output is the
+target's greedy decoding whatever the drafter proposes, which the tests assert; tau is the mean
+score per step, averaged per prompt and then over prompts (as z-lab's DFlash benchmark does).
+
+The target is re-run over the whole sequence each step (no KV cache): simple and exact, and cheap
+for the few short held-out prompts an evaluation uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # the new tokens, the target's greedy continuation
+    accepted: list[int]  # per step: draft tokens accepted + 1
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+
+def speculative_decode(target: Any, drafter: Any, prompt: list[int], max_new_tokens: int,
+                       eos_ids: set[int]) -> Decoded:
+    """Decode `max_new_tokens` after `prompt` with `drafter` proposing and `target` verifying."""
+    c = drafter.config
+    embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    device = next(drafter.parameters()).device
+    logits, states = target.forward([prompt], logits=True)
+    seq = [*prompt, int(logits[0][-1].argmax())]
+    new, accepted = [seq[-1]], []
+    context = states[0]  # the states of every position before the anchor (the last token)
+    with torch.no_grad():
+        while len(new) < max_new_tokens and new[-1] not in eos_ids:
+            anchor = len(seq) - 1
+            block = torch.tensor([[seq[-1]] + [c.mask_token_id] * (c.block_size - 1)],
+                                 device=device)
+            flat = context.reshape(1, context.shape[0], -1).to(device, torch.float32)
+            hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
+                             embed(block).float()[:, None],
+                             torch.tensor([[anchor]], device=device))
+            draft = lm_head(hidden[0, 0, 1:].to(lm_head.weight.dtype)).argmax(-1).tolist()
+            logits, states = target.forward([seq + draft], logits=True)
+            checked = logits[0][anchor:anchor + c.block_size].argmax(-1).tolist()
+            n = 0
+            while n < len(draft) and draft[n] == checked[n]:
+                n += 1
+            gained = [*draft[:n], checked[n]]
+            for k, token in enumerate(gained):  # stop at the end of turn, as the target would
+                if token in eos_ids:
+                    gained = gained[:k + 1]
+                    break
+            accepted.append(n + 1)
+            seq += gained
+            new += gained
+            context = states[0][:len(seq) - 1]
+    return Decoded(tokens=new[:max_new_tokens], accepted=accepted)
+
+
+def acceptance_length(target: Any, drafter: Any, prompts: list[list[int]], max_new_tokens: int,
+                      eos_ids: set[int]) -> dict[str, Any]:
+    """tau over `prompts`: per prompt, and their mean."""
+    was_training = drafter.training
+    drafter.eval()
+    per_prompt = [speculative_decode(target, drafter, p, max_new_tokens, eos_ids).tau
+                  for p in prompts]
+    drafter.train(was_training)
+    return {"tau": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "per_prompt": [round(t, 4) for t in per_prompt]}
+
+
+def eos_token_ids(model: Any) -> set[int]:
+    """The end-of-sequence ids the target's generation config and config name."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,243 @@
+"""The DFlash drafter: a few decoder layers that predict a block of tokens in one pass.
+
+As published (z-lab DFlash; SpecForge's and speculators' implementations): the target's hidden
+states at K chosen layers are concatenated, projected to the hidden size (`fc`) and normalised
+(`hidden_norm`); every draft layer's attention reads them as extra keys and values, computed with
+that layer's own k/v projections, ahead of the block's own keys and values. A block is the anchor
+token followed by block_size-1 mask tokens; its queries see the context before the anchor and the
+whole block (bidirectional), and each mask position predicts its own token. The target's embedding
+and LM head are shared and frozen, so the drafter stores only its layers, fc and norms.
+
+Pure torch, no transformers internals: the same module trains, evaluates and is saved as
+safetensors with a config.json a DFlash loader understands.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's shape; the attention and MLP shapes copy the target's."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    target_num_hidden_layers: int = 0
+    loss_decay_gamma: float = 7.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_target(cls, target_config: Any, *, draft_layers: int, target_layer_ids: list[int],
+                    mask_token_id: int, block_size: int) -> DrafterConfig:
+        heads = target_config.num_attention_heads
+        return cls(
+            hidden_size=target_config.hidden_size, num_hidden_layers=draft_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None)
+            or target_config.hidden_size // heads,
+            intermediate_size=target_config.intermediate_size,
+            vocab_size=target_config.vocab_size, target_layer_ids=list(target_layer_ids),
+            mask_token_id=mask_token_id, block_size=block_size,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_theta=float(getattr(target_config, "rope_theta", None)
+                             or (getattr(target_config, "rope_parameters", None) or {}).get(
+                                 "rope_theta", 1_000_000.0)),
+            target_num_hidden_layers=target_config.num_hidden_layers)
+
+    def to_json(self) -> dict[str, Any]:
+        """config.json in the z-lab DFlash layout (a Qwen3-style config plus dflash_config)."""
+        doc = {k: v for k, v in asdict(self).items()
+               if k not in ("target_layer_ids", "mask_token_id", "extra")}
+        doc.update({"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                    "num_target_layers": self.target_num_hidden_layers,
+                    "dflash_config": {"target_layer_ids": self.target_layer_ids,
+                                      "mask_token_id": self.mask_token_id,
+                                      "block_size": self.block_size},
+                    **self.extra})
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> DrafterConfig:
+        names = {f for f in cls.__dataclass_fields__ if f not in ("extra",)}
+        values = {k: v for k, v in doc.items() if k in names}
+        values["target_layer_ids"] = doc["dflash_config"]["target_layer_ids"]
+        values["mask_token_id"] = doc["dflash_config"]["mask_token_id"]
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (the half-split layout of Llama/Qwen) at explicit positions.
+    x: [B, heads, S, D]; positions: [B, S]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[..., None] * inv  # [B, S, D/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, S, D]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, self.c.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
+                context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        q = self.q_norm(self._heads(self.q_proj(x), c.num_attention_heads))
+        keys_in = torch.cat([context, x], dim=1)
+        k = self.k_norm(self._heads(self.k_proj(keys_in), c.num_key_value_heads))
+        v = self._heads(self.v_proj(keys_in), c.num_key_value_heads)
+        q = rotate(q, positions, c.rope_theta)
+        k = rotate(k, torch.cat([context_positions, positions], dim=1), c.rope_theta)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
+            "up_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
+            "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False)})
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
+                context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, positions, context_positions,
+                               mask)
+        h = self.post_attention_layernorm(x)
+        m = self.mlp
+        return x + m["down_proj"](F.silu(m["gate_proj"](h)) * m["up_proj"](h))
+
+
+class DFlashDrafter(nn.Module):
+    """The trainable part of a DFlash drafter (the embedding and LM head are the target's)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, target_hidden: torch.Tensor, context_valid: torch.Tensor,
+                block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Hidden states of every block position, before the LM head.
+
+        target_hidden: [B, T, K*H] the target's states at positions 0..T-1 (the context);
+        context_valid: [B, T] bool, False on padding;
+        block_embeds: [B, N, S, H] the embedded blocks (anchor token, then mask tokens);
+        anchors: [B, N] each block's anchor position (the block occupies anchor..anchor+S-1
+        and sees the context strictly before the anchor).
+        Returns [B, N, S, H].
+        """
+        b, n, s, h = block_embeds.shape
+        t = target_hidden.shape[1]
+        device = block_embeds.device
+        context = self.hidden_norm(self.fc(target_hidden))
+        offsets = torch.arange(s, device=device)
+        positions = (anchors[..., None] + offsets).reshape(b, n * s)
+        context_positions = torch.arange(t, device=device).expand(b, t)
+        sees_context = (torch.arange(t, device=device)[None, None] < anchors[..., None])  # B,N,T
+        sees_context = sees_context & context_valid[:, None]
+        block_of = torch.arange(n, device=device).repeat_interleave(s)
+        same_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
+        mask = torch.cat([sees_context.repeat_interleave(s, dim=1), same_block], dim=2)
+        x = block_embeds.reshape(b, n * s, h)
+        for layer in self.layers:
+            x = layer(x, context, positions, context_positions, mask)
+        return self.norm(x).view(b, n, s, h)
+
+    # ------------------------------------------------------------ files
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+        (directory / CONFIG).write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> DFlashDrafter:
+        from safetensors.torch import load_file
+
+        config = DrafterConfig.from_json(json.loads((directory / CONFIG).read_text()))
+        model = cls(config)
+        model.load_state_dict(load_file(str(directory / WEIGHTS)))
+        return model
+
+
+def block_loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for block offsets k = 1..block_size-1 (offset 0 is the anchor: 0)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+

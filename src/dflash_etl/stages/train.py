@@ -1,0 +1,617 @@
+"""train: a DFlash drafter on the target's hidden states, with acceptance-length evaluation.
+
+Reads the tokenized rows (input_ids, loss_mask) and, offline, the extract stage's hidden states;
+online (`--online`) it computes them from the target for each batch through the same Target class
+extract uses. Each step samples rows and, per row, anchors where the loss mask and its successor
+are 1; every anchor opens a block (anchor token + block_size-1 mask tokens) predicted in one pass
+(see dflash_etl.drafter). The loss at block offset k is cross-entropy against the row's token at
+anchor+k, weighted exp(-(k-1)/gamma) and by the loss mask, normalised by the weight sum (SpecForge).
+
+Held-out conversations (never trained on) give the evaluation prompts: tau before training, every
+`eval_every` steps, and at the end (train/eval.json). Checkpoints (safetensors + config.json +
+optimizer state) are written every `save_every` steps and a rerun resumes from the newest; under
+torchrun each rank trains on its share of every batch (DDP) and rank 0 writes.
+
+Output (runs/<name>/train/): drafter/ (model.safetensors, config.json), eval.json, log.jsonl,
+checkpoints/, stats.json, contract.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_etl.accounting import Stats, stats_document
+from dflash_etl.config import PipelineConfig
+from dflash_etl.contracts import read_arrow
+from dflash_etl.errors import ContractError, StageError
+from dflash_etl.progress import progress_bar
+from dflash_etl.report import publish_docs
+from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.tiny_model import with_target
+
+STAGE = "train"
+F_HELD_OUT = "held_out_for_eval"
+F_NO_ANCHOR = "no_anchor"  # no position where the loss mask and its successor are both 1
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """[train] in pipeline.toml; CLI flags override it."""
+
+    target: str = ""
+    draft_layers: int = 5
+    block_size: int = 16
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup_steps: int = -1  # -1: 4% of the steps
+    batch_rows: int = 8
+    anchors_per_row: int = 64
+    gamma: float = 7.0
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    mask_token_id: int = -1  # -1: the tokenizer's mask token, a spare embedding row, or pad
+    online: bool = False  # compute hidden states from the target instead of reading extract's
+    layers: str = "auto"  # online only (offline uses the layers extract chose)
+    eval_prompts: int = 16
+    eval_new_tokens: int = 48
+    eval_every: int = 0  # 0: before and after training only
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    dtype: str = "fp32"  # the target's dtype (the drafter trains in fp32)
+    device: str = "auto"
+
+    @classmethod
+    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
+                     base_dir: Path | None) -> TrainSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = set(section) - known
+        if unknown:
+            raise StageError(f"[train]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+        if section.get("target") and base_dir is not None and overrides.get("target") is None:
+            values["target"] = str((base_dir / section["target"]).resolve())
+        settings = cls(**values)
+        if not settings.target:
+            raise StageError("train needs the target model: pass --target DIR or set "
+                             "[train] target = 'DIR' in the config")
+        if settings.block_size < 2:
+            raise StageError(f"--block-size {settings.block_size}: a block needs the anchor and "
+                             "at least one token to predict")
+        if settings.steps < 1 or settings.batch_rows < 1 or settings.anchors_per_row < 1:
+            raise StageError("--steps, --batch-rows and --anchors-per-row must be >= 1")
+        return settings
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps >= 0 else max(1, round(0.04 * self.steps))
+
+
+# ---------------------------------------------------------------- pure core
+def anchor_candidates(loss_mask: np.ndarray) -> np.ndarray:
+    """Positions p with loss_mask[p] == loss_mask[p+1] == 1: the anchor is supervised and so is
+    at least the first token its block predicts."""
+    m = np.asarray(loss_mask, dtype=bool)
+    return np.flatnonzero(m[:-1] & m[1:])
+
+
+def held_out_ids(ids: list[str], rows_wanted: int, seed: int) -> set[str]:
+    """Conversations set aside for evaluation: the first by a seeded hash of their id until they
+    hold `rows_wanted` rows (all rows of a conversation stay on one side)."""
+    counts: dict[str, int] = {}
+    for i in ids:
+        counts[i] = counts.get(i, 0) + 1
+    ranked = sorted(counts, key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())
+    chosen, rows = set(), 0
+    for i in ranked:
+        if rows >= rows_wanted or len(chosen) >= len(counts) - 1:
+            break
+        chosen.add(i)
+        rows += counts[i]
+    return chosen
+
+
+def eval_prompt(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
+    """The row's tokens before its first supervised token: the prompt the reply answers."""
+    first = next((k for k, m in enumerate(loss_mask) if m), None)
+    return list(input_ids[:first]) if first else None
+
+
+def lr_factor(step: int, warmup: int, steps: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_batch(rows: list[dict[str, Any]], states: list[Any], anchors_per_row: int,
+               block_size: int, mask_token_id: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Pad the rows and sample each row's anchors; returns the tensors `block_loss` takes."""
+    import torch
+
+    b, t = len(rows), max(len(r["input_ids"]) for r in rows)
+    width = states[0].shape[1] * states[0].shape[2]
+    ids = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.bool)
+    valid = torch.zeros((b, t), dtype=torch.bool)
+    hidden = torch.zeros((b, t, width), dtype=torch.float32)
+    picks = []
+    for k, (row, s) in enumerate(zip(rows, states, strict=True)):
+        n = len(row["input_ids"])
+        ids[k, :n] = torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64))
+        mask[k, :n] = torch.as_tensor(np.asarray(row["loss_mask"], dtype=bool))
+        valid[k, :n] = True
+        hidden[k, :n] = s.reshape(n, width).float()
+        cands = anchor_candidates(row["loss_mask"])
+        chosen = rng.choice(cands, size=min(anchors_per_row, len(cands)), replace=False)
+        picks.append(np.sort(chosen))
+    n = max(len(p) for p in picks)
+    anchors = torch.zeros((b, n), dtype=torch.long)
+    keep = torch.zeros((b, n), dtype=torch.bool)
+    for k, p in enumerate(picks):
+        anchors[k, :len(p)] = torch.as_tensor(p)
+        keep[k, :len(p)] = True
+    offsets = torch.arange(block_size)
+    where = anchors[..., None] + offsets  # [B, N, S]
+    inside = where < valid.sum(1)[:, None, None]
+    clipped = where.clamp(max=t - 1)
+    labels = torch.gather(ids[:, None].expand(-1, n, -1), 2, clipped)
+    supervised = torch.gather(mask[:, None].expand(-1, n, -1), 2, clipped)
+    block_ids = torch.full((b, n, block_size), mask_token_id, dtype=torch.long)
+    block_ids[..., 0] = labels[..., 0]
+    return {"hidden": hidden, "valid": valid, "block_ids": block_ids, "anchors": anchors,
+            "labels": labels, "label_ok": keep[..., None] & inside & supervised & (offsets > 0)}
+
+
+def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any],
+               weights: Any) -> tuple[Any, dict[str, float]]:
+    """The decay-weighted cross-entropy of a batch of blocks, and its accuracy at offset 1."""
+    import torch
+
+    device = weights.device
+    with torch.no_grad():
+        block_embeds = embed(batch["block_ids"].to(device)).float()
+    hidden = drafter(batch["hidden"].to(device), batch["valid"].to(device), block_embeds,
+                     batch["anchors"].to(device))
+    logits = lm_head(hidden[:, :, 1:].to(lm_head.weight.dtype)).float()
+    labels = batch["labels"][:, :, 1:].to(device)
+    ok = batch["label_ok"][:, :, 1:].to(device)
+    w = weights[1:] * ok
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(),
+                                           reduction="none").view_as(labels)
+    loss = (ce * w).sum() / (w.sum() + 1e-6)
+    with torch.no_grad():
+        right = (logits.argmax(-1) == labels) & ok
+        first = ok[..., 0].sum().clamp(min=1)
+        metrics = {"loss": float(loss), "acc_1": float(right[..., 0].sum() / first),
+                   "supervised": int(ok.sum())}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- state sources
+class ExtractedStates:
+    """Hidden states the extract stage wrote (either format), per tokenized row."""
+
+    def __init__(self, extract_dir: Path, n_layers: int) -> None:
+        from safetensors import safe_open
+
+        self.dir = extract_dir / "hidden_states"
+        index = read_arrow_or_parquet(extract_dir / "index.parquet")
+        self.where = {e["row"]: e for e in index}
+        self.n_layers = n_layers
+        self._open = safe_open
+        self.handles: dict[str, Any] = {}
+        self.files = contextlib.ExitStack()
+
+    def __call__(self, rows: list[dict[str, Any]]) -> list[Any]:
+        out = []
+        for row in rows:
+            entry = self.where[row["row"]]
+            if entry["shard"] not in self.handles:
+                self.handles[entry["shard"]] = self.files.enter_context(
+                    self._open(str(self.dir / entry["shard"]), "pt"))
+            a = entry["offset"]
+            states = self.handles[entry["shard"]].get_slice("hidden_states")[a:a + entry["length"]]
+            out.append(states[:, :self.n_layers])  # speculators' files append the last layer
+        return out
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def read_arrow_or_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+class OnlineStates:
+    """Hidden states computed from the target for each batch (no extract output needed)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __call__(self, rows: list[dict[str, Any]]) -> list[Any]:
+        return self.target.states([list(r["input_ids"]) for r in rows])
+
+    def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------- shell
+def resolve_mask_token(model_dir: str, embedding_rows: int, explicit: int) -> tuple[int, str]:
+    """The mask token the blocks use, and why it was chosen (recorded in the stats)."""
+    from transformers import AutoTokenizer
+
+    if explicit >= 0:
+        return explicit, "set in the settings"
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tok.mask_token_id is not None:
+        return int(tok.mask_token_id), "the tokenizer's mask token"
+    vocab = tok.get_vocab()
+    if "<|MASK|>" in vocab:
+        return int(vocab["<|MASK|>"]), "the tokenizer's <|MASK|> token"
+    if embedding_rows > len(tok):
+        return len(tok), "the first embedding row no token uses (as DFlash's Qwen3 drafters)"
+    if tok.pad_token_id is not None:
+        return int(tok.pad_token_id), ("the pad token: the tokenizer has no mask token and the "
+                                       "embedding no spare row (speculators' fallback)")
+    raise StageError(f"{model_dir}: no mask token, no spare embedding row and no pad token; "
+                     "set [train] mask_token_id (or --mask-token-id) to a token id to use")
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group when there is one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
+    files = sorted((run.stage_dir("tokenize") / "dataset").glob("*.arrow"))
+    if not files:
+        raise StageError(f"no tokenized dataset in {run.stage_dir('tokenize') / 'dataset'}: run "
+                         "`dflash-etl tokenize` for this run first")
+    table = pa.concat_tables([read_arrow(f).select(["input_ids", "loss_mask", "id", "source",
+                                                    "turn"]) for f in files])
+    rows = table.to_pylist()
+    for position, row in enumerate(rows):
+        row["row"] = position
+    return rows, files
+
+
+def _extract_info(run: RunDir) -> dict[str, Any]:
+    info = run.manifest().get("stages", {}).get("extract", {})
+    out = run.stage_dir("extract")
+    if info.get("status") != "complete" or not (out / "index.parquet").exists():
+        raise StageError(f"no complete extract output in {out}: run `dflash-etl extract` first, "
+                         "or train with --online to compute the hidden states from the target")
+    return {**json.loads((out / "stats.json").read_text())["total"],
+            "fingerprint": info.get("fingerprint")}
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("step-*") if (p / "state.json").exists())
+
+
+def _save_checkpoint(directory: Path, step: int, drafter: Any, optimizer: Any, scheduler: Any,
+                     state: dict[str, Any], keep: int) -> None:
+    import torch
+
+    final = directory / f"step-{step:06d}"
+    tmp = directory / f".step-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+               tmp / "optimizer.pt")
+    write_json_atomic(tmp / "state.json", {**state, "step": step})
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in _checkpoints(directory)[:-keep]:
+        shutil.rmtree(old)
+
+
+class Trainer:
+    """Everything one training run holds: target, drafter, data, optimizer, log."""
+
+    def __init__(self, settings: TrainSettings, rows: list[dict[str, Any]],
+                 extract_dir: Path | None, extract_layers: list[int] | None, out: Path,
+                 rank: int = 0, world: int = 1) -> None:
+        import torch
+
+        from dflash_etl.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
+        from dflash_etl.stages.extract import ExtractSettings, Target
+
+        self.torch, self.settings, self.out, self.rank, self.world = (torch, settings, out, rank,
+                                                                      world)
+        layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
+        device = settings.device
+        if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+        self.target = Target(ExtractSettings(model=settings.target, layers=layers,
+                                             draft_layers=settings.draft_layers,
+                                             dtype=settings.dtype, device=device))
+        for p in self.target.model.parameters():
+            p.requires_grad_(False)
+        self.device = self.target.device
+        self.embed = self.target.model.get_input_embeddings()
+        self.lm_head = self.target.model.get_output_embeddings()
+        self.mask_token_id, self.mask_reason = resolve_mask_token(
+            settings.target, self.embed.weight.shape[0], settings.mask_token_id)
+        torch.manual_seed(settings.seed)
+        config = DrafterConfig.from_target(
+            self.target.model.config, draft_layers=settings.draft_layers,
+            target_layer_ids=self.target.layers, mask_token_id=self.mask_token_id,
+            block_size=settings.block_size)
+        config.loss_decay_gamma = settings.gamma
+        self.drafter = DFlashDrafter(config).to(self.device)
+        self.model = self.drafter
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(self.drafter)
+        self.weights = block_loss_weights(settings.block_size, settings.gamma).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=settings.lr,
+                                           weight_decay=settings.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, settings.warmup, settings.steps))
+        self.states = (OnlineStates(self.target) if extract_dir is None
+                       else ExtractedStates(extract_dir, len(self.target.layers)))
+        self.rows = rows
+        self.log_path = out / "log.jsonl"
+
+    def step(self, step: int) -> dict[str, float]:
+        """One optimizer step on the step's seeded batch (the same on every rank and rerun)."""
+        s = self.settings
+        rng = np.random.default_rng([s.seed, step])
+        picked = rng.choice(len(self.rows), size=min(s.batch_rows, len(self.rows)),
+                            replace=False)
+        mine = [self.rows[i] for i in picked[self.rank::self.world]] or [self.rows[picked[0]]]
+        batch = make_batch(mine, self.states(mine), s.anchors_per_row, s.block_size,
+                           self.mask_token_id, rng)
+        loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = self.torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), s.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return {**metrics, "grad_norm": float(norm), "lr": self.scheduler.get_last_lr()[0]}
+
+    def resume(self, directory: Path) -> dict[str, Any]:
+        """Load the newest checkpoint (if any); returns its state ({} when starting afresh)."""
+        torch = self.torch
+        found = _checkpoints(directory)
+        if not found:
+            return {}
+        from safetensors.torch import load_file
+
+        latest = found[-1]
+        self.drafter.load_state_dict(load_file(str(latest / "model.safetensors"),
+                                               device=str(self.device)))
+        opt = torch.load(latest / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(opt["optimizer"])
+        self.scheduler.load_state_dict(opt["scheduler"])
+        state = json.loads((latest / "state.json").read_text())
+        if self.log_path.exists():  # drop what was logged after the checkpoint
+            kept = [line for line in self.log_path.read_text().splitlines()
+                    if json.loads(line)["step"] <= state["step"]]
+            self.log_path.write_text("".join(f"{line}\n" for line in kept))
+        return state
+
+
+def _fingerprint(settings: TrainSettings, files: list[Path], extract_fp: str | None) -> str:
+    model_files = sorted(p for p in Path(settings.target).iterdir() if p.is_file())
+    return hashlib.sha256(json.dumps({
+        "settings": asdict(settings), "inputs": [sha256_file(f) for f in files],
+        "extract": extract_fp,
+        "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
+    }, sort_keys=True).encode()).hexdigest()
+
+
+def _split(rows: list[dict[str, Any]], settings: TrainSettings
+           ) -> tuple[list[dict[str, Any]], list[list[int]], dict[str, Stats]]:
+    """Training rows, evaluation prompts and the per-source accounting of the split."""
+    held = held_out_ids([r["id"] for r in rows], settings.eval_prompts, settings.seed)
+    train_rows, prompts, per_source = [], [], {}
+    for row in rows:
+        stats = per_source.setdefault(row["source"], Stats(extra={"tokens": 0}))
+        stats.rows_in += 1
+        if row["id"] in held:
+            stats.filter(F_HELD_OUT)
+            prompt = eval_prompt(row["input_ids"], row["loss_mask"])
+            if prompt:
+                prompts.append(prompt)
+        elif not len(anchor_candidates(row["loss_mask"])):
+            stats.filter(F_NO_ANCHOR)
+        else:
+            stats.rows_out += 1
+            stats.extra["tokens"] += len(row["input_ids"])
+            train_rows.append(row)
+    return train_rows, prompts[:settings.eval_prompts], per_source
+
+
+def verify(out: Path, block_size: int) -> list[str]:
+    """The contract of a train output: the drafter loads from its files with finite weights,
+    and eval.json holds finite tau values within [1, block_size]."""
+    import torch
+
+    from dflash_etl.drafter import DFlashDrafter
+
+    problems = []
+    try:
+        drafter = DFlashDrafter.load(out / "drafter")
+        if not all(bool(torch.isfinite(p).all()) for p in drafter.parameters()):
+            problems.append("drafter/model.safetensors: non-finite weights")
+    except Exception as exc:  # a broken file raises many types
+        problems.append(f"drafter/: cannot load the drafter: {exc}")
+    evaluation = json.loads((out / "eval.json").read_text())
+    for key in ("tau_untrained", "tau_final"):
+        value = evaluation.get(key)
+        if not isinstance(value, int | float) or not 1.0 <= value <= block_size:
+            problems.append(f"eval.json: {key} = {value!r}, expected a number in "
+                            f"[1, {block_size}]")
+    return problems
+
+
+def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
+        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
+    """Train into `run_dir/train`; returns the stats document. Skips when complete; resumes from
+    the newest checkpoint of an interrupted run with the same inputs and settings."""
+    section = config.section("train") if config else {}
+    overrides = with_target(config, run_dir, section, overrides, "target")
+    settings = TrainSettings.from_sources(section, overrides, config.base_dir if config else None)
+    run = RunDir(run_dir)
+    timer = Timer()
+    rank, world = _distributed()
+    rows, files = _load_rows(run)
+    extract = None if settings.online else _extract_info(run)
+    if extract is not None:
+        indexed = {e["row"] for e in read_arrow_or_parquet(
+            run.stage_dir("extract") / "index.parquet")}
+        rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
+    fingerprint = _fingerprint(settings, files, extract and extract["fingerprint"])
+    if not force and (done := run.completed_stats(STAGE, fingerprint)):
+        return done
+    train_rows, prompts, per_source = _split(rows, settings)
+    if not train_rows:
+        raise StageError(f"train has no rows to train on: of {len(rows)} rows, "
+                         f"{sum(s.rows_filtered.get(F_HELD_OUT, 0) for s in per_source.values())}"
+                         f" are held out for evaluation and the rest have no two consecutive "
+                         "supervised tokens to anchor a block; check the tokenize stage's masks "
+                         "or lower --eval-prompts")
+    partial = run.partial_dir(STAGE) if rank else run.begin(STAGE, fingerprint)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0 has prepared the partial directory
+    trainer = Trainer(settings, train_rows, extract and run.stage_dir("extract"),
+                      extract and extract["layers"], partial, rank, world)
+    try:
+        doc = _train(trainer, run, settings, prompts, per_source, partial, rank, progress)
+    except StageError as exc:
+        if rank == 0:
+            run.fail(STAGE, str(exc))
+            publish_docs(run.root)
+        raise
+    finally:
+        trainer.states.close()
+    if rank == 0:
+        run.commit(STAGE, doc["total"], timer.seconds)
+        publish_docs(run.root)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    return doc
+
+
+def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
+           per_source: dict[str, Stats], partial: Path, rank: int,
+           progress: bool | None) -> dict[str, Any]:
+    from dflash_etl.acceptance import acceptance_length, eos_token_ids
+
+    ckpt_dir = partial / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+    state = trainer.resume(ckpt_dir)
+    start = state.get("step", 0)
+    eos = eos_token_ids(trainer.target.model)
+    history = state.get("eval", [])
+
+    def evaluate(step: int) -> float:
+        result = acceptance_length(trainer.target, trainer.drafter, prompts,
+                                   settings.eval_new_tokens, eos)
+        history.append({"step": step, "tau": result["tau"], "per_prompt": result["per_prompt"]})
+        return result["tau"]
+
+    if rank == 0:
+        run.update_stage(STAGE, settings=asdict(settings), mask_token_id=trainer.mask_token_id,
+                         mask_token=trainer.mask_reason, layers=trainer.target.layers)
+        if not history and prompts:
+            evaluate(0)
+    timer = Timer()
+    last: dict[str, float] = {}
+    with progress_bar("train", total=settings.steps - start,
+                      enabled=progress if rank == 0 else False) as bar, \
+            open(trainer.log_path, "a") as log:
+        for step in range(start, settings.steps):
+            last = trainer.step(step)
+            if not math.isfinite(last["loss"]):
+                raise StageError(f"train: the loss became {last['loss']} at step {step + 1}; "
+                                 f"lower --lr (now {settings.lr}) or check the hidden states")
+            done = step + 1
+            if rank == 0:
+                log.write(json.dumps({"step": done, **{k: round(v, 6) for k, v in last.items()
+                                                       if isinstance(v, float)}}) + "\n")
+                log.flush()
+                if settings.eval_every and done % settings.eval_every == 0 \
+                        and done < settings.steps and prompts:
+                    evaluate(done)
+                if done % settings.save_every == 0 or done == settings.steps:
+                    _save_checkpoint(ckpt_dir, done, trainer.drafter, trainer.optimizer,
+                                     trainer.scheduler, {"eval": history},
+                                     settings.keep_checkpoints)
+            bar.advance(1)
+    seconds = timer.seconds
+    if rank:
+        return {}
+    if prompts and (not history or history[-1]["step"] != settings.steps):
+        evaluate(settings.steps)
+    trainer.drafter.save(partial / "drafter")
+    evaluation = {
+        "tau_untrained": history[0]["tau"] if history else None,
+        "tau_final": history[-1]["tau"] if history else None,
+        "prompts": len(prompts), "max_new_tokens": settings.eval_new_tokens,
+        "block_size": settings.block_size, "history": history,
+    }
+    write_json_atomic(partial / "eval.json", evaluation)
+    doc = stats_document(per_source, STAGE)
+    trained = settings.steps - start
+    doc["total"].update({
+        "steps": settings.steps, "steps_this_run": trained,
+        "steps_per_s": round(trained / seconds, 3) if seconds and trained else None,
+        "final_loss": round(last["loss"], 4) if last else None,
+        "tau_untrained": evaluation["tau_untrained"], "tau_final": evaluation["tau_final"],
+        "eval_prompts": len(prompts), "draft_layers": settings.draft_layers,
+        "block_size": settings.block_size, "target_layers": trainer.target.layers,
+        "mask_token_id": trainer.mask_token_id, "online": settings.online,
+        "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
+    })
+    if not prompts:
+        raise StageError("train has no evaluation prompts: no held-out row has a prompt before "
+                         "its first supervised token; raise --eval-prompts or check the masks")
+    problems = verify(partial, settings.block_size)
+    write_json_atomic(partial / "contract.json", {"passed": not problems, "problems": problems})
+    if problems:
+        raise ContractError("the train contract failed:\n  - " + "\n  - ".join(problems),
+                            {"problems": problems})
+    write_json_atomic(partial / "stats.json", doc)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_etl.cli import main as cli_main
+
+    return cli_main(["train", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
