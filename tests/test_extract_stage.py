@@ -5,6 +5,7 @@ rows are bucketed with little padding, both output formats, the contract, resume
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -178,25 +179,25 @@ def test_errors_name_the_cause(target, tmp_path, monkeypatch):
         extract._check_disk(tmp_path, 10**12, 5, 4096, "bf16")
 
 
-def test_run_chains_ingest_regenerate_tokenize_extract(target, tmp_path, capsys):
-    """`dflash-etl run` on the embedded default's sources with a target model configured: the
-    prompt-only rows get real replies and every stage completes in order."""
+def test_run_chains_every_stage_on_a_named_target(target, tmp_path, capsys):
+    """`dflash-etl run` on the embedded default's sources with `[target] model = DIR` (a real
+    pipeline's form): the prompt-only rows get real replies and every stage completes in order."""
     from dflash_etl.cli import main
 
     data = tmp_path / "data"
     shutil.copytree(REPO / "data", data)
-    text = (data / "pipeline.toml").read_text().replace(
-        'model = "tokenizer"', f'model = "{target}"')
-    text += (f'\n[regenerate]\nmodel = "{target}"\nmax_new_tokens = 8\ntemperature = 1.0\n'
-             f'keep_truncated = true\n\n[extract]\nmodel = "{target}"\nlayers = "1,2"\n')
+    text = (data / "pipeline.toml").read_text()
+    text = re.sub(r"(?m)^tiny = .*$", f'model = "{target}"', text)
+    text = text.replace("max_new_tokens = 64", "max_new_tokens = 8\ntemperature = 1.0").replace(
+        "[extract]\n", '[extract]\nlayers = "1,2"\n').replace("steps = 300", "steps = 3")
     (data / "pipeline.toml").write_text(text)
     run_dir = tmp_path / "run"
     assert main(["run", "--config", str(data / "pipeline.toml"), "--run", str(run_dir)]) == 0
     out = capsys.readouterr().out
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert [s for s in ("ingest", "regenerate", "tokenize", "extract")
-            if manifest["stages"][s]["status"] == "complete"] == [
-        "ingest", "regenerate", "tokenize", "extract"]
+    stages = ("ingest", "regenerate", "tokenize", "extract", "train")
+    assert [s for s in stages if manifest["stages"][s]["status"] == "complete"] == list(stages)
+    assert not (run_dir / "target").exists()  # the named target is used, no tiny one built
     regen = json.loads((run_dir / "regenerate" / "stats.json").read_text())["total"]
     assert regen["generated_turns"] > 0
     tok = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
@@ -204,6 +205,8 @@ def test_run_chains_ingest_regenerate_tokenize_extract(target, tmp_path, capsys)
     assert "no_assistant_turn" not in tok["rows_filtered"]  # the prompts were answered
     ext = json.loads((run_dir / "extract" / "stats.json").read_text())["total"]
     assert ext["rows_out"] == tok["rows_written"] and ext["layers"] == [1, 2]
-    assert "extract done" in out
+    assert "extract done" in out and "train done" in out
+    train = json.loads((run_dir / "train" / "stats.json").read_text())["total"]
+    assert train["target_layers"] == [1, 2] and train["steps"] == 3
     report = (run_dir / "docs" / "index.html").read_text()
-    assert all(stage in report for stage in ("regenerate", "extract"))
+    assert all(stage in report for stage in stages)

@@ -133,11 +133,15 @@ def test_summary_shows_the_key_numbers_and_loads_nothing_remote(browser, default
 
     _open(browser, default_run_dir / "docs" / "index.html")
     assert browser.title == f"dflash-etl run {default_run_dir.name}"
-    for stage in ("ingest", "tokenize"):
+    for stage in ("ingest", "regenerate", "tokenize", "extract", "train"):
         total = json.loads((default_run_dir / stage / "stats.json").read_text())["total"]
         for key in ("rows_in", "rows_out"):
             cell = browser.find_element(By.CSS_SELECTOR, f'[data-key="{stage}-{key}"]')
             assert cell.is_displayed() and cell.text == str(total[key]), (stage, key)
+    evaluation = json.loads((default_run_dir / "train" / "eval.json").read_text())
+    for key in ("tau_untrained", "tau_final"):  # the drafter's acceptance length, shown
+        cell = browser.find_element(By.CSS_SELECTOR, f'[data-key="train-{key}"]')
+        assert cell.is_displayed() and cell.text == f"{evaluation[key]:.3f}", key
     page = browser.find_element(By.TAG_NAME, "body").text
     assert "ALL GATES PASSED" in page and "FAIL" not in page
     assert "render_diff" in page and "Draft vocabulary" in page  # probe, strategy, coverage

@@ -127,6 +127,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config) if args.config else None
     doc = train.run(config, args.run, force=args.force, **_overrides(args, train.TrainSettings))
+    if not doc:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     out = Path(args.run) / "train"
     total = doc["total"]
     _say(f"train {_state(doc)}: rows {_counts_line(total)}")

@@ -12,7 +12,7 @@ import polars as pl
 
 from dflash_etl.suites import RESULT_FILE
 
-STAGES = ("ingest", "regenerate", "tokenize", "extract")
+STAGES = ("ingest", "regenerate", "tokenize", "extract", "train")
 EXAMPLES_PER_REASON = 2
 TOP_REASONS = 10
 
@@ -40,6 +40,8 @@ class StageInfo:
     settings: dict[str, Any] | None = None
     draft_vocab: dict[str, Any] | None = None
     token_freq: dict[str, Any] | None = None
+    evaluation: dict[str, Any] | None = None
+    train_log: list[dict[str, Any]] = field(default_factory=list)
     quarantine: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -50,6 +52,13 @@ class StageInfo:
     @property
     def contract_passed(self) -> bool | None:
         return None if self.contract is None else bool(self.contract.get("passed"))
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
 
 
 def quarantine_examples(path: Path) -> list[dict[str, Any]]:
@@ -86,6 +95,7 @@ def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo
         settings=_json(directory / "settings.json"),
         draft_vocab=_json(directory / "draft_vocab.json"),
         token_freq=_json(directory / "token_freq.json"),
+        evaluation=_json(directory / "eval.json"), train_log=_jsonl(directory / "log.jsonl"),
         quarantine=quarantine_examples(directory / "quarantine.parquet"),
     )
 

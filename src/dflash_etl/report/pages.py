@@ -121,6 +121,40 @@ def tokenize_section(stage: StageInfo) -> str:
     return html
 
 
+def train_section(stage: StageInfo) -> str:
+    """The drafter's acceptance length before and after training, and its loss curve."""
+    total = (stage.stats or {}).get("total", {})
+    ev = stage.evaluation or {}
+
+    def tau(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, float | int) else "n/a"
+
+    html = "<h3>Acceptance length (tau)</h3>" + table(["", "value"], [
+        ("tau, untrained drafter", f'<span data-key="train-tau_untrained">'
+                                   f"{tau(ev.get('tau_untrained'))}</span>"),
+        ("tau, trained drafter", f'<span data-key="train-tau_final">'
+                                 f"{tau(ev.get('tau_final'))}</span>"),
+        ("held-out prompts / tokens decoded each",
+         f"{ev.get('prompts')} / {ev.get('max_new_tokens')}"),
+        ("block size (max tau)", total.get("block_size")),
+    ], raw=True)
+    html += "<h3>Training</h3>" + table(["", "value"], [
+        (k.replace("_", " "), total.get(k)) for k in (
+            "steps", "steps_this_run", "steps_per_s", "final_loss", "draft_layers",
+            "target_layers", "drafter_parameters", "mask_token_id", "online")])
+    history = ev.get("history") or []
+    if len(history) > 2:
+        html += table(["step", "tau"], [(h["step"], tau(h["tau"])) for h in history])
+    losses = [(float(r["step"]), float(r["loss"])) for r in stage.train_log if "loss" in r]
+    if losses:
+        peak = max(v for _, v in losses) or 1.0
+        html += ("<figure>" + curve_svg([(x, v / peak) for x, v in losses], "training loss",
+                                        "step", top=f"{peak:.2f}")
+                 + "<figcaption>training loss (decay-weighted block cross-entropy) per step"
+                   "</figcaption></figure>")
+    return html
+
+
 def gate_cells(stage: StageInfo, link: bool = True) -> list[str]:
     contract = badge(stage.contract_passed)
     suite = badge(stage.gate_passed)
@@ -161,6 +195,7 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
             + (f'<p class="muted">{timing} s</p>' if timing is not None else "")
             + "<h3>Row accounting</h3>" + accounting_section(s)
             + (tokenize_section(s) if s.name == "tokenize" else "")
+            + (train_section(s) if s.name == "train" else "")
             + "<h3>Distributions</h3>" + charts_section(s)
             + "<h3>Top quarantine reasons</h3>" + quarantine_section(s) + "</section>")
     if not stages:

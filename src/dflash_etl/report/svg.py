@@ -51,8 +51,10 @@ def histogram_svg(hist: dict[str, Any], label: str) -> str:
     return "".join(parts)
 
 
-def curve_svg(points: list[tuple[float, float]], label: str, x_label: str) -> str:
-    """A line through (x, y) points with y in [0, 1] (e.g. cumulative coverage)."""
+def curve_svg(points: list[tuple[float, float]], label: str, x_label: str,
+              top: str = "100%") -> str:
+    """A line through (x, y) points with y in [0, 1] (e.g. cumulative coverage); `top` labels
+    y = 1 (a curve scaled to its maximum names that maximum)."""
     if not points:
         return f'<p class="muted">{escape(label)}: no data</p>'
     plot_w, plot_h = W - PAD_L - PAD_R, H - PAD_T - PAD_B
@@ -67,7 +69,8 @@ def curve_svg(points: list[tuple[float, float]], label: str, x_label: str) -> st
         f'<polyline points="{coords}" fill="none" stroke="#e45756" stroke-width="2"/>'
         f'<line x1="{PAD_L}" y1="{axis_y}" x2="{W - PAD_R}" y2="{axis_y}" stroke="#333"/>'
         f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{axis_y}" stroke="#333"/>'
-        f'<text x="{PAD_L - 4}" y="{PAD_T + 4}" font-size="10" text-anchor="end">100%</text>'
+        f'<text x="{PAD_L - 4}" y="{PAD_T + 4}" font-size="10" '
+        f'text-anchor="end">{escape(top)}</text>'
         f'<text x="{PAD_L - 4}" y="{axis_y + 4}" font-size="10" text-anchor="end">0</text>'
         f'<text x="{W - PAD_R}" y="{axis_y + 14}" font-size="10" '
         f'text-anchor="middle">{_fmt(x_max)}</text>'

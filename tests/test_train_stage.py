@@ -1,0 +1,234 @@
+"""The train stage on a tiny random-weight target (4 layers, hidden 64, untied head, the project's
+tokenizer): the data is the target's own greedy replies (regenerate --mode all), the hidden states
+come from extract; a drafter trained a few hundred steps reaches a tau clearly above an untrained
+one, speculative decoding reproduces the target's greedy output, blocks see only the context
+before their anchor, resume equals an uninterrupted run, online equals offline, and DDP runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_etl.config import load_config
+from dflash_etl.errors import StageError
+from dflash_etl.stages import extract, ingest, regenerate, tokenize, train
+
+torch = pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[1]
+SMALL = {"draft_layers": 1, "block_size": 8, "batch_rows": 4, "anchors_per_row": 8,
+         "eval_prompts": 4, "eval_new_tokens": 16, "lr": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    from dflash_etl.tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("train-target") / "model",
+                            tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, target) -> Path:
+    """The embedded default's sources, replies rewritten by the target, tokenized, extracted."""
+    run_dir = tmp_path_factory.mktemp("train-run") / "run"
+    config = load_config(REPO / "data" / "pipeline.toml")
+    ingest.run(config, run_dir, progress=False)
+    regenerate.run(config, run_dir, progress=False, model=str(target), max_new_tokens=48)
+    tokenize.run(config, run_dir, progress=False)
+    extract.run(config, run_dir, progress=False, model=str(target), draft_layers=1)
+    return run_dir
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*train*", "docs"))
+    return out
+
+
+def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, target, tmp_path):
+    run_dir = _copy(extracted, tmp_path)
+    doc = train.run(None, run_dir, progress=False, target=str(target),
+                    **{**SMALL, "block_size": 16, "steps": 250, "batch_rows": 8,
+                       "anchors_per_row": 32, "eval_prompts": 8, "eval_new_tokens": 32,
+                       "save_every": 100})
+    total = doc["total"]
+    assert total["rows_in"] == total["rows_out"] + sum(total["rows_filtered"].values())
+    assert total["rows_filtered"]["held_out_for_eval"] >= 8
+    evaluation = json.loads((run_dir / "train" / "eval.json").read_text())
+    assert evaluation["tau_untrained"] < 1.3  # random drafts are almost never accepted
+    assert evaluation["tau_final"] > evaluation["tau_untrained"] + 1.5
+    assert evaluation["tau_final"] == total["tau_final"] and evaluation["prompts"] == 8
+    log = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 251))
+    assert np.mean([r["loss"] for r in log[-20:]]) < np.mean([r["loss"] for r in log[:20]]) - 0.5
+    config = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [2]  # extract's choice for K = 1
+    assert config["dflash_config"]["mask_token_id"] == 1226  # the first row no token uses
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
+    assert weights["fc.weight"].shape == (64, 64) and "layers.0.self_attn.k_norm.weight" in weights
+    assert not any("embed" in k or "lm_head" in k for k in weights)  # shared with the target
+    assert json.loads((run_dir / "train" / "contract.json").read_text())["passed"]
+    assert sorted(p.name for p in (run_dir / "train" / "checkpoints").iterdir()) == [
+        "step-000200", "step-000250"]  # the newest two are kept
+    report = (run_dir / "docs" / "index.html").read_text()
+    assert f'data-key="train-tau_final">{evaluation["tau_final"]:.3f}' in report
+
+
+def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
+    """Whatever the drafter proposes, the accepted tokens are the target's greedy continuation
+    (checked against transformers' generate), and tau counts accepted drafts + 1 per step."""
+    from dflash_etl.acceptance import eos_token_ids, speculative_decode
+    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.stages.extract import ExtractSettings, Target
+
+    tgt = Target(ExtractSettings(model=str(target), layers="1,2", device="cpu"))
+    config = DrafterConfig.from_target(tgt.model.config, draft_layers=1, target_layer_ids=[1, 2],
+                                       mask_token_id=1226, block_size=4)
+    drafter = DFlashDrafter(config).eval()
+    rows = tokenize_rows(extracted)
+    prompt = train.eval_prompt(rows[3]["input_ids"], rows[3]["loss_mask"])
+    eos = eos_token_ids(tgt.model)
+    got = speculative_decode(tgt, drafter, prompt, 24, eos)
+    expected = tgt.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                  eos_token_id=sorted(eos), pad_token_id=0)[0, len(prompt):]
+    assert got.tokens == expected.tolist()
+    assert all(1 <= a <= 4 for a in got.accepted)
+    assert sum(got.accepted) >= len(got.tokens) - 1  # every token after the first is one step's
+
+
+def tokenize_rows(run_dir: Path) -> list[dict]:
+    import datasets
+
+    return datasets.load_from_disk(str(run_dir / "tokenize" / "dataset")).with_format(
+        None).to_list()
+
+
+def test_blocks_see_only_the_context_before_their_anchor():
+    """make_batch labels a block with the row's tokens at anchor+k, supervised where the loss
+    mask is; the drafter's block output ignores context at or after the anchor."""
+    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+
+    ids = list(range(10, 30))
+    mask = [0] * 8 + [1] * 12  # anchors can be 8..18 (position 19 has no successor)
+    rng = np.random.default_rng(0)
+    states = [torch.randn(20, 2, 16)]
+    batch = train.make_batch([{"input_ids": ids, "loss_mask": mask}], states, 5, 4, 99, rng)
+    anchors = batch["anchors"][0].tolist()
+    assert len(anchors) == 5 and all(8 <= a <= 18 for a in anchors)
+    for n, a in enumerate(anchors):
+        assert batch["block_ids"][0, n].tolist() == [ids[a], 99, 99, 99]
+        for k in range(1, 4):
+            inside = a + k < 20
+            assert bool(batch["label_ok"][0, n, k]) == inside
+            if inside:
+                assert int(batch["labels"][0, n, k]) == ids[a + k]
+    assert not batch["label_ok"][0, :, 0].any()  # the anchor itself is given, not predicted
+
+    config = DrafterConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=8, intermediate_size=32,
+                           vocab_size=100, target_layer_ids=[0, 1], mask_token_id=99,
+                           block_size=4)
+    drafter = DFlashDrafter(config).eval()
+    context = torch.randn(1, 20, 32)
+    blocks = torch.randn(1, 1, 4, 16)
+    anchor = torch.tensor([[12]])
+    valid = torch.ones(1, 20, dtype=torch.bool)
+    with torch.no_grad():
+        base = drafter(context, valid, blocks, anchor)
+        later = context.clone()
+        later[:, 12:] = torch.randn(1, 8, 32)  # the anchor's own state and everything after
+        assert torch.allclose(base, drafter(later, valid, blocks, anchor), atol=1e-6)
+        earlier = context.clone()
+        earlier[:, 11] += 1.0
+        assert not torch.allclose(base, drafter(earlier, valid, blocks, anchor), atol=1e-4)
+    assert train.anchor_candidates(np.array([1, 1, 0, 1, 1, 1, 0])).tolist() == [0, 3, 4]
+
+
+def test_interrupted_training_resumes_to_the_same_weights(extracted, target, tmp_path,
+                                                          monkeypatch):
+    from safetensors.torch import load_file
+
+    settings = {**SMALL, "steps": 6, "save_every": 3}
+    whole = _copy(extracted, tmp_path / "whole")
+    train.run(None, whole, progress=False, target=str(target), **settings)
+
+    broken = _copy(extracted, tmp_path / "broken")
+    real = train.Trainer.step
+
+    def crash_at_five(self, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(train.Trainer, "step", crash_at_five)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(None, broken, progress=False, target=str(target), **settings)
+    partial = broken / ".train.partial"
+    assert [p.name for p in (partial / "checkpoints").iterdir()] == ["step-000003"]
+    monkeypatch.setattr(train.Trainer, "step", real)
+    doc = train.run(None, broken, progress=False, target=str(target), **settings)
+    assert doc["total"]["steps_this_run"] == 3  # steps 4..6 only
+    a = load_file(str(whole / "train" / "drafter" / "model.safetensors"))
+    b = load_file(str(broken / "train" / "drafter" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    log = [json.loads(x)["step"] for x in (broken / "train" / "log.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 4, 5, 6]
+    again = train.run(None, broken, progress=False, target=str(target), **settings)
+    assert again.get("skipped") is True
+
+
+def test_online_states_train_exactly_like_extracted_ones(extracted, target, tmp_path):
+    from safetensors.torch import load_file
+
+    settings = {**SMALL, "steps": 3, "eval_prompts": 2, "eval_new_tokens": 4}
+    offline = _copy(extracted, tmp_path / "offline")
+    train.run(None, offline, progress=False, target=str(target), **settings)
+    online = _copy(extracted, tmp_path / "online")
+    shutil.rmtree(online / "extract")
+    doc = train.run(None, online, progress=False, target=str(target), online=True, **settings)
+    assert doc["total"]["target_layers"] == [2] and doc["total"]["online"] is True
+    a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
+    b = load_file(str(online / "train" / "drafter" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_errors_name_the_cause(extracted, target, tmp_path):
+    run_dir = _copy(extracted, tmp_path)
+    shutil.rmtree(run_dir / "extract")
+    with pytest.raises(StageError, match="run `dflash-etl extract` first, or train with --online"):
+        train.run(None, run_dir, progress=False, target=str(target), **SMALL)
+    with pytest.raises(StageError, match="needs the target model"):
+        train.run(None, run_dir, progress=False, **SMALL)
+    with pytest.raises(StageError, match="a block needs the anchor"):
+        train.run(None, run_dir, progress=False, target=str(target), block_size=1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
+def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path):
+    """`torchrun --nproc-per-node 2 -m -- dflash_etl.stages.train`: DDP over gloo on CPU; each rank
+    takes half of every batch, rank 0 writes, the run completes once."""
+    run_dir = _copy(extracted, tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(29500 + os.getpid() % 1000), "-m", "--", "dflash_etl.stages.train",
+         "--run", str(run_dir), "--target", str(target), "--draft-layers", "1",
+         "--block-size", "8", "--steps", "4", "--batch-rows", "4", "--anchors-per-row", "8",
+         "--eval-prompts", "2", "--eval-new-tokens", "4"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("train done") == 1  # rank 0 wrote and reports
+    stats = json.loads((run_dir / "train" / "stats.json").read_text())["total"]
+    assert stats["steps"] == 4
+    log = (run_dir / "train" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4]
