@@ -121,6 +121,14 @@ def tokenize_section(stage: StageInfo) -> str:
     return html
 
 
+def extract_section(stage: StageInfo) -> str:
+    total = (stage.stats or {}).get("total", {})
+    keys = ("layers", "stored_layers", "n_layers", "hidden_size", "dtype", "format",
+            "padding_share")
+    return "<h3>Hidden states</h3>" + table(["", "value"], [
+        (k.replace("_", " "), total.get(k)) for k in keys if k in total])
+
+
 def train_section(stage: StageInfo) -> str:
     """The drafter's acceptance length before and after training, and its loss curve."""
     total = (stage.stats or {}).get("total", {})
@@ -195,6 +203,7 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
             + (f'<p class="muted">{timing} s</p>' if timing is not None else "")
             + "<h3>Row accounting</h3>" + accounting_section(s)
             + (tokenize_section(s) if s.name == "tokenize" else "")
+            + (extract_section(s) if s.name == "extract" else "")
             + (train_section(s) if s.name == "train" else "")
             + "<h3>Distributions</h3>" + charts_section(s)
             + "<h3>Top quarantine reasons</h3>" + quarantine_section(s) + "</section>")

@@ -209,7 +209,7 @@ class ExtractedStates:
         from safetensors import safe_open
 
         self.dir = extract_dir / "hidden_states"
-        index = read_arrow_or_parquet(extract_dir / "index.parquet")
+        index = _read_index(extract_dir / "index.parquet")
         self.where = {e["row"]: e for e in index}
         self.n_layers = n_layers
         self._open = safe_open
@@ -232,7 +232,8 @@ class ExtractedStates:
         self.files.close()
 
 
-def read_arrow_or_parquet(path: Path) -> list[dict[str, Any]]:
+def _read_index(path: Path) -> list[dict[str, Any]]:
+    """extract's index.parquet: row -> shard, offset, length."""
     import pyarrow.parquet as pq
 
     return pq.read_table(path).to_pylist()
@@ -483,12 +484,11 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     timer = Timer()
     rank, world = _distributed()
     rows, files = _load_rows(run)
-    extract = None if settings.online else _extract_info(run)
-    if extract is not None:
-        indexed = {e["row"] for e in read_arrow_or_parquet(
-            run.stage_dir("extract") / "index.parquet")}
+    extracted = None if settings.online else _extract_info(run)
+    if extracted is not None:
+        indexed = {e["row"] for e in _read_index(run.stage_dir("extract") / "index.parquet")}
         rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
-    fingerprint = _fingerprint(settings, files, extract and extract["fingerprint"])
+    fingerprint = _fingerprint(settings, files, extracted["fingerprint"] if extracted else None)
     if not force and (done := run.completed_stats(STAGE, fingerprint)):
         return done
     train_rows, prompts, per_source = _split(rows, settings)
@@ -503,8 +503,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         import torch.distributed as dist
 
         dist.barrier()  # rank 0 has prepared the partial directory
-    trainer = Trainer(settings, train_rows, extract and run.stage_dir("extract"),
-                      extract and extract["layers"], partial, rank, world)
+    trainer = Trainer(settings, train_rows,
+                      run.stage_dir("extract") if extracted else None,
+                      extracted["layers"] if extracted else None, partial, rank, world)
     try:
         doc = _train(trainer, run, settings, prompts, per_source, partial, rank, progress)
     except StageError as exc:
