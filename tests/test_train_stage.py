@@ -209,6 +209,9 @@ def test_errors_name_the_cause(extracted, target, tmp_path):
         train.run(None, run_dir, progress=False, target=str(target), **SMALL)
     with pytest.raises(StageError, match="needs the target model"):
         train.run(None, run_dir, progress=False, **SMALL)
+    with pytest.raises(StageError, match="no evaluation prompts"):
+        train.run(None, run_dir, progress=False, target=str(target), online=True,
+                  **{**SMALL, "eval_prompts": 0})
     with pytest.raises(StageError, match="a block needs the anchor"):
         train.run(None, run_dir, progress=False, target=str(target), block_size=1)
 

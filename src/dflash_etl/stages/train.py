@@ -498,6 +498,10 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
                          f" are held out for evaluation and the rest have no two consecutive "
                          "supervised tokens to anchor a block; check the tokenize stage's masks "
                          "or lower --eval-prompts")
+    if not prompts:
+        raise StageError("train has no evaluation prompts: no held-out row has a prompt before "
+                         "its first supervised token; raise --eval-prompts (now "
+                         f"{settings.eval_prompts}) or check the tokenize stage's masks")
     partial = run.partial_dir(STAGE) if rank else run.begin(STAGE, fingerprint)
     if world > 1:
         import torch.distributed as dist
@@ -546,7 +550,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     if rank == 0:
         run.update_stage(STAGE, settings=asdict(settings), mask_token_id=trainer.mask_token_id,
                          mask_token=trainer.mask_reason, layers=trainer.target.layers)
-        if not history and prompts:
+        if not history:
             evaluate(0)
     timer = Timer()
     last: dict[str, float] = {}
@@ -564,7 +568,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
                                                        if isinstance(v, float)}}) + "\n")
                 log.flush()
                 if settings.eval_every and done % settings.eval_every == 0 \
-                        and done < settings.steps and prompts:
+                        and done < settings.steps:
                     evaluate(done)
                 if done % settings.save_every == 0 or done == settings.steps:
                     _save_checkpoint(ckpt_dir, done, trainer.drafter, trainer.optimizer,
@@ -574,7 +578,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     seconds = timer.seconds
     if rank:
         return {}
-    if prompts and (not history or history[-1]["step"] != settings.steps):
+    if not history or history[-1]["step"] != settings.steps:
         evaluate(settings.steps)
     trainer.drafter.save(partial / "drafter")
     evaluation = {
@@ -596,9 +600,6 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
         "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
     })
-    if not prompts:
-        raise StageError("train has no evaluation prompts: no held-out row has a prompt before "
-                         "its first supervised token; raise --eval-prompts or check the masks")
     problems = verify(partial, settings.block_size)
     write_json_atomic(partial / "contract.json", {"passed": not problems, "problems": problems})
     if problems:
