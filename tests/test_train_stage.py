@@ -235,3 +235,50 @@ def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path):
     assert stats["steps"] == 4
     log = (run_dir / "train" / "log.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4]
+
+
+def test_drafter_layers_compute_what_speculators_dflash_layers_compute():
+    """Our drafter, two blocks in one pass, against speculators' own Qwen3DFlashDecoderLayer
+    (the published DFlash attention: context keys/values first, q/k norms, RoPE at absolute
+    positions) run block by block with the same weights. Skipped without speculators."""
+    definitions = pytest.importorskip("speculators.models.dflash.model_definitions")
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+
+    config = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                           vocab_size=50, target_layer_ids=[0, 1], mask_token_id=49,
+                           block_size=4, rope_theta=10000.0)
+    torch.manual_seed(0)
+    ours = DFlashDrafter(config).eval()
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    qwen3 = Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=64, rms_norm_eps=config.rms_norm_eps,
+                        rope_theta=10000.0, vocab_size=50, attention_bias=False)
+    qwen3._attn_implementation = "eager"
+    reference = []
+    for n in range(2):
+        layer = definitions.Qwen3DFlashDecoderLayer(qwen3, n).eval()
+        prefix = f"layers.{n}."
+        layer.load_state_dict({k[len(prefix):]: v for k, v in ours.state_dict().items()
+                               if k.startswith(prefix)}, strict=True)
+        reference.append(layer)
+    rope = Qwen3RotaryEmbedding(qwen3)
+    t, s, anchors = 12, 4, [3, 8]
+    context, blocks = torch.randn(1, t, 64), torch.randn(1, 2, s, 32)
+    with torch.no_grad():
+        got = ours(context, torch.ones(1, t, dtype=torch.bool), blocks, torch.tensor([anchors]))
+        target_hidden = ours.hidden_norm(ours.fc(context))
+        for n, anchor in enumerate(anchors):
+            positions = torch.cat([torch.arange(t), anchor + torch.arange(s)])[None]
+            cos_sin = rope(blocks[:, n], positions)
+            allowed = torch.cat([torch.arange(t) < anchor, torch.ones(s, dtype=torch.bool)])
+            mask = torch.zeros(1, 1, s, t + s).masked_fill(~allowed, float("-inf"))
+            x = blocks[:, n]
+            for layer in reference:
+                x = layer(target_hidden=target_hidden, hidden_states=x, attention_mask=mask,
+                          position_embeddings=cos_sin)
+            assert torch.allclose(got[:, n], ours.norm(x), atol=1e-5), n
