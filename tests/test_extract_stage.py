@@ -189,7 +189,8 @@ def test_run_chains_every_stage_on_a_named_target(target, tmp_path, capsys):
     text = (data / "pipeline.toml").read_text()
     text = re.sub(r"(?m)^tiny = .*$", f'model = "{target}"', text)
     text = text.replace("max_new_tokens = 64", "max_new_tokens = 8\ntemperature = 1.0").replace(
-        "[extract]\n", '[extract]\nlayers = "1,2"\n').replace("steps = 300", "steps = 3")
+        "[extract]\n", '[extract]\nlayers = "1,2"\n').replace("steps = 300", "steps = 3").replace(
+        "eval_new_tokens = 48", "eval_new_tokens = 8")
     (data / "pipeline.toml").write_text(text)
     run_dir = tmp_path / "run"
     assert main(["run", "--config", str(data / "pipeline.toml"), "--run", str(run_dir)]) == 0
