@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -74,8 +75,35 @@ def test_check_passes_on_a_good_output_and_fails_on_a_corrupted_one(default_run,
 
 def test_check_on_a_run_dir_and_on_nothing(default_run, tmp_path, capsys):
     assert main(["check", str(default_run)]) == 0
+    out = capsys.readouterr().out
+    for stage in ("ingest", "regenerate", "tokenize", "extract", "train"):
+        assert f"PASS {stage} (" in out, stage
     assert main(["check", str(tmp_path)]) == 1
     assert "no stage output found" in capsys.readouterr().out
+
+
+def test_check_catches_corrupted_hidden_states_and_a_broken_drafter(default_run, tmp_path,
+                                                                   capsys):
+    """The extract and train contracts, as CI runs them: a NaN in a shard and an out-of-range
+    tau fail with what and where; the intact copies pass."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(default_run, run, ignore=shutil.ignore_patterns("target", "docs"))
+    assert main(["check", str(run / "extract")]) == 0
+    assert main(["check", str(run / "train")]) == 0
+    capsys.readouterr()
+    shard = sorted((run / "extract" / "hidden_states").glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    tensors["hidden_states"][0, 0, 0] = torch.nan
+    save_file(tensors, str(shard))
+    evaluation = json.loads((run / "train" / "eval.json").read_text())
+    (run / "train" / "eval.json").write_text(json.dumps({**evaluation, "tau_final": 99.0}))
+    assert main(["check", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL extract" in out and "non-finite values" in out
+    assert "FAIL train" in out and "tau_final = 99.0" in out
 
 
 def test_stage_module_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):

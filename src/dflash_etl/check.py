@@ -56,7 +56,35 @@ def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, An
     return report
 
 
+def check_model_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
+    """extract (hidden states: shape, finite, token ids) or train (the drafter loads, finite
+    weights, tau in range): their contracts, and the row accounting."""
+    if kind == "extract":
+        from dflash_etl.stages.extract import check_output
+
+        rows, shards, problems = check_output(stage_dir)
+        contract = "hidden_states"
+    else:
+        from dflash_etl.stages.train import check_output
+
+        rows, shards, problems = check_output(stage_dir)
+        contract = "drafter"
+    accounting = _check_stats(stage_dir)
+    return {"stage": kind, "path": str(stage_dir), "contract": contract, "rows": rows,
+            "shards": shards, "unit": "shard files" if kind == "extract" else "checkpoints",
+            "accounting_problems": accounting,
+            "failures": [{"check": contract, "column": None, "shard": stage_dir.name,
+                          "count": 1, "samples": [p]} for p in problems],
+            "passed": not problems and not accounting}
+
+
+MODEL_STAGES = {"extract": "index.parquet", "train": "drafter/config.json"}
+
+
 def _kind(path: Path) -> str | None:
+    for kind, marker in MODEL_STAGES.items():
+        if (path / marker).exists():
+            return kind
     if path.name in LAYOUTS and (path / LAYOUTS[path.name][0]).is_dir():
         return path.name  # ingest/ and regenerate/ both hold conversations/
     for kind, (subdir, _) in LAYOUTS.items():
@@ -67,7 +95,8 @@ def _kind(path: Path) -> str | None:
 
 def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dict[str, Any]:
     """Check one stage output, or every stage output found in a run directory; `suite` limits
-    the check to the outputs of that suite (conversations, tokenized)."""
+    the check to the outputs of that suite (conversations, tokenized). extract and train
+    outputs have contracts and accounting but no suite."""
     if suite is not None and suite not in STAGE_SUITES.values():
         return {"passed": False, "stages": [], "summary":
                 f"FAIL: unknown suite {suite!r}; known: {sorted(STAGE_SUITES.values())}"}
@@ -79,17 +108,19 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
         if child.is_dir() and not child.name.startswith(".")  # .<stage>.partial: unpublished
     ]
     targets = [(p, k) for p, k in targets
-               if k and (suite is None or STAGE_SUITES[k] == suite)]
+               if k and (suite is None or STAGE_SUITES.get(k) == suite)]
     if not targets:
-        known = ", ".join(f"{k}/ (with {s}/)" for k, (s, _) in LAYOUTS.items())
+        known = ", ".join([f"{k}/ (with {s}/)" for k, (s, _) in LAYOUTS.items()]
+                          + [f"{k}/ (with {m})" for k, m in MODEL_STAGES.items()])
         return {"passed": False, "stages": [],
                 "summary": f"FAIL: no stage output found in {path}; expected one of: {known}"}
-    reports = [check_stage(p, k, suites) for p, k in targets]
+    reports = [check_model_stage(p, k) if k in MODEL_STAGES else check_stage(p, k, suites)
+               for p, k in targets]
     lines = []
     for r in reports:
         status = "PASS" if r["passed"] else "FAIL"
         lines.append(f"{status} {r['stage']} ({r['path']}): contract {r['contract']!r}, "
-                     f"{r['rows']} rows in {r['shards']} shards")
+                     f"{r['rows']} rows in {r['shards']} {r.get('unit', 'shards')}")
         if r["failures"]:
             lines.append(format_failures(r))
         lines.extend(f"  - accounting: {p}" for p in r["accounting_problems"])

@@ -294,6 +294,22 @@ def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) ->
     return problems
 
 
+def check_output(out: Path) -> tuple[int, int, list[str]]:
+    """`dflash-etl check` on an extract output: (rows, shard files, problems), against the
+    tokenized dataset of the same run (../tokenize/dataset)."""
+    total = json.loads((out / "stats.json").read_text())["total"]
+    dataset = out.parent / "tokenize" / "dataset"
+    files = sorted(dataset.glob("*.arrow"))
+    if not files:
+        return 0, 0, [f"no tokenized dataset at {dataset} to compare the token ids with"]
+    ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]).column(
+        "input_ids").to_pylist()
+    stored = total.get("stored_layers") or total["layers"]
+    problems = verify(out, dict(enumerate(ids)), len(stored), total["hidden_size"])
+    index_rows = pq.read_metadata(out / "index.parquet").num_rows
+    return index_rows, len(list((out / "hidden_states").iterdir())), problems
+
+
 def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n_layers: int,
                     hidden: int) -> list[str]:
     """One index entry's problems: shape, finite values, token ids."""

@@ -473,6 +473,13 @@ def verify(out: Path, block_size: int) -> list[str]:
     return problems
 
 
+def check_output(out: Path) -> tuple[int, int, list[str]]:
+    """`dflash-etl check` on a train output: (rows trained on, checkpoints, problems)."""
+    total = json.loads((out / "stats.json").read_text())["total"]
+    checkpoints = len(_checkpoints(out / "checkpoints")) if (out / "checkpoints").is_dir() else 0
+    return total["rows_out"], checkpoints, verify(out, int(total["block_size"]))
+
+
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
     """Train into `run_dir/train`; returns the stats document. Skips when complete; resumes from
