@@ -149,6 +149,10 @@ def decoder_layers(model: Any) -> Any:
 
 
 # ---------------------------------------------------------------- the target
+class _EnoughLayers(Exception):
+    """Raised by the last wanted layer's hook: the rest of the forward pass is not needed."""
+
+
 class Target:
     """The target model with forward hooks that keep the chosen layers' outputs."""
 
@@ -171,6 +175,7 @@ class Target:
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
         self.hidden = self.model.config.hidden_size
         self.captured: dict[int, Any] = {}
+        self.stop_after: int | None = None  # the layer after which a forward pass may stop
         modules = decoder_layers(self.model)
         self.last_layer = self.n_layers - 1
         for index in sorted({*self.layers, self.last_layer}):
@@ -179,6 +184,8 @@ class Target:
     def _keep(self, index: int):
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
             self.captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == self.stop_after:
+                raise _EnoughLayers
         return hook
 
     def states(self, rows: list[list[int]]) -> list[Any]:
@@ -197,13 +204,16 @@ class Target:
             ids[k, :len(r)] = torch.tensor(r)
             mask[k, :len(r)] = 1
         self.captured.clear()
-        with torch.no_grad():
+        # without logits, nothing after the last wanted layer is needed: its hook ends the pass
+        self.stop_after = None if logits else max((*self.layers, *extra_layers))
+        out = None
+        with torch.no_grad(), contextlib.suppress(_EnoughLayers):
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              use_cache=False, logits_to_keep=0 if logits else 1)
         stacked = torch.stack([self.captured[i] for i in (*self.layers, *extra_layers)],
                               dim=2).cpu()
         states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
-        if not logits:
+        if not logits or out is None:
             return None, states
         return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
 
