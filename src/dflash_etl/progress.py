@@ -15,6 +15,13 @@ class _Bar:
         if self._progress is not None and n:
             self._progress.advance(self._task, n)
 
+    def note(self, text: str) -> None:
+        """A line above the bar on a terminal, or on stderr in a log."""
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False, markup=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
 
 @contextmanager
 def progress_bar(label: str, total: int, enabled: bool | None = None) -> Iterator[_Bar]:

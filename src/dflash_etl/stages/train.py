@@ -548,10 +548,14 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     eos = eos_token_ids(trainer.target.model)
     history = state.get("eval", [])
 
+    say = print if rank == 0 else (lambda *_a, **_k: None)
+
     def evaluate(step: int) -> float:
         result = acceptance_length(trainer.target, trainer.drafter, prompts,
                                    settings.eval_new_tokens, eos)
         history.append({"step": step, "tau": result["tau"], "per_prompt": result["per_prompt"]})
+        say(f"train: step {step}: tau {result['tau']:.3f} on {len(prompts)} held-out prompts",
+            file=sys.stderr, flush=True)
         return result["tau"]
 
     if rank == 0:
@@ -559,8 +563,11 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
                          mask_token=trainer.mask_reason, layers=trainer.target.layers)
         if not history:
             evaluate(0)
+    if start:
+        say(f"train: resuming from the checkpoint of step {start}", file=sys.stderr, flush=True)
     timer = Timer()
     last: dict[str, float] = {}
+    every = max(1, settings.steps // 10)
     with progress_bar("train", total=settings.steps - start,
                       enabled=progress if rank == 0 else False) as bar, \
             open(trainer.log_path, "a") as log:
@@ -574,6 +581,9 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
                 log.write(json.dumps({"step": done, **{k: round(v, 6) for k, v in last.items()
                                                        if isinstance(v, float)}}) + "\n")
                 log.flush()
+                if done % every == 0:
+                    bar.note(f"train: step {done}/{settings.steps}: loss {last['loss']:.4f}, "
+                             f"offset-1 accuracy {last['acc_1']:.3f}, lr {last['lr']:.2e}")
                 if settings.eval_every and done % settings.eval_every == 0 \
                         and done < settings.steps:
                     evaluate(done)
