@@ -85,9 +85,10 @@ def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, target
 
 
 def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
-    """Whatever the drafter proposes, the accepted tokens are the target's greedy continuation
-    (checked against transformers' generate), and tau counts accepted drafts + 1 per step."""
-    from dflash_etl.acceptance import eos_token_ids, speculative_decode
+    """Whatever is proposed, the output is the target's greedy continuation (transformers'
+    generate), and each step scores the accepted prefix + 1: a drafter, an oracle that is right
+    on the first 2 of each block's 3 drafts, and a perfect one."""
+    from dflash_etl.acceptance import drafter_proposer, eos_token_ids, speculative_decode
     from dflash_etl.drafter import DFlashDrafter, DrafterConfig
     from dflash_etl.stages.extract import ExtractSettings, Target
 
@@ -98,12 +99,27 @@ def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
     rows = tokenize_rows(extracted)
     prompt = train.eval_prompt(rows[3]["input_ids"], rows[3]["loss_mask"])
     eos = eos_token_ids(tgt.model)
-    got = speculative_decode(tgt, drafter, prompt, 24, eos)
-    expected = tgt.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                  eos_token_id=sorted(eos), pad_token_id=0)[0, len(prompt):]
-    assert got.tokens == expected.tolist()
+    n = 24
+    greedy = tgt.model.generate(torch.tensor([prompt]), max_new_tokens=n + 8, do_sample=False,
+                                eos_token_id=sorted(eos), pad_token_id=0)[0, len(prompt):].tolist()
+    assert not eos & set(greedy[:n])  # the oracles below assume no early end
+
+    def oracle(right: int):
+        def propose(context, seq):
+            assert context.shape[0] == len(seq) - 1  # the states of every token before the anchor
+            done = len(seq) - len(prompt)
+            truth = greedy[done:done + 3]
+            return truth[:right] + [(t + 1) % 1226 for t in truth[right:]]
+        return propose
+
+    got = speculative_decode(tgt, drafter_proposer(tgt, drafter), prompt, n, eos)
+    assert got.tokens == greedy[:n]
     assert all(1 <= a <= 4 for a in got.accepted)
-    assert sum(got.accepted) >= len(got.tokens) - 1  # every token after the first is one step's
+    two = speculative_decode(tgt, oracle(2), prompt, n, eos)
+    assert two.tokens == greedy[:n] and set(two.accepted) == {3} and two.tau == 3.0
+    perfect = speculative_decode(tgt, oracle(3), prompt, n, eos)
+    assert perfect.tokens == greedy[:n] and perfect.accepted[:-1] == [4] * (len(
+        perfect.accepted) - 1)
 
 
 def tokenize_rows(run_dir: Path) -> list[dict]:

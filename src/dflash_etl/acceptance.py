@@ -12,6 +12,7 @@ for the few short held-out prompts an evaluation uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +29,29 @@ class Decoded:
         return sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
 
 
-def speculative_decode(target: Any, drafter: Any, prompt: list[int], max_new_tokens: int,
-                       eos_ids: set[int]) -> Decoded:
-    """Decode `max_new_tokens` after `prompt` with `drafter` proposing and `target` verifying."""
+def drafter_proposer(target: Any, drafter: Any) -> Callable[[Any, list[int]], list[int]]:
+    """The drafter's block proposal: given the target's states before the anchor (the last
+    token of `seq`), block_size-1 tokens from one forward pass."""
     c = drafter.config
     embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     device = next(drafter.parameters()).device
+
+    def propose(context: Any, seq: list[int]) -> list[int]:
+        block = torch.tensor([[seq[-1]] + [c.mask_token_id] * (c.block_size - 1)],
+                             device=device)
+        flat = context.reshape(1, context.shape[0], -1).to(device, torch.float32)
+        hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
+                         embed(block).float()[:, None],
+                         torch.tensor([[len(seq) - 1]], device=device))
+        return lm_head(hidden[0, 0, 1:].to(lm_head.weight.dtype)).argmax(-1).tolist()
+
+    return propose
+
+
+def speculative_decode(target: Any, propose: Callable[[Any, list[int]], list[int]],
+                       prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> Decoded:
+    """Decode `max_new_tokens` after `prompt`: `propose` drafts each block from the target's
+    states before the anchor, the target verifies it greedily."""
     logits, states = target.forward([prompt], logits=True)
     seq = [*prompt, int(logits[0][-1].argmax())]
     new, accepted = [seq[-1]], []
@@ -41,15 +59,9 @@ def speculative_decode(target: Any, drafter: Any, prompt: list[int], max_new_tok
     with torch.no_grad():
         while len(new) < max_new_tokens and new[-1] not in eos_ids:
             anchor = len(seq) - 1
-            block = torch.tensor([[seq[-1]] + [c.mask_token_id] * (c.block_size - 1)],
-                                 device=device)
-            flat = context.reshape(1, context.shape[0], -1).to(device, torch.float32)
-            hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
-                             embed(block).float()[:, None],
-                             torch.tensor([[anchor]], device=device))
-            draft = lm_head(hidden[0, 0, 1:].to(lm_head.weight.dtype)).argmax(-1).tolist()
+            draft = propose(context, seq)
             logits, states = target.forward([seq + draft], logits=True)
-            checked = logits[0][anchor:anchor + c.block_size].argmax(-1).tolist()
+            checked = logits[0][anchor:anchor + len(draft) + 1].argmax(-1).tolist()
             n = 0
             while n < len(draft) and draft[n] == checked[n]:
                 n += 1
@@ -70,7 +82,8 @@ def acceptance_length(target: Any, drafter: Any, prompts: list[list[int]], max_n
     """tau over `prompts`: per prompt, and their mean."""
     was_training = drafter.training
     drafter.eval()
-    per_prompt = [speculative_decode(target, drafter, p, max_new_tokens, eos_ids).tau
+    propose = drafter_proposer(target, drafter)
+    per_prompt = [speculative_decode(target, propose, p, max_new_tokens, eos_ids).tau
                   for p in prompts]
     drafter.train(was_training)
     return {"tau": sum(per_prompt) / len(per_prompt) if per_prompt else None,

@@ -265,7 +265,7 @@ def resolve_mask_token(model_dir: str, embedding_rows: int, explicit: int) -> tu
     vocab = tok.get_vocab()
     if "<|MASK|>" in vocab:
         return int(vocab["<|MASK|>"]), "the tokenizer's <|MASK|> token"
-    if embedding_rows > len(tok):
+    if embedding_rows > len(tok) and len(tok) not in set(vocab.values()):
         return len(tok), "the first embedding row no token uses (as DFlash's Qwen3 drafters)"
     if tok.pad_token_id is not None:
         return int(tok.pad_token_id), ("the pad token: the tokenizer has no mask token and the "
