@@ -211,3 +211,42 @@ def test_run_chains_every_stage_on_a_named_target(target, tmp_path, capsys):
     assert train["target_layers"] == [1, 2] and train["steps"] == 3
     report = (run_dir / "docs" / "index.html").read_text()
     assert all(stage in report for stage in stages)
+
+
+ARCHITECTURES = {  # tiny configs of the families the hooks must serve, beyond dense Qwen2
+    "moe (Qwen3-MoE)": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                           "moe_intermediate_size": 64}),
+    "hybrid linear attention + moe (Qwen3-Next)": (
+        "Qwen3NextConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 64, "linear_num_value_heads": 2,
+                            "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                            "linear_value_head_dim": 16, "full_attention_interval": 2}),
+    "hybrid mamba (Falcon-H1)": ("FalconH1Config", {}),
+    "hybrid short convolution (LFM2)": ("Lfm2Config", {}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
+def test_hooks_capture_moe_and_hybrid_architectures(family, tmp_path):
+    """Batched, right-padded extraction equals each row's own transformers forward pass
+    (output_hidden_states) for MoE, hybrid linear-attention, Mamba and convolution models."""
+    import torch
+    import transformers
+
+    name, extra = ARCHITECTURES[family]
+    config = getattr(transformers, name)(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    target = extract.Target(extract.ExtractSettings(model=str(tmp_path / "model"),
+                                                    layers="1,2", device="cpu"))
+    rows = [[int(t) for t in torch.randint(3, 300, (n,))] for n in (17, 5, 11)]
+    got = target.states(rows)
+    for row, states in zip(rows, got, strict=True):
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([row]), output_hidden_states=True)
+        expected = torch.stack([alone.hidden_states[i + 1][0] for i in (1, 2)], dim=1)
+        assert states.shape == (len(row), 2, 64)
+        assert torch.allclose(states, expected, atol=1e-4), family
