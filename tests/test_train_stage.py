@@ -203,7 +203,7 @@ def test_interrupted_training_resumes_to_the_same_weights(extracted, target, tmp
     assert again.get("skipped") is True
 
 
-def test_online_states_train_exactly_like_extracted_ones(extracted, target, tmp_path):
+def test_online_and_speculators_format_states_train_exactly_like_native_ones(extracted, target, tmp_path):
     from safetensors.torch import load_file
 
     settings = {**SMALL, "steps": 3, "eval_prompts": 2, "eval_new_tokens": 4}
@@ -213,9 +213,14 @@ def test_online_states_train_exactly_like_extracted_ones(extracted, target, tmp_
     shutil.rmtree(online / "extract")
     doc = train.run(None, online, progress=False, target=str(target), online=True, **settings)
     assert doc["total"]["target_layers"] == [2] and doc["total"]["online"] is True
+    speculators = _copy(extracted, tmp_path / "speculators")  # per-row files + the last layer
+    extract.run(None, speculators, force=True, progress=False, model=str(target),
+                draft_layers=1, format="speculators")
+    train.run(None, speculators, progress=False, target=str(target), **settings)
     a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
-    b = load_file(str(online / "train" / "drafter" / "model.safetensors"))
-    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    for other in (online, speculators):
+        b = load_file(str(other / "train" / "drafter" / "model.safetensors"))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), other.parent.name
 
 
 def test_errors_name_the_cause(extracted, target, tmp_path):
