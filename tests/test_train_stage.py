@@ -203,7 +203,8 @@ def test_interrupted_training_resumes_to_the_same_weights(extracted, target, tmp
     assert again.get("skipped") is True
 
 
-def test_online_and_speculators_format_states_train_exactly_like_native_ones(extracted, target, tmp_path):
+def test_online_and_speculators_format_states_train_like_native_ones(extracted, target,
+                                                                     tmp_path):
     from safetensors.torch import load_file
 
     settings = {**SMALL, "steps": 3, "eval_prompts": 2, "eval_new_tokens": 4}
