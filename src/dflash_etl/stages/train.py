@@ -283,6 +283,8 @@ def _distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        if torch.cuda.is_available():  # one GPU per process, before NCCL picks one
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), world
 
@@ -347,7 +349,7 @@ class Trainer:
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
         device = settings.device
         if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-            device = f"cuda:{rank % torch.cuda.device_count()}"
+            device = f"cuda:{torch.cuda.current_device()}"  # LOCAL_RANK's, set by _distributed
         self.target = Target(ExtractSettings(model=settings.target, layers=layers,
                                              draft_layers=settings.draft_layers,
                                              dtype=settings.dtype, device=device))
