@@ -421,10 +421,15 @@ class Trainer:
         return state
 
 
+# settings that do not change the trained drafter: a resumed run may change them
+NOT_FINGERPRINTED = ("device", "save_every", "keep_checkpoints")
+
+
 def _fingerprint(settings: TrainSettings, files: list[Path], extract_fp: str | None) -> str:
     model_files = sorted(p for p in Path(settings.target).iterdir() if p.is_file())
+    kept = {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED}
     return hashlib.sha256(json.dumps({
-        "settings": asdict(settings), "inputs": [sha256_file(f) for f in files],
+        "settings": kept, "inputs": [sha256_file(f) for f in files],
         "extract": extract_fp,
         "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
     }, sort_keys=True).encode()).hexdigest()
