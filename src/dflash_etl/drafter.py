@@ -15,7 +15,7 @@ safetensors with a config.json a DFlash loader understands.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class DrafterConfig:
     rope_theta: float = 1_000_000.0
     target_num_hidden_layers: int = 0
     loss_decay_gamma: float = 7.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_target(cls, target_config: Any, *, draft_layers: int, target_layer_ids: list[int],
@@ -69,19 +68,17 @@ class DrafterConfig:
     def to_json(self) -> dict[str, Any]:
         """config.json in the z-lab DFlash layout (a Qwen3-style config plus dflash_config)."""
         doc = {k: v for k, v in asdict(self).items()
-               if k not in ("target_layer_ids", "mask_token_id", "extra")}
+               if k not in ("target_layer_ids", "mask_token_id")}
         doc.update({"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
                     "num_target_layers": self.target_num_hidden_layers,
                     "dflash_config": {"target_layer_ids": self.target_layer_ids,
                                       "mask_token_id": self.mask_token_id,
-                                      "block_size": self.block_size},
-                    **self.extra})
+                                      "block_size": self.block_size}})
         return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> DrafterConfig:
-        names = {f for f in cls.__dataclass_fields__ if f not in ("extra",)}
-        values = {k: v for k, v in doc.items() if k in names}
+        values = {k: v for k, v in doc.items() if k in cls.__dataclass_fields__}
         values["target_layer_ids"] = doc["dflash_config"]["target_layer_ids"]
         values["mask_token_id"] = doc["dflash_config"]["mask_token_id"]
         return cls(**values)
