@@ -163,15 +163,28 @@ def train_section(stage: StageInfo) -> str:
     return html
 
 
+NO_SUITE = ("extract", "train")  # gated by their contracts only
+
+
 def gate_cells(stage: StageInfo, link: bool = True) -> list[str]:
     contract = badge(stage.contract_passed)
-    suite = badge(stage.gate_passed)
+    suite = badge(None, "NO SUITE") if stage.name in NO_SUITE else badge(stage.gate_passed)
     if link and stage.validation is not None:
         suite += f' <a href="validations/{stage.name}.html">validation page</a>'
     status_ok = None if stage.status in ("running", "unknown") else stage.status == "complete"
     where = f"{stage.directory}" + (" (partial: not published)" if stage.partial else "")
     return [escape(stage.name), badge(status_ok, stage.status.upper()), contract, suite,
             f"<code>{escape(where)}</code>"]
+
+
+def _tau_row(stages: list[StageInfo]) -> list[tuple[str, str]]:
+    """The run's headline when it trained a drafter: tau before and after."""
+    ev = next((s.evaluation for s in stages if s.name == "train" and s.evaluation), None)
+    if not ev or not isinstance(ev.get("tau_final"), float | int):
+        return []
+    return [("drafter acceptance length tau", f"{ev['tau_untrained']:.3f} untrained -> "
+             f"{ev['tau_final']:.3f} trained (block {ev.get('block_size')}, "
+             f"{ev.get('prompts')} held-out prompts)")]
 
 
 # --------------------------------------------------------------- pages
@@ -189,6 +202,7 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
                 ("great-expectations", (manifest.get("packages") or {}).get(
                     "great-expectations")),
                 ("input files", len(manifest.get("inputs") or [])),
+                *_tau_row(stages),
             ]) + "<h3>Gates</h3>"
             + table(["stage", "status", "contract", "suite", "output"],
                     [gate_cells(s) for s in stages], raw=True) + "</section>"]
