@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +123,30 @@ def load_config(path: str | Path) -> PipelineConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     return parse_config(data, path.resolve().parent)
+
+
+TARGET_HINT = " (or [target] model = 'DIR' for regenerate, extract and train at once)"
+
+
+def stage_settings(cls: type, stage: str, section: dict[str, Any], overrides: dict[str, Any],
+                   base_dir: Path | None, paths: tuple[str, ...], required: str, need: str,
+                   hint: str = "") -> Any:
+    """A stage's settings dataclass from its config section and the command line (flags that
+    were given win); `paths` in the config are relative to it; `required` must end up set, else
+    the error says how (`need`: what it is)."""
+    from dflash_etl.errors import StageError
+
+    known = {f.name for f in fields(cls)}
+    unknown = set(section) - known
+    if unknown:
+        raise StageError(f"[{stage}]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+    for key in paths:
+        if section.get(key) and base_dir is not None and overrides.get(key) is None:
+            values[key] = str((base_dir / section[key]).resolve())
+    settings = cls(**values)
+    if not getattr(settings, required):
+        flag = "--" + required.replace("_", "-")
+        raise StageError(f"{stage} needs {need}: pass {flag} DIR or set [{stage}] {required} = "
+                         f"'DIR' in the config{hint}")
+    return settings

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig
+from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
 from dflash_etl.contracts import read_arrow
 from dflash_etl.errors import ContractError, StageError
 from dflash_etl.progress import progress_bar
@@ -63,17 +63,8 @@ class ExtractSettings:
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
                      base_dir: Path | None) -> ExtractSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = set(section) - known
-        if unknown:
-            raise StageError(f"[extract]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-        if section.get("model") and base_dir is not None and overrides.get("model") is None:
-            values["model"] = str((base_dir / section["model"]).resolve())
-        settings = cls(**values)
-        if not settings.model:
-            raise StageError("extract needs the target model: pass --model DIR or set "
-                             "[extract] model = 'DIR' in the config")
+        settings = stage_settings(cls, "extract", section, overrides, base_dir, ("model",),
+                                  "model", "the target model", TARGET_HINT)
         if settings.dtype not in ("fp32", "bf16"):
             raise StageError(f"--dtype {settings.dtype!r}: use fp32 or bf16")
         if settings.format not in ("native", "speculators"):

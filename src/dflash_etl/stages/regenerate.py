@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from dflash_etl import schema as S
 from dflash_etl import suites
 from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig
+from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
 from dflash_etl.errors import StageError
 from dflash_etl.progress import progress_bar
 from dflash_etl.report import publish_docs
@@ -86,18 +86,8 @@ class RegenerateSettings:
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
                      base_dir: Path | None) -> RegenerateSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = set(section) - known
-        if unknown:
-            raise StageError(f"[regenerate]: unknown keys {sorted(unknown)}; known: "
-                             f"{sorted(known)}")
-        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-        if section.get("model") and base_dir is not None and overrides.get("model") is None:
-            values["model"] = str((base_dir / section["model"]).resolve())
-        settings = cls(**values)
-        if not settings.model:
-            raise StageError("regenerate needs the target model: pass --model DIR or set "
-                             "[regenerate] model = 'DIR' in the config")
+        settings = stage_settings(cls, "regenerate", section, overrides, base_dir,
+                                  ("model",), "model", "the target model", TARGET_HINT)
         if settings.backend not in BACKENDS:
             raise StageError(f"--backend {settings.backend!r} is not available in this version; "
                              f"available: {list(BACKENDS)}")

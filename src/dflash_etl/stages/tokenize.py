@@ -17,7 +17,7 @@ import shutil
 import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from dflash_etl import suites
 from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig
+from dflash_etl.config import PipelineConfig, stage_settings
 from dflash_etl.errors import ContractError, StageError
 from dflash_etl.progress import progress_bar
 from dflash_etl.report import publish_docs
@@ -73,19 +73,8 @@ class TokenizeSettings:
     def from_sources(
         cls, section: dict[str, Any], overrides: dict[str, Any], base_dir: Path | None
     ) -> TokenizeSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = set(section) - known
-        if unknown:
-            raise StageError(f"[tokenize]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-        for key in ("model", "chat_template"):  # paths in the config are relative to it
-            value = section.get(key)
-            if value and base_dir is not None and overrides.get(key) is None:
-                values[key] = str((base_dir / value).resolve())
-        settings = cls(**values)
-        if not settings.model:
-            raise StageError("tokenize needs a tokenizer: pass --model DIR or set "
-                             "[tokenize] model = 'DIR' in the config")
+        settings = stage_settings(cls, "tokenize", section, overrides, base_dir,
+                                  ("model", "chat_template"), "model", "a tokenizer")
         if settings.truncation not in ("right", "drop"):
             raise StageError(f"truncation={settings.truncation!r}: use 'right' or 'drop'")
         return settings

@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig
+from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
 from dflash_etl.contracts import read_arrow
 from dflash_etl.errors import ContractError, StageError
 from dflash_etl.progress import progress_bar
@@ -76,17 +76,8 @@ class TrainSettings:
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
                      base_dir: Path | None) -> TrainSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = set(section) - known
-        if unknown:
-            raise StageError(f"[train]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-        if section.get("target") and base_dir is not None and overrides.get("target") is None:
-            values["target"] = str((base_dir / section["target"]).resolve())
-        settings = cls(**values)
-        if not settings.target:
-            raise StageError("train needs the target model: pass --target DIR or set "
-                             "[train] target = 'DIR' in the config")
+        settings = stage_settings(cls, "train", section, overrides, base_dir, ("target",),
+                                  "target", "the target model", TARGET_HINT)
         if settings.block_size < 2:
             raise StageError(f"--block-size {settings.block_size}: a block needs the anchor and "
                              "at least one token to predict")
