@@ -167,28 +167,48 @@ def make_batch(rows: list[dict[str, Any]], states: list[Any], anchors_per_row: i
             "labels": labels, "label_ok": keep[..., None] & inside & supervised & (offsets > 0)}
 
 
-def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any],
-               weights: Any) -> tuple[Any, dict[str, float]]:
-    """The decay-weighted cross-entropy of a batch of blocks, and its accuracy at offset 1."""
+LOGIT_CHUNK = 4096  # predicted positions whose logits (x vocab floats) exist at one time
+
+
+def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], weights: Any,
+               chunk: int = LOGIT_CHUNK) -> tuple[Any, dict[str, float]]:
+    """The decay-weighted cross-entropy of a batch of blocks, and its accuracy at offset 1.
+
+    Only supervised positions go through the LM head, `chunk` at a time under activation
+    checkpointing: with a 152k vocabulary the logits of every block would take gigabytes."""
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     device = weights.device
     with torch.no_grad():
         block_embeds = embed(batch["block_ids"].to(device)).float()
     hidden = drafter(batch["hidden"].to(device), batch["valid"].to(device), block_embeds,
                      batch["anchors"].to(device))
-    logits = lm_head(hidden[:, :, 1:].to(lm_head.weight.dtype)).float()
-    labels = batch["labels"][:, :, 1:].to(device)
     ok = batch["label_ok"][:, :, 1:].to(device)
-    w = weights[1:] * ok
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), labels.flatten(),
-                                           reduction="none").view_as(labels)
-    loss = (ce * w).sum() / (w.sum() + 1e-6)
-    with torch.no_grad():
-        right = (logits.argmax(-1) == labels) & ok
-        first = ok[..., 0].sum().clamp(min=1)
-        metrics = {"loss": float(loss), "acc_1": float(right[..., 0].sum() / first),
-                   "supervised": int(ok.sum())}
+    w = (weights[1:] * ok)[ok]
+    labels = batch["labels"][:, :, 1:].to(device)[ok]
+    states = hidden[:, :, 1:][ok]  # [supervised positions, hidden]
+    first = torch.zeros_like(ok)
+    first[..., 0] = True
+    first = first[ok]
+
+    def chunk_loss(h: Any, y: Any, wy: Any) -> tuple[Any, Any]:
+        logits = lm_head(h.to(lm_head.weight.dtype)).float()
+        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        return (ce * wy).sum(), (logits.argmax(-1) == y)
+
+    total = states.new_zeros(())
+    right = []
+    for a in range(0, len(labels), chunk):
+        part, hit = checkpoint(chunk_loss, states[a:a + chunk], labels[a:a + chunk],
+                               w[a:a + chunk], use_reentrant=False)
+        total = total + part
+        right.append(hit)
+    loss = total / (w.sum() + 1e-6)
+    hits = torch.cat(right) if right else first
+    metrics = {"loss": float(loss.detach()),
+               "acc_1": float((hits & first).sum() / first.sum().clamp(min=1)),
+               "supervised": len(labels)}
     return loss, metrics
 
 
