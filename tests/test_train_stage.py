@@ -112,14 +112,21 @@ def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
             return truth[:right] + [(t + 1) % 1226 for t in truth[right:]]
         return propose
 
-    got = speculative_decode(tgt, drafter_proposer(tgt, drafter), prompt, n, eos)
-    assert got.tokens == greedy[:n]
-    assert all(1 <= a <= 4 for a in got.accepted)
-    two = speculative_decode(tgt, oracle(2), prompt, n, eos)
-    assert two.tokens == greedy[:n] and set(two.accepted) == {3} and two.tau == 3.0
-    perfect = speculative_decode(tgt, oracle(3), prompt, n, eos)
-    assert perfect.tokens == greedy[:n] and perfect.accepted[:-1] == [4] * (len(
-        perfect.accepted) - 1)
+    for use_cache in (True, False):  # KV cache with cropping, and re-reading the sequence
+        got = speculative_decode(tgt, drafter_proposer(tgt, drafter), prompt, n, eos,
+                                 use_cache=use_cache)
+        assert got.tokens == greedy[:n]
+        assert all(1 <= a <= 4 for a in got.accepted)
+        two = speculative_decode(tgt, oracle(2), prompt, n, eos, use_cache=use_cache)
+        assert two.tokens == greedy[:n] and set(two.accepted) == {3} and two.tau == 3.0
+        perfect = speculative_decode(tgt, oracle(3), prompt, n, eos, use_cache=use_cache)
+        assert perfect.tokens == greedy[:n] and perfect.accepted[:-1] == [4] * (len(
+            perfect.accepted) - 1)
+    trained = DFlashDrafter(config).eval()  # cached and uncached agree on a drafter's proposals
+    torch.nn.init.normal_(trained.fc.weight, std=0.5)
+    a = speculative_decode(tgt, drafter_proposer(tgt, trained), prompt, n, eos, use_cache=True)
+    b = speculative_decode(tgt, drafter_proposer(tgt, trained), prompt, n, eos, use_cache=False)
+    assert a == b
 
 
 def tokenize_rows(run_dir: Path) -> list[dict]:
@@ -341,3 +348,32 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_gradients():
     assert torch.allclose(loss, plain, atol=1e-6)
     assert all(torch.allclose(g, p.grad, atol=1e-6)
                for g, p in zip(chunked, drafter.parameters(), strict=True))
+
+
+def test_tau_evaluation_on_a_hybrid_target_without_a_croppable_cache(tmp_path):
+    """A hybrid linear-attention target (Qwen3-Next): its cache cannot drop rejected drafts, so
+    the evaluation re-reads the sequence; the output is still the target's greedy decoding."""
+    import transformers
+
+    from dflash_etl.acceptance import _croppable_cache, drafter_proposer, speculative_decode
+    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.stages.extract import ExtractSettings, Target
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        full_attention_interval=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tgt = Target(ExtractSettings(model=str(tmp_path / "model"), layers="1", device="cpu"))
+    assert _croppable_cache(tgt) is None
+    drafter = DFlashDrafter(DrafterConfig.from_target(
+        tgt.model.config, draft_layers=1, target_layer_ids=[1], mask_token_id=299,
+        block_size=4)).eval()
+    prompt = [int(t) for t in torch.randint(3, 299, (12,))]
+    got = speculative_decode(tgt, drafter_proposer(tgt, drafter), prompt, 10, set())
+    greedy = tgt.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got.tokens == greedy

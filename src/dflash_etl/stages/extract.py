@@ -209,6 +209,24 @@ class Target:
         return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
 
 
+    def extend(self, tokens: list[int], cache: Any) -> tuple[Any, Any]:
+        """Feed `tokens` after what the KV `cache` holds (one sequence): (logits [k, vocab],
+        states [k, layers, hidden]) of the new tokens."""
+        import inspect
+
+        torch = self.torch
+        self.captured.clear()
+        self.stop_after = None
+        # transformers renamed past_key_values to cache (5.x); older models know only the first
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([tokens], device=self.device),
+                             use_cache=True, **{name: cache})
+        states = torch.stack([self.captured[i] for i in self.layers], dim=2)[0].cpu()
+        return out.logits[0], states
+
+
 # ---------------------------------------------------------------- shell
 def _dataset_files(run: RunDir) -> list[Path]:
     files = sorted((run.stage_dir("tokenize") / "dataset").glob("*.arrow"))
