@@ -377,3 +377,27 @@ def test_tau_evaluation_on_a_hybrid_target_without_a_croppable_cache(tmp_path):
     greedy = tgt.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert got.tokens == greedy
+
+
+def test_the_tiny_target_follows_its_config(tmp_path):
+    """[target] tiny is rebuilt when its spec changes (so the stages' fingerprints change with
+    it), reused when it does not, and an unknown key is an error that lists the known ones."""
+    from dflash_etl.tiny_model import configured_target
+
+    def config_with(spec: str):
+        path = tmp_path / "pipeline.toml"
+        path.write_text(f'[[sources]]\npath = "{REPO / "data" / "sources" / "prompts.jsonl"}"\n'
+                        f"\n[target]\ntiny = {{ {spec} }}\n")
+        return load_config(path)
+
+    def hidden(directory: str) -> int:
+        return json.loads((Path(directory) / "config.json").read_text())["hidden_size"]
+
+    first = configured_target(config_with("hidden_size = 32, layers = 2"), tmp_path / "run")
+    stamp = (Path(first) / "model.safetensors").stat().st_mtime_ns
+    again = configured_target(config_with("hidden_size = 32, layers = 2"), tmp_path / "run")
+    assert hidden(again) == 32 and (Path(again) / "model.safetensors").stat().st_mtime_ns == stamp
+    changed = configured_target(config_with("hidden_size = 16, layers = 2"), tmp_path / "run")
+    assert hidden(changed) == 16
+    with pytest.raises(StageError, match=r"unknown keys \['hiden_size'\]; known: .*hidden_size"):
+        configured_target(config_with("hiden_size = 16"), tmp_path / "run")

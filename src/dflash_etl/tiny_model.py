@@ -57,8 +57,27 @@ def configured_target(config: PipelineConfig | None, run_dir: str | Path) -> str
     if section.get("model"):
         return str((config.base_dir / section["model"]).resolve())
     if "tiny" in section:
-        return str(build_tiny_qwen2(Path(run_dir) / "target", **section["tiny"]))
+        return str(_tiny_target(Path(run_dir) / "target", dict(section["tiny"])))
     return None
+
+
+def _tiny_target(out: Path, spec: dict[str, Any]) -> Path:
+    """The run's tiny target, rebuilt when the config's spec changed (the stages' fingerprints
+    then change with its files)."""
+    import inspect
+
+    allowed = set(inspect.signature(build_tiny_qwen2).parameters) - {"out", "tokenizer_dir"}
+    if set(spec) - allowed:
+        raise StageError(f"[target] tiny: unknown keys {sorted(set(spec) - allowed)}; known: "
+                         f"{sorted(allowed)}")
+    marker = out / "tiny_spec.json"
+    wanted = json.dumps(spec, sort_keys=True)
+    if out.exists() and (not marker.exists() or marker.read_text() != wanted):
+        shutil.rmtree(out)
+    if not marker.exists():
+        build_tiny_qwen2(out, **spec)
+        marker.write_text(wanted)
+    return out
 
 
 def with_target(config: PipelineConfig | None, run_dir: str | Path, section: dict[str, Any],
