@@ -56,7 +56,11 @@ def run_dir(tmp_path_factory) -> Path:
 def test_dataset_loads_with_datasets_and_masks_decode_to_replies(run_dir):
     from datasets import load_from_disk
 
-    dataset = load_from_disk(str(run_dir / "tokenize" / "dataset")).with_format("numpy")
+    dataset = load_from_disk(str(run_dir / "tokenize" / "dataset"))
+    # torch format, as speculators' preprocessing saves its datasets and its loader expects
+    assert dataset.format["type"] == "torch" and dataset.format["output_all_columns"]
+    assert dataset.format["columns"] == ["input_ids", "loss_mask", "seq_len"]
+    dataset = dataset.with_format("numpy")
     assert {"input_ids", "loss_mask", "seq_len", "id", "source", "turn"} <= set(
         dataset.column_names)
     assert dataset.features["input_ids"].feature.dtype == "int32"
