@@ -70,6 +70,11 @@ def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, target
     assert np.mean([r["loss"] for r in log[-20:]]) < np.mean([r["loss"] for r in log[:20]]) - 0.5
     config = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
+    from transformers import AutoConfig  # z-lab's loader reads it as a Qwen3 config
+
+    qwen3 = AutoConfig.from_pretrained(run_dir / "train" / "drafter")
+    assert type(qwen3).__name__ == "Qwen3Config" and qwen3.num_hidden_layers == 1
+    assert (qwen3.hidden_size, qwen3.head_dim, qwen3.vocab_size) == (64, 16, 1237)
     assert config["dflash_config"]["target_layer_ids"] == [2]  # extract's choice for K = 1
     assert config["dflash_config"]["mask_token_id"] == 1226  # the first row no token uses
     from safetensors.torch import load_file
