@@ -150,7 +150,8 @@ def test_blocks_see_only_the_context_before_their_anchor():
     mask = [0] * 8 + [1] * 12  # anchors can be 8..18 (position 19 has no successor)
     rng = np.random.default_rng(0)
     states = [torch.randn(20, 2, 16)]
-    batch = train.make_batch([{"input_ids": ids, "loss_mask": mask}], states, 5, 4, 99, rng)
+    rows = [{"input_ids": ids, "loss_mask": mask}]
+    batch = train.make_batch(rows, states, train.sample_anchors(rows, 5, rng), 4, 99)
     anchors = batch["anchors"][0].tolist()
     assert len(anchors) == 5 and all(8 <= a <= 18 for a in anchors)
     for n, a in enumerate(anchors):
@@ -253,7 +254,8 @@ def test_errors_name_the_cause(extracted, target, tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path):
     """`torchrun --nproc-per-node 2 -m -- dflash_etl.stages.train`: DDP over gloo on CPU; each rank
-    takes half of every batch, rank 0 writes, the run completes once."""
+    takes half of every batch, rank 0 writes, and the drafter equals one process's on the whole
+    batches (the loss is normalised by the whole batch's weight total on every rank)."""
     run_dir = _copy(extracted, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
@@ -267,6 +269,15 @@ def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path):
     assert result.stdout.count("train done") == 1  # rank 0 wrote and reports
     stats = json.loads((run_dir / "train" / "stats.json").read_text())["total"]
     assert stats["steps"] == 4
+    # the same steps in one process on the whole batches: the same drafter
+    from safetensors.torch import load_file
+
+    single = _copy(extracted, tmp_path / "single")
+    train.run(None, single, progress=False, target=str(target), draft_layers=1, block_size=8,
+              steps=4, batch_rows=4, anchors_per_row=8, eval_prompts=2, eval_new_tokens=4)
+    a = load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
+    b = load_file(str(single / "train" / "drafter" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     log = (run_dir / "train" / "log.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4]
 
@@ -331,8 +342,9 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_gradients():
     embed, lm_head = torch.nn.Embedding(40, 16), torch.nn.Linear(16, 40, bias=False)
     rows = [{"input_ids": [int(t) for t in torch.randint(0, 39, (n,))],
              "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (14, 9)]
-    batch = train.make_batch(rows, [torch.randn(14, 1, 16), torch.randn(9, 1, 16)], 6, 4, 39,
-                             np.random.default_rng(1))
+    anchors = train.sample_anchors(rows, 6, np.random.default_rng(1))
+    batch = train.make_batch(rows, [torch.randn(14, 1, 16), torch.randn(9, 1, 16)], anchors, 4,
+                             39)
     weights = block_loss_weights(4, 7.0)
 
     loss, metrics = train.block_loss(drafter, embed, lm_head, batch, weights, chunk=5)
@@ -349,6 +361,9 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_gradients():
                                            reduction="none").view_as(w)
     plain = (ce * w).sum() / (w.sum() + 1e-6)
     plain.backward()
+    # the normaliser DDP ranks use, from the rows alone, is the same weight total
+    assert train.loss_weight_total(rows, anchors, weights.numpy()) == pytest.approx(
+        float(w.sum()), rel=1e-6)
     assert metrics["supervised"] == int(ok.sum()) > 5  # more than one chunk
     assert torch.allclose(loss, plain, atol=1e-6)
     assert all(torch.allclose(g, p.grad, atol=1e-6)

@@ -128,9 +128,36 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_batch(rows: list[dict[str, Any]], states: list[Any], anchors_per_row: int,
-               block_size: int, mask_token_id: int, rng: np.random.Generator) -> dict[str, Any]:
-    """Pad the rows and sample each row's anchors; returns the tensors `block_loss` takes."""
+def sample_anchors(rows: list[dict[str, Any]], anchors_per_row: int,
+                   rng: np.random.Generator) -> list[np.ndarray]:
+    """Each row's anchors (sorted), drawn among its anchor candidates without replacement."""
+    picks = []
+    for row in rows:
+        cands = anchor_candidates(row["loss_mask"])
+        picks.append(np.sort(rng.choice(cands, size=min(anchors_per_row, len(cands)),
+                                        replace=False)))
+    return picks
+
+
+def loss_weight_total(rows: list[dict[str, Any]], anchors: list[np.ndarray],
+                      weights: np.ndarray) -> float:
+    """The sum of the loss weights of every predicted position of these blocks: the loss's
+    normaliser, computed from the rows alone so that every rank of a DDP step divides by the
+    whole batch's total (the step then equals one process training on the whole batch)."""
+    total = 0.0
+    for row, picks in zip(rows, anchors, strict=True):
+        mask = np.asarray(row["loss_mask"], dtype=bool)
+        for k in range(1, len(weights)):
+            at = picks + k
+            inside = at < len(mask)
+            total += float(weights[k]) * int(mask[at[inside]].sum())
+    return total
+
+
+def make_batch(rows: list[dict[str, Any]], states: list[Any], picks: list[np.ndarray],
+               block_size: int, mask_token_id: int) -> dict[str, Any]:
+    """Pad the rows and lay out their blocks at the given anchors; returns the tensors
+    `block_loss` takes."""
     import torch
 
     b, t = len(rows), max(len(r["input_ids"]) for r in rows)
@@ -139,16 +166,12 @@ def make_batch(rows: list[dict[str, Any]], states: list[Any], anchors_per_row: i
     mask = torch.zeros((b, t), dtype=torch.bool)
     valid = torch.zeros((b, t), dtype=torch.bool)
     hidden = torch.zeros((b, t, width), dtype=torch.float32)
-    picks = []
     for k, (row, s) in enumerate(zip(rows, states, strict=True)):
         n = len(row["input_ids"])
         ids[k, :n] = torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64))
         mask[k, :n] = torch.as_tensor(np.asarray(row["loss_mask"], dtype=bool))
         valid[k, :n] = True
         hidden[k, :n] = s.reshape(n, width).float()
-        cands = anchor_candidates(row["loss_mask"])
-        chosen = rng.choice(cands, size=min(anchors_per_row, len(cands)), replace=False)
-        picks.append(np.sort(chosen))
     n = max(len(p) for p in picks)
     anchors = torch.zeros((b, n), dtype=torch.long)
     keep = torch.zeros((b, n), dtype=torch.bool)
@@ -171,8 +194,10 @@ LOGIT_CHUNK = 4096  # predicted positions whose logits (x vocab floats) exist at
 
 
 def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], weights: Any,
-               chunk: int = LOGIT_CHUNK) -> tuple[Any, dict[str, float]]:
-    """The decay-weighted cross-entropy of a batch of blocks, and its accuracy at offset 1.
+               chunk: int = LOGIT_CHUNK, normalizer: float | None = None
+               ) -> tuple[Any, dict[str, float]]:
+    """The decay-weighted cross-entropy of a batch of blocks (divided by `normalizer`, default
+    the batch's own weight total), and its accuracy at offset 1.
 
     Only supervised positions go through the LM head, `chunk` at a time under activation
     checkpointing: with a 152k vocabulary the logits of every block would take gigabytes."""
@@ -204,7 +229,7 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
                                w[a:a + chunk], use_reentrant=False)
         total = total + part
         right.append(hit)
-    loss = total / (w.sum() + 1e-6)
+    loss = total / (normalizer if normalizer is not None else w.sum() + 1e-6)
     hits = torch.cat(right) if right else first
     metrics = {"loss": float(loss.detach()),
                "acc_1": float((hits & first).sum() / first.sum().clamp(min=1)),
@@ -399,10 +424,25 @@ class Trainer:
         rng = np.random.default_rng([s.seed, step])
         picked = rng.choice(len(self.rows), size=min(s.batch_rows, len(self.rows)),
                             replace=False)
-        mine = [self.rows[i] for i in picked[self.rank::self.world]] or [self.rows[picked[0]]]
-        batch = make_batch(mine, self.states(mine), s.anchors_per_row, s.block_size,
-                           self.mask_token_id, rng)
-        loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights)
+        rows = [self.rows[i] for i in picked]
+        anchors = sample_anchors(rows, s.anchors_per_row, rng)
+        # DDP averages the ranks' gradients: each rank divides its share by the whole batch's
+        # weight total / world, so a step equals one process training on the whole batch
+        normalizer = loss_weight_total(rows, anchors, self.weights.cpu().numpy()) / self.world
+        share = list(range(self.rank, len(rows), self.world))
+        mine = [rows[k] for k in share or [0]]  # a rank without rows still joins the all-reduce
+        batch = make_batch(mine, self.states(mine), [anchors[k] for k in share or [0]],
+                           s.block_size, self.mask_token_id)
+        loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights,
+                                   normalizer=max(normalizer, 1e-6))
+        if not share:
+            loss = loss * 0.0
+        if self.world > 1:  # log the whole batch's loss, not this rank's share of it
+            import torch.distributed as dist
+
+            whole = loss.detach().clone()
+            dist.all_reduce(whole)
+            metrics["loss"] = float(whole) / self.world
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = self.torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), s.grad_clip)
