@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dflash_etl.errors import StageError
+
 FORMATS = ("auto", "openai", "sharegpt", "alpaca", "orca", "prompt", "parts", "glaive")
 FIELD_KEYS = ("messages", "response", "system", "tools", "prompt")
 
@@ -134,8 +136,6 @@ def stage_settings(cls: type, stage: str, section: dict[str, Any], overrides: di
     """A stage's settings dataclass from its config section and the command line (flags that
     were given win); `paths` in the config are relative to it; `required` must end up set, else
     the error says how (`need`: what it is)."""
-    from dflash_etl.errors import StageError
-
     known = {f.name for f in fields(cls)}
     unknown = set(section) - known
     if unknown:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -167,6 +168,9 @@ class Target:
         self.hidden = self.model.config.hidden_size
         self.captured: dict[int, Any] = {}
         self.stop_after: int | None = None  # the layer after which a forward pass may stop
+        # transformers renamed past_key_values to cache (5.x); older models know only the first
+        self.cache_argument = ("cache" if "cache" in inspect.signature(
+            self.model.forward).parameters else "past_key_values")
         modules = decoder_layers(self.model)
         self.last_layer = self.n_layers - 1
         for index in sorted({*self.layers, self.last_layer}):
@@ -212,17 +216,12 @@ class Target:
     def extend(self, tokens: list[int], cache: Any) -> tuple[Any, Any]:
         """Feed `tokens` after what the KV `cache` holds (one sequence): (logits [k, vocab],
         states [k, layers, hidden]) of the new tokens."""
-        import inspect
-
         torch = self.torch
         self.captured.clear()
         self.stop_after = None
-        # transformers renamed past_key_values to cache (5.x); older models know only the first
-        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-            else "past_key_values"
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([tokens], device=self.device),
-                             use_cache=True, **{name: cache})
+                             use_cache=True, **{self.cache_argument: cache})
         states = torch.stack([self.captured[i] for i in self.layers], dim=2)[0].cpu()
         return out.logits[0], states
 

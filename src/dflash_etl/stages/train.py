@@ -241,11 +241,10 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
 class ExtractedStates:
     """Hidden states the extract stage wrote (either format), per tokenized row."""
 
-    def __init__(self, extract_dir: Path, n_layers: int) -> None:
+    def __init__(self, extract_dir: Path, n_layers: int, index: list[dict[str, Any]]) -> None:
         from safetensors import safe_open
 
         self.dir = extract_dir / "hidden_states"
-        index = _read_index(extract_dir / "index.parquet")
         self.where = {e["row"]: e for e in index}
         self.n_layers = n_layers
         self._open = safe_open
@@ -373,15 +372,14 @@ class Trainer:
     """Everything one training run holds: target, drafter, data, optimizer, log."""
 
     def __init__(self, settings: TrainSettings, rows: list[dict[str, Any]],
-                 extract_dir: Path | None, extract_layers: list[int] | None, out: Path,
+                 extracted: ExtractedStates | None, extract_layers: list[int] | None, out: Path,
                  rank: int = 0, world: int = 1) -> None:
         import torch
 
         from dflash_etl.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
         from dflash_etl.stages.extract import ExtractSettings, Target
 
-        self.torch, self.settings, self.out, self.rank, self.world = (torch, settings, out, rank,
-                                                                      world)
+        self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
         device = settings.device
         if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
@@ -413,8 +411,7 @@ class Trainer:
                                            weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, settings.warmup, settings.steps))
-        self.states = (OnlineStates(self.target) if extract_dir is None
-                       else ExtractedStates(extract_dir, len(self.target.layers)))
+        self.states = extracted or OnlineStates(self.target)
         self.rows = rows
         self.log_path = out / "log.jsonl"
 
@@ -550,8 +547,10 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     rank, world = _distributed()
     rows, files = _load_rows(run)
     extracted = None if settings.online else _extract_info(run)
+    index: list[dict[str, Any]] = []
     if extracted is not None:
-        indexed = {e["row"] for e in _read_index(run.stage_dir("extract") / "index.parquet")}
+        index = _read_index(run.stage_dir("extract") / "index.parquet")
+        indexed = {e["row"] for e in index}
         rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
     fingerprint = _fingerprint(settings, files, extracted["fingerprint"] if extracted else None)
     if not force and (done := run.completed_stats(STAGE, fingerprint)):
@@ -572,8 +571,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         import torch.distributed as dist
 
         dist.barrier()  # rank 0 has prepared the partial directory
-    trainer = Trainer(settings, train_rows,
-                      run.stage_dir("extract") if extracted else None,
+    states = (ExtractedStates(run.stage_dir("extract"), len(extracted["layers"]), index)
+              if extracted else None)
+    trainer = Trainer(settings, train_rows, states,
                       extracted["layers"] if extracted else None, partial, rank, world)
     try:
         doc = _train(trainer, run, settings, prompts, per_source, partial, rank, progress)
@@ -598,6 +598,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
            per_source: dict[str, Stats], partial: Path, rank: int,
            progress: bool | None) -> dict[str, Any]:
     from dflash_etl.acceptance import acceptance_length, eos_token_ids
+    from dflash_etl.drafter import parameter_count
 
     ckpt_dir = partial / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
@@ -673,7 +674,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         "eval_prompts": len(prompts), "draft_layers": settings.draft_layers,
         "block_size": settings.block_size, "target_layers": trainer.target.layers,
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
-        "drafter_parameters": sum(p.numel() for p in trainer.drafter.parameters()),
+        "drafter_parameters": parameter_count(trainer.drafter),
     })
     problems = verify(partial, settings.block_size)
     write_json_atomic(partial / "contract.json", {"passed": not problems, "problems": problems})
