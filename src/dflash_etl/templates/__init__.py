@@ -7,6 +7,7 @@ from dflash_etl.templates.masks import (
     MaskRefused,
     TokenizedRow,
     tokenize_conversation,
+    tokenize_conversations,
     verify_row,
 )
 from dflash_etl.templates.probe import TemplateProbe, TemplateUnusable, probe_template
@@ -21,5 +22,6 @@ __all__ = [
     "TokenizedRow",
     "probe_template",
     "tokenize_conversation",
+    "tokenize_conversations",
     "verify_row",
 ]

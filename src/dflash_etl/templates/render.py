@@ -18,8 +18,12 @@ from __future__ import annotations
 import functools
 import json
 import re
+import types
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2.runtime import Macro
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -83,7 +87,8 @@ def render(
         direct = _direct_renderer(tokenizer, chat_template, tools is not None) if messages else None
         if direct is not None:
             compiled, variables, alias = direct
-            chat = alias([{k: v for k, v in m.items() if v is not None} for m in messages])
+            chat = alias([m if None not in m.values() else
+                          {k: v for k, v in m.items() if v is not None} for m in messages])
             out = compiled.render(messages=chat, tools=tools, documents=None,
                                   add_generation_prompt=add_generation_prompt,
                                   **{**variables, **(kwargs or {})})
@@ -130,7 +135,83 @@ def _direct_renderer(tokenizer: Any, chat_template: str | None, has_tools: bool)
     template = tokenizer.get_chat_template(chat_template, [{}] if has_tools else None)
     variables = {k: v for k, v in tokenizer.special_tokens_map.items()
                  if isinstance(v, (str, list))}
-    return _compile_jinja_template(template), variables, _alias_reasoning_fields
+    return _fast_sandboxed(_compile_jinja_template(template), template), variables, \
+        _alias_reasoning_fields
+
+
+class _CachingSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox with its attribute verdicts memoized per (type, attribute name).
+
+    The sandbox judges every `message.content`, `content.startswith`, `loop.last` afresh through
+    a dozen isinstance checks against abstract classes: most of a render's time on a template
+    like Qwen3.6's. For the objects a chat template reads (the plain types of JSON messages, Jinja's
+    loop and namespace objects) that verdict depends on the type and the name alone, so it is the
+    sandbox's own verdict, computed once; `str.format` is still wrapped, and every other object
+    takes the sandbox's own path.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            try:  # no such attribute on a dict: the sandbox would look the key up
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        if not _memoizable(kind):
+            return super().getattr(obj, attribute)
+        try:
+            value = getattr(obj, attribute)
+        except AttributeError:
+            return super().getattr(obj, attribute)
+        wrapped = self.wrap_str_format(value)
+        if wrapped is not None:
+            return wrapped
+        key = (kind, attribute)
+        safe = _VERDICTS.get(key)
+        if safe is None:
+            safe = _VERDICTS[key] = self.is_safe_attribute(obj, attribute, value)
+        return value if safe else self.unsafe_undefined(obj, attribute)
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """A builtin method (`content.split`, `message.get`) or a template macro: always safe
+        (neither can carry the sandbox's `unsafe_callable` mark) and never given the context, so
+        the sandbox's and the context's per-call inspection is skipped; the rest as Jinja does."""
+        if type(obj) not in _PLAIN_CALLABLES:
+            return super().call(context, obj, *args, **kwargs)
+        kwargs.pop("_block_vars", None)
+        kwargs.pop("_loop_vars", None)
+        try:
+            return obj(*args, **kwargs)
+        except StopIteration:
+            return context.environment.undefined(
+                "value was undefined because a callable raised a StopIteration exception"
+            )
+
+
+_PLAIN_CALLABLES = frozenset({types.BuiltinMethodType, Macro})
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+_VERDICTS: dict[tuple[type, str], bool] = {}
+_PLAIN_TYPES = frozenset({str, int, float, bool, type(None), list, dict, tuple})
+
+
+@functools.lru_cache(maxsize=64)
+def _memoizable(kind: type) -> bool:
+    from jinja2.runtime import LoopContext
+    from jinja2.utils import Namespace
+
+    return kind in _PLAIN_TYPES or issubclass(kind, (LoopContext, Namespace))
+
+
+def _fast_sandboxed(compiled: Any, source: str) -> Any:
+    """The template compiled again in an overlay of transformers' environment (same extensions,
+    filters and globals) whose class is the caching sandbox; transformers' own when its
+    environment is not the plain immutable sandbox this was written against."""
+    environment = compiled.environment
+    if type(environment) is not ImmutableSandboxedEnvironment:
+        return compiled
+    overlay = environment.overlay()
+    overlay.__class__ = _CachingSandbox
+    return overlay.from_string(source)
 
 
 def try_render(
