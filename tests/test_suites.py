@@ -4,6 +4,7 @@ stage with a message that names the expectation, the column, sample values and t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl import suites
+from dflash_etl import suite_helper, suites
 from dflash_etl.cli import main
 from dflash_etl.config import ConfigError
 
@@ -94,6 +95,7 @@ def test_suite_files_name_only_known_parameters():
 def test_warming_up_builds_the_ge_context_in_a_thread_and_joins_it(monkeypatch):
     import threading
 
+    monkeypatch.setattr(suite_helper, "running", lambda: False)  # no helper holds GE
     monkeypatch.setattr(suites, "_GX", {})
     with suites.warming_up(("dflash_etl.report",)) as start:
         assert "batch_definition" not in suites._GX  # nothing happens before start()
@@ -278,3 +280,50 @@ def test_docs_command_rebuilds_the_report(default_run_dir, tmp_path, capsys):
     assert (default_run_dir / "docs" / "index.html").exists()
     assert main(["docs", "--run", str(tmp_path / "nothing")]) == 1
     assert "not a run directory" in capsys.readouterr().err
+
+
+def _without_timing(value):
+    """A suite result without what differs between two validations of the same data."""
+    if isinstance(value, dict):
+        return {k: _without_timing(v) for k, v in value.items() if k not in VARYING}
+    if isinstance(value, list):
+        return [_without_timing(v) for v in value]
+    return value
+
+
+VARYING = {"seconds", "run_id", "run_time", "validation_time", "batch_id", "active_batch_id",
+           "checkpoint_id", "batch_spec", "batch_markers"}
+
+
+def test_the_gate_in_the_helper_process_gives_the_in_process_result(default_run_dir, tmp_path):
+    thresholds = suites.Thresholds.from_section(DEFAULT_LIMITS)
+    good = _copy(default_run_dir / "tokenize", tmp_path / "good")
+    bad = _copy(default_run_dir / "tokenize", tmp_path / "bad")
+
+    def one_token(frame: pl.DataFrame) -> pl.DataFrame:
+        masks = frame["loss_mask"].to_list()
+        masks[0] = [0] * (len(masks[0]) - 1) + [1]
+        return frame.with_columns(pl.Series("loss_mask", masks))
+
+    _rewrite_dataset(bad, one_token)
+    suite_helper.stop()
+    suite_helper._launch()
+    try:
+        helper_pid = suite_helper._PROCESS[0].pid
+        for stage in (good, bad):
+            in_process = suites.run_suite(stage, "tokenized", thresholds)
+            from_helper = suite_helper.run_suite(stage, "tokenized",
+                                                 dataclasses.asdict(thresholds))
+            assert from_helper is not None, "the helper did not answer"
+            assert _without_timing(from_helper) == _without_timing(in_process)
+        # the gate takes the helper's verdict: a failing suite stops the stage, with the rows
+        with pytest.raises(suites.SuiteError, match="longest_supervised_run"):
+            suites.gate("tokenize", bad, tmp_path, thresholds)
+        assert suite_helper.running() and suite_helper._PROCESS[0].pid == helper_pid
+        # a helper that died is not waited on: the gate validates in-process
+        suite_helper._PROCESS[0].kill()
+        suite_helper._PROCESS[0].wait()
+        assert suites.gate("tokenize", good, tmp_path, thresholds)["passed"]
+        assert not suite_helper.running()
+    finally:
+        suite_helper.stop()

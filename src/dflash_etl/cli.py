@@ -350,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("ingest", "regenerate", "tokenize", "run"):
+        from dflash_etl import suite_helper
+
+        suite_helper.start()  # before the stage's own imports: see suite_helper
     try:
         return int(args.func(args) or 0)
     except (ConfigError, StageError) as exc:

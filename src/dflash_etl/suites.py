@@ -5,13 +5,15 @@ neither flat nor small. So the per-row features a suite needs (role order valid,
 supervised tokens, longest supervised run, supervised fraction, seq_len, source) are computed here
 with polars/numpy, and the per-source aggregates (quarantine rate, share of the mix) from
 stats.json; GE then checks those small flat frames. great_expectations is imported only inside
-`run_suite` (the import alone takes tens of seconds to minutes on slow machines), or ahead of it by
-`warm_up_in_background` while a stage's worker processes are busy.
+`run_suite` (the import alone takes seconds, minutes on slow machines): in the suite helper process
+a stage starts first thing (`dflash_etl.suite_helper`), else ahead of the gate by `warming_up`
+while the stage's worker processes are busy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -25,7 +27,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_etl import roles
+from dflash_etl import roles, suite_helper
 from dflash_etl.config import ConfigError
 from dflash_etl.contracts import read_arrow
 from dflash_etl.errors import StageError
@@ -534,8 +536,8 @@ def report_path(run_root: Path, stage: str) -> Path:
 
 @contextlib.contextmanager
 def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
-    """Yields `start()`: import `modules` and great_expectations and build the GE context in a
-    thread, for the gate at the end of the stage.
+    """Yields `start()`: import `modules` and, unless the suite helper process has them,
+    great_expectations and the GE context in a thread, for the end of the stage.
 
     A stage calls `start()` once its worker processes are forked: the parent then only waits on
     them, so the minutes these imports take on a slow 2-core machine overlap the work instead of
@@ -549,7 +551,8 @@ def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
         try:
             for name in modules:
                 importlib.import_module(name)
-            _batch_definition()
+            if not suite_helper.running():
+                _batch_definition()
         except Exception:  # the gate itself reports what is wrong
             pass
 
@@ -570,7 +573,9 @@ def gate(stage: str, stage_dir: Path, run_root: Path, thresholds: Thresholds) ->
     when it fails. The stage then marks itself failed and builds the report the message names."""
     from dflash_etl.rundir import write_json_atomic
 
-    result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
+    result = suite_helper.run_suite(stage_dir, STAGE_SUITES[stage], dataclasses.asdict(thresholds))
+    if result is None:  # no helper process, or it failed: here, where errors raise with context
+        result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
     result_path = Path(stage_dir) / RESULT_FILE
     write_json_atomic(result_path, result)
     if not result["passed"]:

@@ -24,7 +24,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl import readers, suites
+from dflash_etl import readers, suite_helper, suites
 from dflash_etl import schema as S
 from dflash_etl.accounting import Stats, stats_document
 from dflash_etl.config import PipelineConfig, SourceConfig
@@ -197,6 +197,7 @@ def run(
     workers: int | None = None,
 ) -> dict[str, Any]:
     """Run ingest into `run_dir/ingest`; returns the stats document. Skips when complete."""
+    suite_helper.start()  # the gate's great_expectations loads meanwhile
     from dflash_etl.contracts import validate_conversations
 
     run = RunDir(run_dir)

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl import schema as S
-from dflash_etl import suites
+from dflash_etl import suite_helper, suites
 from dflash_etl.accounting import Stats, stats_document
 from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
 from dflash_etl.errors import StageError
@@ -579,6 +579,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         **overrides: Any) -> dict[str, Any]:
     """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete.
     `generator` replaces the backend the settings name (an instance, e.g. shared between runs)."""
+    suite_helper.start()  # the gate's great_expectations loads meanwhile
     from dflash_etl.contracts import validate_conversations
 
     section = config.section("regenerate") if config else {}

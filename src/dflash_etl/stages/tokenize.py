@@ -26,7 +26,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl import suites
+from dflash_etl import suite_helper, suites
 from dflash_etl.accounting import Stats, stats_document
 from dflash_etl.config import PipelineConfig, stage_settings
 from dflash_etl.errors import ContractError, StageError
@@ -143,7 +143,7 @@ def tokenize_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Stats], Counter[int]]:
     """Conversations -> training rows, quarantine rows, accounting per source and the
     supervised-token counts."""
-    from dflash_etl.templates import MaskPolicy, MaskRefused, tokenize_conversation
+    from dflash_etl.templates import MaskPolicy, MaskRefused, tokenize_conversations
 
     policy = MaskPolicy(
         strategy=settings.strategy, include_eot=settings.include_eot,
@@ -154,32 +154,31 @@ def tokenize_rows(
     rows: list[dict[str, Any]] = []
     quarantine: list[dict[str, Any]] = []
     per_source: dict[str, Stats] = {}
-    freq: Counter[int] = Counter()
-    for conv in conversations:
+    supervised: list[np.ndarray] = []
+    results = tokenize_conversations(conversations, tokenizer, template_probe, policy,
+                                     chat_template=chat_template)
+    for conv, made in zip(conversations, results, strict=True):
         stats = per_source.get(conv["source"])
         if stats is None:
             stats = per_source[conv["source"]] = Stats(extra={
                 "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
                 "strategies": Counter(), "normalizations": Counter()})
         stats.rows_in += 1
-        try:
-            made = tokenize_conversation(conv, tokenizer, template_probe, policy,
-                                         chat_template=chat_template)
-        except MaskRefused as exc:
-            if exc.is_filter:
-                stats.filter(exc.code)
+        if isinstance(made, MaskRefused):
+            if made.is_filter:
+                stats.filter(made.code)
             else:
-                stats.quarantine(exc.code)
+                stats.quarantine(made.code)
                 quarantine.append({"id": conv["id"], "source": conv["source"],
                                    "file": conv.get("file"), "line": conv.get("line"),
-                                   "reason": exc.code, "message": exc.message[:2000]})
+                                   "reason": made.code, "message": made.message[:2000]})
             continue
         stats.rows_out += 1
         extra = stats.extra
         for row in made:
             ids = np.asarray(row.input_ids, dtype=np.int32)
             mask = np.asarray(row.loss_mask, dtype=np.int8)
-            freq.update(ids[mask == 1].tolist())
+            supervised.append(ids[mask == 1])
             extra["rows_written"] += 1
             extra["tokens"] += len(ids)
             extra["supervised_tokens"] += int(mask.sum())
@@ -188,6 +187,10 @@ def tokenize_rows(
             extra["normalizations"].update(n.split(":")[0] for n in row.normalizations)
             rows.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids),
                          "id": conv["id"], "source": conv["source"], "turn": row.turn})
+    counts = np.bincount(np.concatenate(supervised)) if supervised else np.zeros(0, np.int64)
+    tokens = np.flatnonzero(counts)
+    freq: Counter[int] = Counter(dict(zip(tokens.tolist(), counts[tokens].tolist(),
+                                          strict=True)))
     return rows, quarantine, per_source, freq
 
 
@@ -271,6 +274,7 @@ def run(
     **overrides: Any,
 ) -> dict[str, Any]:
     """Tokenize the run's conversations into `run_dir/tokenize`; returns the stats document."""
+    suite_helper.start()  # the gate's great_expectations loads meanwhile
     section = config.section("tokenize") if config else {}
     settings = TokenizeSettings.from_sources(section, overrides,
                                              config.base_dir if config else None)

@@ -1,0 +1,102 @@
+"""The great-expectations gate in a helper process, started when a gated stage starts.
+
+Importing great_expectations costs ~5 s of CPU on a 2-core machine here (minutes on slower ones).
+A stage spends its first seconds on one core (imports, loading a tokenizer) and then keeps every
+core busy, so the helper imports GE and builds its context on the idle core during the first
+phase, then validates the stage's output when the gate asks. One helper per process serves every
+stage it runs (`dflash-etl run`, a test session). Anything wrong with the helper (it could not
+start, it died, it answered nonsense) makes the gate validate in-process, which raises its own
+errors with context. `DFLASH_ETL_SUITE_HELPER=0` keeps the gate in-process.
+
+Only the standard library here: the CLI starts the helper before it imports anything heavy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_PROCESS: list[subprocess.Popen[str]] = []
+
+
+def start() -> None:
+    """Start the helper unless one runs, GE is loaded here already, or it is switched off."""
+    if os.environ.get("DFLASH_ETL_SUITE_HELPER", "1") == "0" or "great_expectations" in sys.modules:
+        return
+    if not running():
+        _launch()
+
+
+def _launch() -> None:
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", "from dflash_etl.suite_helper import serve; serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+    except OSError:
+        return
+    if not _PROCESS:
+        atexit.register(stop)
+    _PROCESS[:] = [process]
+
+
+def running() -> bool:
+    return bool(_PROCESS) and _PROCESS[0].poll() is None
+
+
+def run_suite(
+    stage_dir: Path, suite_name: str, thresholds: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The suite's result from the helper, or None when there is no working helper."""
+    if not running():
+        return None
+    process = _PROCESS[0]
+    assert process.stdin is not None and process.stdout is not None
+    request = {"stage_dir": str(stage_dir), "suite": suite_name, "thresholds": thresholds}
+    try:
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+        reply = json.loads(process.stdout.readline() or "null")
+    except (OSError, ValueError):
+        reply = None
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        stop()  # validating in-process from now on: it reports what went wrong
+        return None
+    return reply["result"]
+
+
+def stop() -> None:
+    """End the helper (it exits when its input closes)."""
+    while _PROCESS:
+        process = _PROCESS.pop()
+        try:
+            if process.stdin is not None:
+                process.stdin.close()
+            process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+
+
+def serve() -> None:
+    """The helper's loop: build the GE context now, then answer one request per input line."""
+    from dflash_etl import suites
+
+    # an error here fails the request the same way, and the stage validates in-process
+    with contextlib.suppress(Exception):
+        suites._batch_definition()
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            thresholds = suites.Thresholds(**request["thresholds"])
+            result = suites.run_suite(Path(request["stage_dir"]), request["suite"], thresholds)
+            reply = json.dumps({"ok": True, "result": result}, default=str)
+        except Exception as exc:  # the stage reruns the suite in-process and raises it there
+            reply = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        sys.stdout.write(reply + "\n")
+        sys.stdout.flush()
