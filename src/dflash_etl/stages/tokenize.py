@@ -9,6 +9,7 @@ trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import multiprocessing as mp
@@ -343,12 +344,18 @@ def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, pr
                 results[result["index"]] = result
                 bar.advance(1)
         else:
-            with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
-                mapped = pool.map(_work, todo)  # submits all: every worker is forked now
-                on_forked()
-                for result in mapped:
-                    results[result["index"]] = result
-                    bar.advance(1)
+            # Frozen objects are never traversed by the collector: the workers' collections
+            # skip (and do not copy-on-write) the whole inherited heap, tokenizer and all.
+            gc.freeze()
+            try:
+                with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
+                    mapped = pool.map(_work, todo)  # submits all: every worker is forked now
+                    on_forked()
+                    for result in mapped:
+                        results[result["index"]] = result
+                        bar.advance(1)
+            finally:
+                gc.unfreeze()
     return [results[k] for k in sorted(results)]
 
 
