@@ -35,6 +35,23 @@ def _templates():
     return paths
 
 
+@pytest.fixture(autouse=True)
+def _one_clock(monkeypatch):
+    """transformers' strftime_now reads the time the render reads (templates that print it)."""
+    import datetime
+
+    from transformers.utils import chat_template_utils
+
+    from dflash_etl.templates.render import RENDER_CLOCK
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return RENDER_CLOCK
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Frozen)
+
+
 def _reference(tok, messages, **kw):
     try:
         out = render_with_transformers(tok, messages, **kw)
@@ -109,3 +126,20 @@ def test_caching_sandbox_refuses_what_transformers_refuses(name):
     assert messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     if name.startswith(("dunder", "mutating", "str.format", "format")):
         assert got[0] == "error" or "class" not in got[1], got
+
+
+def test_every_render_reads_one_clock():
+    """A template that prints the time renders a conversation's prompt and its full text alike
+    (else the render-diff finds the prompt is not a prefix whenever the clock ticks between)."""
+    import time
+
+    from dflash_etl.templates.render import RENDER_CLOCK
+
+    require_fixtures()
+    tok = qwen_tokenizer()
+    template = "{{ strftime_now('%Y-%m-%d %H:%M:%S.%f') }}{{ messages[0]['content'] }}"
+    messages = [{"role": "user", "content": "hi"}]
+    first = render(tok, messages, chat_template=template)
+    time.sleep(0.01)
+    assert render(tok, messages, chat_template=template) == first
+    assert first.startswith(RENDER_CLOCK.strftime("%Y-%m-%d %H:%M:%S"))

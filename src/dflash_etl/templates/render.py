@@ -15,6 +15,7 @@ give the same text on the fixture templates.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import re
@@ -134,6 +135,16 @@ def _direct_renderer(tokenizer: Any, chat_template: str | None, has_tools: bool)
     return _CompiledRenderer(compiled, variables, _alias_reasoning_fields)
 
 
+# Templates that print the current time (Hunyuan: to the second) would render a conversation's
+# prompt and its full text a second apart, and the render-diff would find the prompt is no prefix.
+# Every render of this process reads this one time instead.
+RENDER_CLOCK = datetime.datetime.now()
+
+
+def _strftime_render_clock(format: str) -> str:
+    return RENDER_CLOCK.strftime(format)
+
+
 class _CompiledRenderer:
     """Renders with the inputs transformers gives a template: messages without None values,
     reasoning aliased as transformers aliases it, the special tokens as variables.
@@ -147,6 +158,8 @@ class _CompiledRenderer:
         self.variables = variables
         self.alias = alias
         self.globals = dict(compiled.globals)
+        if "strftime_now" in self.globals:  # one clock for every render: see RENDER_CLOCK
+            self.globals["strftime_now"] = _strftime_render_clock
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> str:
