@@ -58,7 +58,8 @@ def run_suite(
         return None
     process = _PROCESS[0]
     assert process.stdin is not None and process.stdout is not None
-    request = {"stage_dir": str(stage_dir), "suite": suite_name, "thresholds": thresholds}
+    request = {"stage_dir": str(Path(stage_dir).resolve()), "suite": suite_name,
+               "thresholds": thresholds}
     try:
         process.stdin.write(json.dumps(request) + "\n")
         process.stdin.flush()

@@ -6,11 +6,13 @@ carrying the template's own text, so callers can report it instead of dying.
 
 The stage renders each conversation several times (render-diff), and `apply_chat_template`
 re-normalises and deep-copies the messages and rebuilds the special-token map on every call (a
-fifth of the stage's time). So `render` calls transformers' own compiled template directly with the
+fifth of the stage's time). So `render` runs transformers' compiled template directly with the
 same inputs `apply_chat_template` would give it: messages without None values, reasoning aliased as
-transformers aliases it, the special tokens as variables. Where those internals are missing (another
+transformers aliases it, the special tokens as variables; in an overlay of transformers'
+environment whose sandbox memoizes its own verdicts (`_CachingSandbox`), and with one clock per
+process for templates that print the time. Where those internals are missing (another
 transformers version) it uses `apply_chat_template`; tests/test_template_render.py checks that both
-give the same text on the fixture templates.
+give the same text (and the same refusals of hostile templates) on every fixture template.
 """
 
 from __future__ import annotations
@@ -141,8 +143,8 @@ def _direct_renderer(tokenizer: Any, chat_template: str | None, has_tools: bool)
 RENDER_CLOCK = datetime.datetime.now()
 
 
-def _strftime_render_clock(format: str) -> str:
-    return RENDER_CLOCK.strftime(format)
+def _strftime_render_clock(spec: str) -> str:
+    return RENDER_CLOCK.strftime(spec)
 
 
 class _CompiledRenderer:
