@@ -582,10 +582,21 @@ def _encode_row(
     tokenizer: Any, text: str, split_at: int | None
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Encode a row; a per-turn row encodes prompt and reply separately (see module doc)."""
+    return _join_pieces(split_at, [_encode(tokenizer, piece) for piece in _pieces(text, split_at)])
+
+
+def _pieces(text: str, split_at: int | None) -> tuple[str, ...]:
+    """The texts the tokenizer encodes for a row, in order."""
+    return (text,) if split_at is None else (text[:split_at], text[split_at:])
+
+
+def _join_pieces(
+    split_at: int | None, encoded: list[tuple[list[int], list[tuple[int, int]]]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The row's ids and offsets from its pieces' encodings."""
     if split_at is None:
-        return _encode(tokenizer, text)
-    ids_p, offs_p = _encode(tokenizer, text[:split_at])
-    ids_r, offs_r = _encode(tokenizer, text[split_at:])
+        return encoded[0]
+    (ids_p, offs_p), (ids_r, offs_r) = encoded
     return ids_p + ids_r, offs_p + [(a + split_at, b + split_at) for a, b in offs_r]
 
 
@@ -603,21 +614,7 @@ class _RowPlan:
     split_at: int | None = None  # per-turn rows: prompt and reply are encoded apart here
 
     def pieces(self) -> tuple[str, ...]:
-        """The texts the tokenizer encodes for this row, in order."""
-        if self.split_at is None:
-            return (self.text,)
-        return (self.text[: self.split_at], self.text[self.split_at :])
-
-
-def _join_pieces(
-    plan: _RowPlan, encoded: list[tuple[list[int], list[tuple[int, int]]]]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """The row's ids and offsets from its pieces' encodings (see `_RowPlan.pieces`)."""
-    if plan.split_at is None:
-        return encoded[0]
-    (ids_p, offs_p), (ids_r, offs_r) = encoded
-    at = plan.split_at
-    return ids_p + ids_r, offs_p + [(a + at, b + at) for a, b in offs_r]
+        return _pieces(self.text, self.split_at)
 
 
 def _build_row(
@@ -810,7 +807,7 @@ def tokenize_conversations(
         if isinstance(item, MaskRefused):
             results.append(item)
             continue
-        encoded = [_join_pieces(plan, [next(encodings) for _ in plan.pieces()])
+        encoded = [_join_pieces(plan.split_at, [next(encodings) for _ in plan.pieces()])
                    for plan in item.rows]
         try:
             results.append(_build_planned(item, tokenizer, probe, policy, encoded))
