@@ -27,6 +27,7 @@ from typing import Any
 
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -211,10 +212,11 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
         return value if safe else self.unsafe_undefined(obj, attribute)
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-        """A builtin method (`content.split`, `message.get`) or a template macro: always safe
-        (neither can carry the sandbox's `unsafe_callable` mark) and never given the context, so
-        the sandbox's and the context's per-call inspection is skipped; the rest as Jinja does."""
-        if type(obj) not in _PLAIN_CALLABLES:
+        """A builtin method (`content.split`, `message.get`), a template macro or `namespace()`
+        (transformers' checked Namespace class): always safe (none can carry the sandbox's
+        `unsafe_callable` mark) and never given the context, so the sandbox's and the context's
+        per-call inspection is skipped; the rest as Jinja does."""
+        if type(obj) not in _PLAIN_CALLABLES and not _is_namespace_class(obj):
             return super().call(context, obj, *args, **kwargs)
         kwargs.pop("_block_vars", None)
         kwargs.pop("_loop_vars", None)
@@ -232,10 +234,13 @@ _VERDICTS: dict[tuple[type, str], bool] = {}
 _PLAIN_TYPES = frozenset({str, int, float, bool, type(None), list, dict, tuple})
 
 
+def _is_namespace_class(obj: Any) -> bool:
+    return type(obj) is type and issubclass(obj, Namespace)
+
+
 @functools.lru_cache(maxsize=64)
 def _memoizable(kind: type) -> bool:
     from jinja2.runtime import LoopContext
-    from jinja2.utils import Namespace
 
     return kind in _PLAIN_TYPES or issubclass(kind, (LoopContext, Namespace))
 
