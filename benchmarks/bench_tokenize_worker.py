@@ -40,6 +40,15 @@ def extract(rev: str, into: Path) -> None:
         path.write_text(re.sub(r"\bdflash_etl\b", "dflash_etl_base", path.read_text()))
 
 
+def _row_tuples(rows) -> list[tuple[list[int], list[int], int]]:
+    """(input_ids, loss_mask, turn) per row, from a list of row dicts (older revisions) or a
+    table."""
+    if not isinstance(rows, list):
+        rows = rows.to_pylist()
+    return [([int(t) for t in r["input_ids"]], [int(m) for m in r["loss_mask"]], r["turn"])
+            for r in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="git revision to compare with")
@@ -84,10 +93,7 @@ def main() -> None:
                 outputs[name] = run(name)
                 times[name].append(time.process_time() - start)
     same = all(
-        len(b[0]) == len(w[0]) and b[3] == w[3] and all(
-            (x["input_ids"].tolist(), x["loss_mask"].tolist(), x["turn"])
-            == (y["input_ids"].tolist(), y["loss_mask"].tolist(), y["turn"])
-            for x, y in zip(b[0], w[0], strict=True))
+        b[3] == w[3] and _row_tuples(b[0]) == _row_tuples(w[0])
         for b, w in zip(outputs["base"], outputs["work"], strict=True))
     n = len(convs)
     best = {k: min(v) / n * 1e3 for k, v in times.items()}

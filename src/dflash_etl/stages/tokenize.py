@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -141,9 +142,9 @@ def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
 def tokenize_rows(
     conversations: list[dict[str, Any]], tokenizer: Any, template_probe: Any,
     settings: TokenizeSettings, chat_template: str | None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Stats], Counter[int]]:
-    """Conversations -> training rows, quarantine rows, accounting per source and the
-    supervised-token counts."""
+) -> tuple[pa.Table, list[dict[str, Any]], dict[str, Stats], Counter[int]]:
+    """Conversations -> training rows (a table with the ROWS schema), quarantine rows,
+    accounting per source and the supervised-token counts."""
     from dflash_etl.templates import MaskPolicy, MaskRefused, tokenize_conversations
 
     policy = MaskPolicy(
@@ -152,10 +153,14 @@ def tokenize_rows(
         seq_length=settings.seq_length, truncation=settings.truncation,
         min_supervised_tokens=settings.min_supervised_tokens,
     )
-    rows: list[dict[str, Any]] = []
     quarantine: list[dict[str, Any]] = []
     per_source: dict[str, Stats] = {}
-    supervised: list[np.ndarray] = []
+    ids_lists: list[list[int]] = []
+    mask_lists: list[list[int]] = []
+    row_stats: list[Stats] = []
+    ids_col: list[str] = []
+    source_col: list[str] = []
+    turn_col: list[int] = []
     results = tokenize_conversations(conversations, tokenizer, template_probe, policy,
                                      chat_template=chat_template)
     for conv, made in zip(conversations, results, strict=True):
@@ -177,18 +182,34 @@ def tokenize_rows(
         stats.rows_out += 1
         extra = stats.extra
         for row in made:
-            ids = np.asarray(row.input_ids, dtype=np.int32)
-            mask = np.asarray(row.loss_mask, dtype=np.int8)
-            supervised.append(ids[mask == 1])
+            ids_lists.append(row.input_ids)
+            mask_lists.append(row.loss_mask)
+            row_stats.append(stats)
+            ids_col.append(conv["id"])
+            source_col.append(conv["source"])
+            turn_col.append(row.turn)
             extra["rows_written"] += 1
-            extra["tokens"] += len(ids)
-            extra["supervised_tokens"] += int(mask.sum())
             extra["rows_truncated"] += int(row.truncated)
             extra["strategies"][row.strategy] += 1
             extra["normalizations"].update(n.split(":")[0] for n in row.normalizations)
-            rows.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids),
-                         "id": conv["id"], "source": conv["source"], "turn": row.turn})
-    counts = np.bincount(np.concatenate(supervised)) if supervised else np.zeros(0, np.int64)
+    lengths = np.fromiter(map(len, ids_lists), np.int64, len(ids_lists))
+    offsets = np.zeros(len(ids_lists) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    flat_ids = np.fromiter(itertools.chain.from_iterable(ids_lists), np.int32, total)
+    flat_mask = np.fromiter(itertools.chain.from_iterable(mask_lists), np.int8, total)
+    supervised = np.add.reduceat(flat_mask, offsets[:-1], dtype=np.int64) if total else lengths
+    for stats, n_tokens, n_supervised in zip(row_stats, lengths.tolist(), supervised.tolist(),
+                                             strict=True):
+        stats.extra["tokens"] += n_tokens
+        stats.extra["supervised_tokens"] += n_supervised
+    rows = pa.Table.from_arrays([
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids)),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask)),
+        pa.array(lengths.astype(np.int32)), pa.array(ids_col, pa.string()),
+        pa.array(source_col, pa.string()), pa.array(turn_col, pa.int32()),
+    ], schema=ROWS)
+    counts = np.bincount(flat_ids[flat_mask == 1])
     tokens = np.flatnonzero(counts)
     freq: Counter[int] = Counter(dict(zip(tokens.tolist(), counts[tokens].tolist(),
                                           strict=True)))
@@ -223,19 +244,34 @@ def _init_worker(tokenizer: Any, settings: TokenizeSettings, probe_state: Any) -
     _WORKER["template"] = read_template(settings.chat_template)
 
 
-def _work(args: tuple[int, list[dict[str, Any]], str]) -> dict[str, Any]:
-    index, conversations, out_dir = args
+def _work(args: tuple[int, bytes, str]) -> dict[str, Any]:
+    index, chunk, out_dir = args
     rows, quarantine, per_source, freq = tokenize_rows(
-        conversations, _WORKER["tokenizer"], _WORKER["probe"], _WORKER["settings"],
-        _WORKER["template"],
+        _chunk_conversations(chunk), _WORKER["tokenizer"], _WORKER["probe"],
+        _WORKER["settings"], _WORKER["template"],
     )
     base = Path(out_dir) / f"c{index:06d}"
-    pq.write_table(pa.Table.from_pylist(rows, schema=ROWS), f"{base}.rows.parquet")
+    pq.write_table(rows, f"{base}.rows.parquet")
     pq.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE), f"{base}.q.parquet")
     result = {"index": index, "sources": {n: s.to_dict() for n, s in per_source.items()},
               "freq": {str(k): v for k, v in freq.items()}}
     write_json_atomic(Path(f"{base}.done.json"), result)
     return result
+
+
+def _chunk_bytes(table: pa.Table) -> bytes:
+    """A chunk of conversations as Arrow IPC: the parent slices and sends columns, each worker
+    makes its own Python dicts (in parallel, instead of the parent making and pickling all)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _chunk_conversations(chunk: bytes) -> list[dict[str, Any]]:
+    """pyarrow, not polars: polars' thread pool does not survive the fork (a worker using it
+    hangs)."""
+    return pa.ipc.open_stream(chunk).read_all().to_pylist()
 
 
 # ---------------------------------------------------------------- shell
@@ -257,12 +293,13 @@ def _conversations(run: RunDir) -> list[Path]:
 
 
 def _chunks(files: list[Path]):
+    """(index, conversations as an Arrow table) per chunk, in order."""
     columns = ["id", "source", "messages", "tools", "file", "line"]
     index = 0
     for path in files:
-        frame = pl.read_parquet(path, columns=columns)
-        for start in range(0, frame.height, CHUNK):
-            yield index, frame.slice(start, CHUNK).to_dicts()
+        table = pl.read_parquet(path, columns=columns).to_arrow()
+        for start in range(0, table.num_rows, CHUNK):
+            yield index, table.slice(start, CHUNK)
             index += 1
 
 
@@ -331,7 +368,7 @@ def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, pr
         if done.exists():  # resume
             results[index] = json.loads(done.read_text())
         else:
-            todo.append((index, conversations, str(chunks_dir)))
+            todo.append((index, _chunk_bytes(conversations), str(chunks_dir)))
     total = len(results) + len(todo)
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
     with progress_bar("tokenize", total=total, enabled=progress) as bar:
