@@ -244,6 +244,12 @@ def _init_worker(tokenizer: Any, settings: TokenizeSettings, probe_state: Any) -
     _WORKER["template"] = read_template(settings.chat_template)
 
 
+def _one_thread_per_worker() -> None:
+    """The workers already use every core: the tokenizer's batch encode runs serially in each
+    (its thread pool would only compete with the other workers)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 def _work(args: tuple[int, bytes, str]) -> dict[str, Any]:
     index, chunk, out_dir = args
     rows, quarantine, per_source, freq = tokenize_rows(
@@ -385,7 +391,8 @@ def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, pr
             # skip (and do not copy-on-write) the whole inherited heap, tokenizer and all.
             gc.freeze()
             try:
-                with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork")) as pool:
+                with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork"),
+                                         initializer=_one_thread_per_worker) as pool:
                     mapped = pool.map(_work, todo)  # submits all: every worker is forked now
                     on_forked()
                     for result in mapped:
