@@ -8,6 +8,7 @@ import pytest
 
 try:
     from tests.templates_helpers import (
+        DATA_DIR,
         TEMPLATES_DIR,
         independent_problems,
         qwen_tokenizer,
@@ -17,6 +18,7 @@ try:
     from tests.test_template_probe import STRICT_CHATML
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from templates_helpers import (
+        DATA_DIR,
         TEMPLATES_DIR,
         independent_problems,
         qwen_tokenizer,
@@ -225,6 +227,41 @@ def test_include_eot_false_and_last_turn_only(tok, qprobe):
     c = conv(M("user", "A?"), M("assistant", "Alpha."), M("user", "B?"), M("assistant", "Beta."))
     (row,) = tokenize_conversation(c, tok, qprobe, MaskPolicy(include_eot=False, turns="last"))
     assert row.turn == 1 and supervised(tok, row) == ["Beta."]
+
+
+def test_offsets_are_looked_up_exactly_as_the_full_offsets_list_gives_them(tok):
+    """The mask builder looks token offsets up per token (`_Encoded`): for every character of
+    real fixture rows (several scripts, emoji, special tokens; as one piece and split in two as a
+    per-turn row is), the first token starting there and every token's span must be what the
+    tokenizer's full offsets list gives."""
+    import bisect
+    import random
+
+    from dflash_etl.templates.masks import _encode, _Encoded, _pieces
+
+    texts = [line for name in ("sharegpt.jsonl", "openai_messages_edgecases.jsonl",
+                               "agentic_reasoning_tool_use.jsonl")
+             for line in (DATA_DIR / name).read_text(encoding="utf-8").splitlines()[:12]]
+    texts += ["<|im_start|>user\né😀中文 a\u0301b<|im_end|>\n<|im_start|>assistant\n",
+              "\u200b\ufeff  tab\t\r\n end  "]
+    rng = random.Random(0)
+    positions = 0
+    for text in texts:
+        for split_at in (None, rng.randrange(len(text) + 1)):
+            pieces = _pieces(text, split_at)
+            encodings = [_encode(tok, piece) for piece in pieces]
+            encoded = _Encoded.join(pieces, encodings)
+            offsets, base = [], 0
+            for piece, enc in zip(pieces, encodings, strict=True):
+                offsets += [(a + base, b + base) for a, b in enc.offsets]
+                base += len(piece)
+            assert encoded.ids == [t for enc in encodings for t in enc.ids]
+            assert [encoded.span(t) for t in range(len(offsets))] == offsets
+            for c in range(len(text) + 1):
+                want = bisect.bisect_left(offsets, c, key=lambda o: o[0])
+                assert encoded.first_at_or_after(c) == want, (text[:40], split_at, c)
+                positions += 1
+    assert positions > 10_000
 
 
 def test_verify_row_catches_a_wrong_mask(tok, qprobe):

@@ -545,15 +545,80 @@ def _reasoning_of(prep: _Prepared, i: int) -> str:
 # --- tokenization and verification ------------------------------------------------------------
 
 
-def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ids and char offsets without special tokens (the rendered template is authoritative).
+class _Encoded:
+    """A row's token ids, and its tokens' character offsets looked up where they are needed:
+    a mask needs the offsets at the reply spans' edges only, and the full offsets list costs
+    more to build (a tuple per token) than the rest of a row's mask.
+
+    A row is one encoded piece, or two (a per-turn row: prompt and reply); each piece is a
+    tokenizers `Encoding` or a list of (start, end) offsets, with its first token and first
+    character in the row.
+    """
+
+    __slots__ = ("_pieces", "ids")
+
+    def __init__(self, ids: list[int], pieces: list[tuple[Any, int, int, int]]) -> None:
+        self.ids = ids
+        self._pieces = pieces  # (encoding or offsets list, first token, first char, chars)
+
+    @classmethod
+    def join(cls, texts: tuple[str, ...], encodings: list[Any]) -> _Encoded:
+        ids: list[int] = []
+        pieces = []
+        char = 0
+        for text, enc in zip(texts, encodings, strict=True):
+            if isinstance(enc, tuple):  # (ids, offsets) from a slow tokenizer
+                piece_ids, enc = enc
+            else:
+                piece_ids = enc.ids
+            pieces.append((enc, len(ids), char, len(text)))
+            ids = ids + piece_ids if ids else piece_ids
+            char += len(text)
+        return cls(ids, pieces)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _piece_of_token(self, t: int) -> tuple[Any, int, int, int]:
+        pieces = self._pieces
+        return pieces[-1] if len(pieces) > 1 and t >= pieces[-1][1] else pieces[0]
+
+    def span(self, t: int) -> tuple[int, int]:
+        """Character (start, end) of token t in the row text."""
+        enc, first_token, first_char, _ = self._piece_of_token(t)
+        a, b = enc[t - first_token] if isinstance(enc, list) else enc.token_to_chars(
+            t - first_token)
+        return a + first_char, b + first_char
+
+    def first_at_or_after(self, c: int) -> int:
+        """Index of the first token starting at character c or later (len when none): what a
+        bisection over every token's start gives (starts never decrease)."""
+        pieces = self._pieces
+        k = len(pieces) - 1 if len(pieces) > 1 and c >= pieces[-1][2] else 0
+        enc, first_token, first_char, chars = pieces[k]
+        local = c - first_char
+        if isinstance(enc, list):
+            return first_token + bisect.bisect_left(enc, local, key=_START)
+        n = (pieces[k + 1][1] if k + 1 < len(pieces) else len(self.ids)) - first_token
+        t = enc.char_to_token(local) if local < chars else n  # a guess, made exact below
+        if t is None:  # a character no token covers
+            return first_token + bisect.bisect_left(enc.offsets, local, key=_START)
+        while t < n and enc.token_to_chars(t)[0] < local:
+            t += 1
+        while t > 0 and enc.token_to_chars(t - 1)[0] >= local:
+            t -= 1
+        return first_token + t
+
+
+def _encode(tokenizer: Any, text: str) -> Any:
+    """A tokenizers Encoding (or ids and char offsets from a slow tokenizer) without special
+    tokens (the rendered template is authoritative).
 
     Uses the fast tokenizer's backend directly (same ids, far less per-call overhead).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        enc = backend.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets  # fresh lists of ints and (start, end) tuples
+        return backend.encode(text, add_special_tokens=False)
     out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]]
 
@@ -567,36 +632,23 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _encode_many(
-    tokenizer: Any, texts: list[str]
-) -> list[tuple[list[int], list[tuple[int, int]]]]:
+def _encode_many(tokenizer: Any, texts: list[str]) -> list[Any]:
     """`_encode` of each text, in one batch (less per-call overhead than one call per text)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return [_encode(tokenizer, text) for text in texts]
-    return [(enc.ids, enc.offsets) for enc in backend.encode_batch(texts, add_special_tokens=False)]
+    return backend.encode_batch(texts, add_special_tokens=False)
 
 
-def _encode_row(
-    tokenizer: Any, text: str, split_at: int | None
-) -> tuple[list[int], list[tuple[int, int]]]:
+def _encode_row(tokenizer: Any, text: str, split_at: int | None) -> _Encoded:
     """Encode a row; a per-turn row encodes prompt and reply separately (see module doc)."""
-    return _join_pieces(split_at, [_encode(tokenizer, piece) for piece in _pieces(text, split_at)])
+    pieces = _pieces(text, split_at)
+    return _Encoded.join(pieces, [_encode(tokenizer, piece) for piece in pieces])
 
 
 def _pieces(text: str, split_at: int | None) -> tuple[str, ...]:
     """The texts the tokenizer encodes for a row, in order."""
     return (text,) if split_at is None else (text[:split_at], text[split_at:])
-
-
-def _join_pieces(
-    split_at: int | None, encoded: list[tuple[list[int], list[tuple[int, int]]]]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """The row's ids and offsets from its pieces' encodings."""
-    if split_at is None:
-        return encoded[0]
-    (ids_p, offs_p), (ids_r, offs_r) = encoded
-    return ids_p + ids_r, offs_p + [(a + split_at, b + split_at) for a, b in offs_r]
 
 
 @dataclass
@@ -621,22 +673,22 @@ def _build_row(
     plan: _RowPlan,
     probe: TemplateProbe,
     policy: MaskPolicy,
-    encoded: tuple[list[int], list[tuple[int, int]]] | None = None,
+    encoded: _Encoded | None = None,
 ) -> TokenizedRow:
     """Encode the row text (unless `encoded` is given), mark tokens starting inside spans,
     truncate, verify."""
     text, spans, append_eos = plan.text, plan.spans, plan.append_eos
     if encoded is None:
         encoded = _encode_row(tokenizer, text, plan.split_at)
-    ids, offs = encoded
+    ids = encoded.ids
     mask = [0] * len(ids)
     for s, e in spans:
-        first = bisect.bisect_left(offs, s, key=_START)  # first token starting at s or later
-        end = bisect.bisect_left(offs, e, key=_START)
+        first = encoded.first_at_or_after(s)
+        end = encoded.first_at_or_after(e)
         for boundary, t in ((s, first - 1), (e, end - 1)):
             # the only token that can straddle a boundary is the last one starting before it
-            if t >= 0 and offs[t][0] < boundary < offs[t][1]:
-                a, b = offs[t]
+            if t >= 0 and (a_b := encoded.span(t))[0] < boundary < a_b[1]:
+                a, b = a_b
                 raise MaskRefused(
                     R_TOKEN_STRADDLES_BOUNDARY,
                     f"token {t} {text[a:b]!r} straddles the reply boundary at char {boundary}",
@@ -686,12 +738,12 @@ def _longest_run(mask: list[int]) -> int:
 def verify_row(
     row: TokenizedRow,
     tokenizer: Any,
-    encoded: tuple[list[int], list[tuple[int, int]]] | None = None,
+    encoded: _Encoded | None = None,
 ) -> None:
     """Re-check a row from its ids: spans decode to the replies, boundaries sit where they should.
 
-    `encoded` is the text's (ids, offsets) when the caller has just computed them; otherwise the
-    text is encoded again. Raises MaskRefused(mask_verification_failed) on any mismatch.
+    `encoded` is the text's encoding when the caller has just computed it; otherwise the text is
+    encoded again. Raises MaskRefused(mask_verification_failed) on any mismatch.
     """
 
     def fail(msg: str) -> None:
@@ -711,7 +763,8 @@ def verify_row(
         fail("row metadata is inconsistent")
     if len(runs) != len(row.expected) and not (row.truncated and len(runs) < len(row.expected)):
         fail(f"{len(runs)} supervised spans, expected {len(row.expected)}")
-    ids, offs = encoded or _encode_row(tokenizer, row.text, row.split_at)
+    encoded = encoded or _encode_row(tokenizer, row.text, row.split_at)
+    ids = encoded.ids
     ref = ids + ([row.input_ids[-1]] if row.eos_appended and len(ids) < n else [])
     if row.eos_appended and not row.truncated and len(ids) + 1 != n:
         fail("row has an appended eos but is not text + eos")
@@ -729,11 +782,11 @@ def verify_row(
         s, e = row.char_spans[j]
         if a == 0:
             fail(f"span {j} starts at the first token: no prompt before the reply")
-        if offs[a][0] != s:
-            fail(f"span {j}: first supervised token starts at char {offs[a][0]}, reply at {s}")
-        if offs[a - 1][1] > s:
+        if (start := encoded.span(a)[0]) != s:
+            fail(f"span {j}: first supervised token starts at char {start}, reply at {s}")
+        if encoded.span(a - 1)[1] > s:
             fail(f"span {j}: the last prompt token runs into the reply")
-        if b < len(offs) and not last_cut and offs[b][0] < e:
+        if b < len(encoded) and not last_cut and encoded.span(b)[0] < e:
             fail(f"span {j}: the first token after the turn starts inside the reply")
         if row.loss_mask[a - 1] != 0 or (b < n and row.loss_mask[b] != 0):
             fail(f"span {j}: boundary tokens are supervised")
@@ -806,8 +859,8 @@ def tokenize_conversations(
         if isinstance(item, MaskRefused):
             results.append(item)
             continue
-        encoded = [_join_pieces(plan.split_at, [next(encodings) for _ in plan.pieces()])
-                   for plan in item.rows]
+        encoded = [_Encoded.join(texts, [next(encodings) for _ in texts])
+                   for texts in (plan.pieces() for plan in item.rows)]
         try:
             results.append(_build_planned(item, tokenizer, probe, policy, encoded))
         except (MaskRefused, RenderError) as exc:
@@ -853,7 +906,7 @@ def _build_planned(
     tokenizer: Any,
     probe: TemplateProbe,
     policy: MaskPolicy,
-    encoded: list[tuple[list[int], list[tuple[int, int]]]],
+    encoded: list[_Encoded],
 ) -> list[TokenizedRow]:
     try:
         return [_build_row(tokenizer, plan, probe, policy, enc)
