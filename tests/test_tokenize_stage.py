@@ -205,3 +205,36 @@ def test_fast_loader_matches_autotokenizer_on_qwen36():
         ids = fast(text, add_special_tokens=False)["input_ids"]
         assert ids == auto(text, add_special_tokens=False)["input_ids"]
         assert fast.decode(ids) == text
+
+
+def test_dataset_directory_in_several_shards_loads_as_datasets_wrote_it(tmp_path):
+    """The stage writes the save_to_disk layout itself (pyarrow, no `datasets`): split into
+    shards as datasets splits a large dataset, it must load with `datasets` row for row, with
+    the features, split size and torch format the trainers read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import load_from_disk
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for k in range(2500):
+        n = int(rng.integers(3, 40))
+        mask = [0] * (n // 2) + [1] * (n - n // 2)
+        rows.append({"input_ids": rng.integers(0, 1000, n).astype(np.int32).tolist(),
+                     "loss_mask": mask, "seq_len": n, "id": f"c{k}", "source": "s",
+                     "turn": k % 3 - 1})
+    files = []
+    for start in range(0, len(rows), 500):
+        files.append(tmp_path / f"c{start}.rows.parquet")
+        pq.write_table(pa.Table.from_pylist(rows[start:start + 500], schema=tokenize.ROWS),
+                       files[-1])
+    out = tmp_path / "dataset"
+    tokenize._save_dataset(files, out, "0123456789abcdef0123", shard_bytes=100_000)
+    shards = sorted(p.name for p in out.glob("*.arrow"))
+    assert len(shards) >= 2 and shards[0] == f"data-00000-of-{len(shards):05d}.arrow"
+    dataset = load_from_disk(str(out))
+    assert dataset.format["type"] == "torch"
+    assert dataset.format["columns"] == ["input_ids", "loss_mask", "seq_len"]
+    assert dataset.info.splits["train"].num_examples == len(rows)
+    assert dataset.features["loss_mask"].feature.dtype == "int8"
+    assert dataset.with_format(None).to_list() == rows

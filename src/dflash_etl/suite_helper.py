@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,16 @@ def run_suite(
     stage_dir: Path, suite_name: str, thresholds: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The suite's result from the helper, or None when there is no working helper."""
+    return request_suite(stage_dir, suite_name, thresholds)()
+
+
+def request_suite(
+    stage_dir: Path, suite_name: str, thresholds: dict[str, Any]
+) -> Callable[[], dict[str, Any] | None]:
+    """Send the request now; the returned function waits for the result (None: no working
+    helper). It must be called before the next request: the replies come back in order."""
     if not running():
-        return None
+        return lambda: None
     process = _PROCESS[0]
     assert process.stdin is not None and process.stdout is not None
     request = {"stage_dir": str(Path(stage_dir).resolve()), "suite": suite_name,
@@ -63,13 +72,21 @@ def run_suite(
     try:
         process.stdin.write(json.dumps(request) + "\n")
         process.stdin.flush()
-        reply = json.loads(process.stdout.readline() or "null")
-    except (OSError, ValueError):
-        reply = None
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        stop()  # validating in-process from now on: it reports what went wrong
-        return None
-    return reply["result"]
+    except OSError:
+        stop()
+        return lambda: None
+
+    def result() -> dict[str, Any] | None:
+        try:
+            reply = json.loads(process.stdout.readline() or "null")
+        except (OSError, ValueError):
+            reply = None
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            stop()  # validating in-process from now on: it reports what went wrong
+            return None
+        return reply["result"]
+
+    return result
 
 
 def stop() -> None:

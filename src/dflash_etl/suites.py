@@ -571,14 +571,27 @@ def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
 def gate(stage: str, stage_dir: Path, run_root: Path, thresholds: Thresholds) -> dict[str, Any]:
     """Run a stage's suite on its (partial) output and save the result there; raise SuiteError
     when it fails. The stage then marks itself failed and builds the report the message names."""
+    return start_gate(stage, stage_dir, run_root, thresholds)()
+
+
+def start_gate(stage: str, stage_dir: Path, run_root: Path,
+               thresholds: Thresholds) -> Callable[[], dict[str, Any]]:
+    """`gate`, begun now in the suite helper process when one runs, finished by the returned
+    function (which must be called): the stage does other work on its own core meanwhile."""
     from dflash_etl.rundir import write_json_atomic
 
-    result = suite_helper.run_suite(stage_dir, STAGE_SUITES[stage], dataclasses.asdict(thresholds))
-    if result is None:  # no helper process, or it failed: here, where errors raise with context
-        result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
-    result_path = Path(stage_dir) / RESULT_FILE
-    write_json_atomic(result_path, result)
-    if not result["passed"]:
-        raise SuiteError(failure_message(result, report_path(run_root, stage), result_path),
-                         result)
-    return result
+    pending = suite_helper.request_suite(stage_dir, STAGE_SUITES[stage],
+                                         dataclasses.asdict(thresholds))
+
+    def finish() -> dict[str, Any]:
+        result = pending()
+        if result is None:  # no helper process, or it failed: here, where errors raise with context
+            result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
+        result_path = Path(stage_dir) / RESULT_FILE
+        write_json_atomic(result_path, result)
+        if not result["passed"]:
+            raise SuiteError(failure_message(result, report_path(run_root, stage), result_path),
+                             result)
+        return result
+
+    return finish

@@ -8,6 +8,7 @@ trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -347,12 +348,21 @@ def run(
     chunks_dir = partial / "chunks"
     chunks_dir.mkdir(exist_ok=True)
     try:
-        with suites.warming_up(("datasets",)) as warm_up:
+        with suites.warming_up() as warm_up:
             results = _run_chunks(settings, tokenizer, template_probe, files, chunks_dir,
                                   progress, workers, on_forked=warm_up)
-            doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc)
+            doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc,
+                          fingerprint)
             write_json_atomic(partial / "stats.json", doc)
-            suites.gate(STAGE, partial, run.root, thresholds)
+            # the suite runs in the helper process while the contract runs here; both must pass
+            finish_gate = suites.start_gate(STAGE, partial, run.root, thresholds)
+            try:
+                _validate(partial, len(tokenizer), settings)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the contract's failure is the one raised
+                    finish_gate()
+                raise
+            finish_gate()
     except StageError as exc:
         run.fail(STAGE, str(exc))
         publish_docs(run.root)
@@ -404,7 +414,7 @@ def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, pr
 
 
 def _finish(settings, results, partial: Path, chunks_dir: Path, vocab_size: int,
-            probe_doc: dict[str, Any]) -> dict[str, Any]:
+            probe_doc: dict[str, Any], fingerprint: str) -> dict[str, Any]:
     per_source: dict[str, Stats] = {}
     freq: Counter[int] = Counter()
     for result in results:
@@ -426,40 +436,73 @@ def _finish(settings, results, partial: Path, chunks_dir: Path, vocab_size: int,
             f"({probe_doc['reason']}). See {partial / 'quarantine.parquet'}; "
             "'needs_response' means the conversations have no reply yet (run regenerate)."
         )
-    _save_dataset(row_files, partial / "dataset")
+    _save_dataset(row_files, partial / "dataset", fingerprint)
     draft = _save_vocab(freq, settings.draft_vocab_size, vocab_size, partial)
-    _validate(partial, vocab_size, settings)
+    # the limits the contract and the suite check against (the suite reads this file)
+    write_json_atomic(partial / "settings.json",
+                      {**asdict(settings), **_contract_params(vocab_size, settings)})
     doc = stats_document(per_source, "tokenize")
     doc["total"]["vocab_size"] = vocab_size
     doc["total"]["draft_vocab"] = draft
     return doc
 
 
-def _save_dataset(row_files: list[Path], out: Path) -> None:
-    """A datasets save_to_disk directory, built without holding every row in memory."""
-    import datasets
-    from datasets import Dataset, Features, Sequence, Value
+# datasets' Features of ROWS, as save_to_disk records them (dataset_info.json and the Arrow
+# schema's "huggingface" metadata)
+FEATURES = {
+    "input_ids": {"feature": {"dtype": "int32", "_type": "Value"}, "_type": "List"},
+    "loss_mask": {"feature": {"dtype": "int8", "_type": "Value"}, "_type": "List"},
+    "seq_len": {"dtype": "int32", "_type": "Value"},
+    "id": {"dtype": "string", "_type": "Value"},
+    "source": {"dtype": "string", "_type": "Value"},
+    "turn": {"dtype": "int32", "_type": "Value"},
+}
+SHARD_BYTES = 500 * 2**20  # datasets' own default max_shard_size for save_to_disk
 
-    datasets.disable_progress_bars()
 
-    features = Features({
-        "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
-        "seq_len": Value("int32"), "id": Value("string"), "source": Value("string"),
-        "turn": Value("int32"),
+def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
+                  shard_bytes: int = SHARD_BYTES) -> None:
+    """A `datasets` save_to_disk directory (Arrow stream shards, dataset_info.json, state.json),
+    written with pyarrow from the chunk files as they are read: one copy of the rows, and no
+    `datasets` import (Dataset.from_parquet + save_to_disk wrote them twice, ~1 s of the stage's
+    serial end on 20k rows)."""
+    shutil.rmtree(out, ignore_errors=True)  # a failed attempt's shards
+    out.mkdir(parents=True)
+    schema = ROWS.with_metadata({"huggingface": json.dumps({"info": {"features": FEATURES}})})
+    shards: list[Path] = []
+    writer: pa.RecordBatchStreamWriter | None = None
+    rows = size = in_shard = 0
+    for path in row_files:
+        table = pq.read_table(path, schema=ROWS).replace_schema_metadata(schema.metadata)
+        if writer is None or (in_shard and in_shard + table.nbytes > shard_bytes):
+            if writer is not None:
+                writer.close()
+            shards.append(out / f".shard-{len(shards)}.arrow")
+            writer = pa.ipc.new_stream(str(shards[-1]), schema)
+            in_shard = 0
+        writer.write_table(table, max_chunksize=1000)  # datasets' writer batch size
+        rows += table.num_rows
+        size += table.nbytes
+        in_shard += table.nbytes
+    if writer is not None:
+        writer.close()
+    names = [f"data-{k:05d}-of-{len(shards):05d}.arrow" for k in range(len(shards))]
+    for shard, name in zip(shards, names, strict=True):
+        shard.rename(out / name)
+    write_json_atomic(out / "dataset_info.json", {
+        "builder_name": "dflash_etl", "citation": "", "config_name": "default",
+        "dataset_name": "tokenize", "dataset_size": size, "description": "",
+        "features": FEATURES, "homepage": "", "license": "", "size_in_bytes": size,
+        "splits": {"train": {"name": "train", "num_bytes": size, "num_examples": rows,
+                             "dataset_name": "tokenize"}},
+        "version": {"version_str": "0.0.0", "major": 0, "minor": 0, "patch": 0},
     })
-    cache = out.parent / ".datasets-cache"
-    dataset = Dataset.from_parquet([str(f) for f in row_files], features=features,
-                                   cache_dir=str(cache))
-    dataset.save_to_disk(str(out))
-    del dataset
-    # speculators' preprocessing saves its datasets in torch format and its loader relies on it;
-    # written into datasets' state.json directly, since set_format would import torch (~1.5 s)
-    state_path = out / "state.json"
-    state = json.loads(state_path.read_text())
-    state.update({"_format_type": "torch", "_format_columns": ["input_ids", "loss_mask", "seq_len"],
-                  "_format_kwargs": {}, "_output_all_columns": True})
-    write_json_atomic(state_path, state)
-    shutil.rmtree(cache, ignore_errors=True)
+    # speculators' preprocessing saves its datasets in torch format and its loader relies on it
+    write_json_atomic(out / "state.json", {
+        "_data_files": [{"filename": name} for name in names], "_fingerprint": fingerprint[:16],
+        "_format_columns": ["input_ids", "loss_mask", "seq_len"], "_format_kwargs": {},
+        "_format_type": "torch", "_output_all_columns": True, "_split": "train",
+    })
 
 
 def _save_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int,
@@ -478,12 +521,15 @@ def _save_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int,
     return draft
 
 
+def _contract_params(vocab_size: int, settings: TokenizeSettings) -> dict[str, Any]:
+    return {"vocab_size": vocab_size, "seq_length": settings.seq_length,
+            "min_supervised_tokens": settings.min_supervised_tokens}
+
+
 def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> None:
     from dflash_etl.contracts import format_failures, load_contract, validate_files
 
-    params = {"vocab_size": vocab_size, "seq_length": settings.seq_length,
-              "min_supervised_tokens": settings.min_supervised_tokens}
-    write_json_atomic(partial / "settings.json", {**asdict(settings), **params})
+    params = _contract_params(vocab_size, settings)
     files = sorted((partial / "dataset").glob("*.arrow"))
     report = validate_files(load_contract("tokenized", params), files)
     write_json_atomic(partial / "contract.json", report)
