@@ -11,15 +11,17 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandera.polars as pa
 import polars as pl
-from pandera.config import ValidationDepth, config_context
-from pandera.errors import SchemaError, SchemaErrors
 
 from dflash_etl import roles
 from dflash_etl.errors import ContractError
+
+if TYPE_CHECKING:  # pandera (and pandas under it) is imported where a contract is built or run:
+    # ~1 s of a stage's start that `read_arrow` and the named checks do not need
+    import pandera.polars as pa
+    from pandera.errors import SchemaError, SchemaErrors
 
 CONTRACTS_DIR = Path(__file__).resolve().parents[2] / "contracts"
 
@@ -136,6 +138,8 @@ def register_check(
 
 
 def _pandera_check(name: str, params: dict[str, Any]) -> pa.Check:
+    import pandera.polars as pa
+
     if name not in NAMED_CHECKS:
         raise KeyError(f"contract names an unknown check {name!r}; known: {sorted(NAMED_CHECKS)}")
     build, _ = NAMED_CHECKS[name]
@@ -158,6 +162,8 @@ class Contract:
 
 def load_contract(name: str, params: dict[str, Any] | None = None) -> Contract:
     """A contract file as a pandera schema; `params` fill its limits (vocab_size, seq_length…)."""
+    import pandera.polars as pa
+
     params = params or {}
     path = contracts_dir() / f"{name}.toml"
     spec = tomllib.loads(path.read_text())
@@ -221,6 +227,9 @@ def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
 
 def validate_files(contract: Contract, files: list[Path]) -> dict[str, Any]:
     """Run a contract shard by shard (bounded memory) plus the cross-shard checks."""
+    from pandera.config import ValidationDepth, config_context
+    from pandera.errors import SchemaError, SchemaErrors
+
     failures: list[dict[str, Any]] = []
     rows = 0
     with config_context(validation_depth=ValidationDepth.SCHEMA_AND_DATA):

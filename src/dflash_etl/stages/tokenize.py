@@ -348,7 +348,7 @@ def run(
     chunks_dir = partial / "chunks"
     chunks_dir.mkdir(exist_ok=True)
     try:
-        with suites.warming_up() as warm_up:
+        with suites.warming_up(("pandera.polars",)) as warm_up:  # for the contract
             results = _run_chunks(settings, tokenizer, template_probe, files, chunks_dir,
                                   progress, workers, on_forked=warm_up)
             doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc,
