@@ -7,11 +7,15 @@ the project's ChatML template) and for the real Qwen3.6 tokenizer (../shared/fix
              tokenizer's batch encode of the texts (no masks, no verification, no writing);
   stage:     `python -m dflash_etl tokenize --force` as a whole process (default workers = cores).
 Raw limit and stage runs alternate (--repeats stage runs per tokenizer, one more raw run); the
-fastest run of each counts. Reports conversations/s, tokens/s, the ratio stage/raw (goal >= 0.75)
-and the stage's peak RSS (summed over its process tree, the suite helper process included).
+fastest run of each counts, and, as a figure the host's drift moves less, the median over the
+stage runs of (mean of the raw runs just before and after) / stage. With --base REV the stage of
+that git revision runs too, alternating with this tree's (same data, same checks), so a change's
+effect on the whole process shows within one run. Reports conversations/s, tokens/s, the ratio
+stage/raw (goal >= 0.75) and the stage's peak RSS (summed over its process tree, the suite
+helper process included).
 Writes benchmarks/results/tokenize.{json,md}.
 
-    python benchmarks/bench_tokenize.py [--conversations 20000] [--repeats 2]
+    python benchmarks/bench_tokenize.py [--conversations 20000] [--repeats 2] [--base REV]
 """
 
 from __future__ import annotations
@@ -155,10 +159,10 @@ def _descends(child: int, root: int) -> bool:
     return False
 
 
-def run_stage(run_dir: Path, model: Path) -> dict:
+def run_stage(run_dir: Path, model: Path, src: Path = REPO / "src") -> dict:
     cmd = [sys.executable, "-m", "dflash_etl", "tokenize", "--run", str(run_dir),
            "--model", str(model), "--force", "--seq-length", "4096"]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": str(src)}
     start, cpu = time.perf_counter(), children_cpu()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -194,7 +198,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=2, help="stage runs per tokenizer")
+    parser.add_argument("--base", help="also run the stage of this git revision, alternating")
     args = parser.parse_args()
+    base_src = None
+    if args.base:
+        base_src = WORK / "base" / "src"
+        shutil.rmtree(WORK / "base", ignore_errors=True)
+        (WORK / "base").mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.base, "src",
+                                  "contracts", "expectations"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(WORK / "base")], input=archive, check=True)
     WORK.mkdir(parents=True, exist_ok=True)
     source = WORK / f"sharegpt_{args.conversations}.jsonl"
     if not source.exists():
@@ -220,10 +234,12 @@ def main() -> None:
         # Raw limit and stage alternate (raw, stage, raw, ..., raw) and the fastest run of each
         # counts: this machine's speed drifts by 2x within minutes, and the fastest run is the
         # one least slowed by whatever else the host runs.
-        raws, stages = [], []
+        raws, stages, bases = [], [], []
         for _ in range(args.repeats):
             raws.append(raw_limit(model, run_dir / "ingest" / "conversations"))
             stages.append(run_stage(run_dir, model))
+            if base_src is not None:
+                bases.append(run_stage(run_dir, model, base_src))
         raws.append(raw_limit(model, run_dir / "ingest" / "conversations"))
         stage = min(stages, key=lambda r: r["seconds"])
         raw = {**min(raws, key=lambda r: r["seconds"]),
@@ -231,7 +247,14 @@ def main() -> None:
         stage["all_seconds"] = [r["seconds"] for r in stages]
         ratio = (stage["conversations"] / stage["seconds"]) / (raw["conversations"] /
                                                                 raw["seconds"])
-        results["runs"][name] = {"raw": raw, "stage": stage, "ratio": round(ratio, 3)}
+        paired = sorted((raws[k]["seconds"] + raws[k + 1]["seconds"]) / 2 / st["seconds"]
+                        for k, st in enumerate(stages))
+        results["runs"][name] = {"raw": raw, "stage": stage, "ratio": round(ratio, 3),
+                                 "ratio_paired_median": round(paired[len(paired) // 2], 3)}
+        if bases:
+            results["runs"][name]["base"] = {
+                "revision": args.base, "all_seconds": [r["seconds"] for r in bases],
+                "cpu_seconds": min(r["cpu_seconds"] for r in bases)}
         print(name, json.dumps(results["runs"][name]), flush=True)
     results["machine"]["load_avg_at_end"] = os.getloadavg()[0]
     out = HERE / "results"
@@ -243,17 +266,31 @@ def main() -> None:
              f"{machine['load_avg_at_end']:.1f} at end)", "",
              f"{args.conversations} synthetic ShareGPT conversations (1-3 turns, 10% system).", "",
              "| tokenizer | raw limit s (all runs) | raw limit conv/s | stage s (all runs) | "
-             "stage conv/s (whole process) | ratio | stage conv/s (in-stage time) | "
-             "stage peak RSS | rows written | tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "stage conv/s (whole process) | ratio (fastest) | ratio (paired median) | "
+             "stage conv/s (in-stage time) | stage peak RSS | rows written | tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["runs"].items():
         raw, st = r["raw"], r["stage"]
         lines.append(f"| {name} | {' / '.join(f'{x:.1f}' for x in raw['all_seconds'])} | "
                      f"{raw['conversations'] / raw['seconds']:.0f} | "
                      f"{' / '.join(f'{x:.1f}' for x in st['all_seconds'])} | "
                      f"{st['conversations'] / st['seconds']:.0f} | {r['ratio']:.2f} | "
+                     f"{r['ratio_paired_median']:.2f} | "
                      f"{st['conversations'] / st['in_stage_seconds']:.0f} | "
                      f"{st['peak_rss_mb']:.0f} MB | {st['rows_written']} | {st['tokens']} |")
+    if any("base" in r for r in results["runs"].values()):
+        lines += ["", f"The stage at {args.base}, alternating with this tree's in the same run:",
+                  "", "| tokenizer | stage s at the base (all runs) | this tree (all runs) | "
+                  "fastest: base -> this tree | CPU s (fewest): base -> this tree |",
+                  "|---|---|---|---|---|"]
+        for name, r in results["runs"].items():
+            if "base" in r:
+                b, st = r["base"], r["stage"]
+                lines.append(
+                    f"| {name} | {' / '.join(f'{x:.1f}' for x in b['all_seconds'])} | "
+                    f"{' / '.join(f'{x:.1f}' for x in st['all_seconds'])} | "
+                    f"{min(b['all_seconds']):.1f} -> {st['seconds']:.1f} s | "
+                    f"{b['cpu_seconds']:.1f} -> {st['cpu_seconds']:.1f} |")
     cores = os.cpu_count() or 1
     lines += ["", "CPU seconds (user + system; the stage's process tree: its workers and its "
               "suite helper included):", "",
