@@ -238,3 +238,47 @@ def test_dataset_directory_in_several_shards_loads_as_datasets_wrote_it(tmp_path
     assert dataset.info.splits["train"].num_examples == len(rows)
     assert dataset.features["loss_mask"].feature.dtype == "int8"
     assert dataset.with_format(None).to_list() == rows
+
+
+def test_forked_workers_and_a_resumed_run_write_the_rows_of_one_process(tmp_path, monkeypatch):
+    """600 conversations are 3 chunks: two forked workers, and a run that failed after its
+    chunks were done and then resumed without redoing any, write what one process writes."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    rows = [{"messages": [{"role": "user", "content": f"Question {k}: what is {k} + {k}?"},
+                          {"role": "assistant", "content": f"{k} + {k} = {2 * k}."}]}
+            for k in range(600)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = parse_config({"run": {"workers": 1},
+                           "sources": [{"name": "sums", "path": "rows.jsonl"}]},
+                          base_dir=tmp_path)
+    ingest.run(config, tmp_path / "one")
+    for name in ("two", "resumed"):
+        shutil.copytree(tmp_path / "one", tmp_path / name)
+    kw = {"model": str(DEFAULT_TOKENIZER), "seq_length": 512}
+
+    def dataset(name: str) -> list[dict]:
+        return load_from_disk(str(tmp_path / name / "tokenize" / "dataset")).with_format(
+            None).to_list()
+
+    tokenize.run(config, tmp_path / "one", workers=1, **kw)
+    tokenize.run(config, tmp_path / "two", workers=2, **kw)
+    assert len(dataset("one")) == 600 and dataset("two") == dataset("one")
+
+    def fail(*args, **kwargs):
+        raise StageError("interrupted after the chunks")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenize, "_finish", fail)
+        with pytest.raises(StageError, match="interrupted"):
+            tokenize.run(config, tmp_path / "resumed", workers=2, **kw)
+    chunks = tmp_path / "resumed" / ".tokenize.partial" / "chunks"
+    assert len(list(chunks.glob("c*.done.json"))) == 3
+    redone = []
+    real_work = tokenize._work
+    monkeypatch.setattr(tokenize, "_work", lambda item: redone.append(item[0]) or real_work(item))
+    doc = tokenize.run(config, tmp_path / "resumed", workers=1, **kw)
+    assert redone == [] and doc["total"]["rows_in"] == 600
+    assert dataset("resumed") == dataset("one")

@@ -18,8 +18,8 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
-from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from collections import Counter, deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -376,23 +376,26 @@ def run(
 def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, progress,
                 workers, on_forked=lambda: None):
     """Tokenize every chunk not done yet (resume), in forked workers when there are several;
-    `on_forked` runs once they all exist."""
+    `on_forked` runs once they all exist. Chunks are read and sent as the workers take them (a
+    few per worker ahead), so the parent holds one input shard, not the dataset."""
     results: dict[int, dict[str, Any]] = {}
-    todo = []
-    for index, conversations in _chunks(files):
-        done = chunks_dir / f"c{index:06d}.done.json"
-        if done.exists():  # resume
-            results[index] = json.loads(done.read_text())
-        else:
-            todo.append((index, _chunk_bytes(conversations), str(chunks_dir)))
-    total = len(results) + len(todo)
-    n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    total = sum(-(-pq.ParquetFile(path).metadata.num_rows // CHUNK) for path in files)
+    done = {int(p.name[1:7]) for p in chunks_dir.glob("c*.done.json")}
+
+    def todo():
+        for index, conversations in _chunks(files):
+            if index in done:  # resume
+                results[index] = json.loads((chunks_dir / f"c{index:06d}.done.json").read_text())
+            else:
+                yield index, _chunk_bytes(conversations), str(chunks_dir)
+
+    n_workers = max(1, min(workers or os.cpu_count() or 1, total - len(done)))
     with progress_bar("tokenize", total=total, enabled=progress) as bar:
-        bar.advance(len(results))
+        bar.advance(len(done))
         # Forked workers inherit the loaded tokenizer instead of parsing it again.
         _init_worker(tokenizer, settings, template_probe)
         if n_workers == 1:
-            for item in todo:
+            for item in todo():
                 result = _work(item)
                 results[result["index"]] = result
                 bar.advance(1)
@@ -403,9 +406,17 @@ def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, pr
             try:
                 with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork"),
                                          initializer=_one_thread_per_worker) as pool:
-                    mapped = pool.map(_work, todo)  # submits all: every worker is forked now
-                    on_forked()
-                    for result in mapped:
+                    in_flight: deque[Future[dict[str, Any]]] = deque()
+                    for k, item in enumerate(todo()):
+                        in_flight.append(pool.submit(_work, item))
+                        if k == 0:
+                            on_forked()  # the first submit forked every worker
+                        if len(in_flight) >= 4 * n_workers:
+                            result = in_flight.popleft().result()
+                            results[result["index"]] = result
+                            bar.advance(1)
+                    while in_flight:
+                        result = in_flight.popleft().result()
                         results[result["index"]] = result
                         bar.advance(1)
             finally:
