@@ -763,7 +763,8 @@ def verify_row(
         fail("row metadata is inconsistent")
     if len(runs) != len(row.expected) and not (row.truncated and len(runs) < len(row.expected)):
         fail(f"{len(runs)} supervised spans, expected {len(row.expected)}")
-    encoded = encoded or _encode_row(tokenizer, row.text, row.split_at)
+    if encoded is None:
+        encoded = _encode_row(tokenizer, row.text, row.split_at)
     ids = encoded.ids
     ref = ids + ([row.input_ids[-1]] if row.eos_appended and len(ids) < n else [])
     if row.eos_appended and not row.truncated and len(ids) + 1 != n:
