@@ -239,10 +239,12 @@ def test_offsets_are_looked_up_exactly_as_the_full_offsets_list_gives_them(tok):
 
     from dflash_etl.templates.masks import _encode, _Encoded, _pieces
 
-    texts = [json.dumps(json.loads(line), ensure_ascii=False)  # the rows' own characters
-             for name in ("sharegpt.jsonl", "openai_messages_edgecases.jsonl",
-                          "agentic_reasoning_tool_use.jsonl")
-             for line in (DATA_DIR / name).read_text(encoding="utf-8").splitlines()[:12]]
+    texts = []
+    for name in ("sharegpt.jsonl", "openai_messages_edgecases.jsonl", "openai_messages.jsonl",
+                 "alpaca.jsonl", "agentic_reasoning_tool_use.jsonl"):
+        rows = [json.dumps(json.loads(line), ensure_ascii=False)  # the rows' own characters
+                for line in (DATA_DIR / name).read_text(encoding="utf-8").splitlines()]
+        texts += [t for t in rows if not t.isascii()][:6] + rows[:6]
     texts += ["<|im_start|>user\né😀中文 a\u0301b<|im_end|>\n<|im_start|>assistant\n",
               "\u200b\ufeff  tab\t\r\n end  "]
     rng = random.Random(0)
