@@ -571,20 +571,26 @@ def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
 def gate(stage: str, stage_dir: Path, run_root: Path, thresholds: Thresholds) -> dict[str, Any]:
     """Run a stage's suite on its (partial) output and save the result there; raise SuiteError
     when it fails. The stage then marks itself failed and builds the report the message names."""
-    return start_gate(stage, stage_dir, run_root, thresholds)()
+    result = start_gate(stage, stage_dir, run_root, thresholds)()
+    assert result is not None
+    return result
 
 
 def start_gate(stage: str, stage_dir: Path, run_root: Path,
-               thresholds: Thresholds) -> Callable[[], dict[str, Any]]:
+               thresholds: Thresholds) -> Callable[..., dict[str, Any] | None]:
     """`gate`, begun now in the suite helper process when one runs, finished by the returned
-    function (which must be called): the stage does other work on its own core meanwhile."""
+    function (which must be called): the stage does other work on its own core meanwhile.
+    `finish(in_process=False)` only collects the helper's answer (None without one): for a stage
+    that already failed otherwise, the suite is not worth importing great_expectations here."""
     from dflash_etl.rundir import write_json_atomic
 
     pending = suite_helper.request_suite(stage_dir, STAGE_SUITES[stage],
                                          dataclasses.asdict(thresholds))
 
-    def finish() -> dict[str, Any]:
+    def finish(in_process: bool = True) -> dict[str, Any] | None:
         result = pending()
+        if result is None and not in_process:
+            return None
         if result is None:  # no helper process, or it failed: here, where errors raise with context
             result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
         result_path = Path(stage_dir) / RESULT_FILE

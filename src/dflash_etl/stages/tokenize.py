@@ -360,7 +360,7 @@ def run(
                 _validate(partial, len(tokenizer), settings)
             except BaseException:
                 with contextlib.suppress(Exception):  # the contract's failure is the one raised
-                    finish_gate()
+                    finish_gate(in_process=False)  # the helper's answer, if it is computing one
                 raise
             finish_gate()
     except StageError as exc:
