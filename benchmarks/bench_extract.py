@@ -28,7 +28,7 @@ WORK = HERE / "work" / "extract"
 
 
 def target(out: Path) -> Path:
-    from dflash_etl.tiny_model import build_tiny_qwen2
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(out, hidden_size=256, layers=4, heads=4, kv_heads=2)
 
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8192)
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from dflash_etl.config import load_config
+    from dflash_etl.core.config import load_config
     from dflash_etl.stages import extract, ingest, tokenize
 
     model = target(WORK / "target")

@@ -1,10 +1,10 @@
 """regenerate's openai backend against a local OpenAI-compatible server, at concurrency 1, 8, 32.
 
 Two servers, each its own process (so the client measured here shares no interpreter with them):
-  model:   `python -m dflash_etl.devserver --model <tiny random Qwen2>`: real generation, one at
-           a time (the dev server serialises the model);
-  instant: `python -m dflash_etl.devserver --instant`: a fixed reply with no model, i.e. the most
-           requests/s this client and the HTTP stack can do.
+  model:   `python -m dflash_etl.models.devserver --model <tiny random Qwen2>`: real
+           generation, one at a time (the dev server serialises the model);
+  instant: `python -m dflash_etl.models.devserver --instant`: a fixed reply with no model, i.e.
+           the most requests/s this client and the HTTP stack can do.
 For each, N chat-completion requests go through `OpenAIBackend.generate` (the stage's own client);
 reported: requests/s, completion tokens/s, and the client's CPU seconds per request. The client is
 not the bottleneck when the instant server's requests/s is far above the model server's and the
@@ -32,7 +32,7 @@ WORK = HERE / "work" / "regenerate"
 
 def tiny_model(out: Path) -> Path:
     """A 2-layer random Qwen2 with the project's tokenizer (as in tests/test_regenerate_stage)."""
-    from dflash_etl.tiny_model import build_tiny_qwen2
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(out, hidden_size=32, layers=2, heads=2, kv_heads=1)
 
@@ -45,7 +45,8 @@ def free_port() -> int:
 
 def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_etl.devserver", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_etl.models.devserver",
+                             "--port", str(port),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     seen = []
     for line in proc.stdout:  # "serving NAME at URL" once it listens (after loading the model)
@@ -114,7 +115,8 @@ def main() -> None:
             lines.append(f"| {name} | {r['concurrency']} | {r['requests_per_s']} | "
                          f"{r['tokens_per_s']} | {r['wall_ms_per_request']} | "
                          f"{r['client_cpu_ms_per_request']} |")
-    lines += ["", "*model*: `python -m dflash_etl.devserver` over a tiny random-weight Qwen2 "
+    lines += ["", "*model*: `python -m dflash_etl.models.devserver` over a tiny random-weight "
+              "Qwen2 "
               "(real generate, one request at a time: more concurrency cannot make it faster); "
               "*instant*: the same server with `--instant` (a fixed reply, no model), the "
               "ceiling of this client plus the HTTP stack on this machine. Both servers run in "

@@ -37,7 +37,7 @@ from bench_tokenize import make_data  # noqa: E402
 
 
 def time_tokenize(n: int, workers: int) -> dict:
-    from dflash_etl.config import parse_config
+    from dflash_etl.core.config import parse_config
     from dflash_etl.stages import ingest, tokenize
 
     base = WORK / f"tok-{n}"
@@ -127,7 +127,7 @@ def main() -> int:
     data = write_synthetic(Path(tok["dataset"]), args.rows, stage)
     print(f"wrote {args.rows} synthetic rows in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    from dflash_etl import suites
+    from dflash_etl.validation import suites
 
     t0 = time.perf_counter()
     result = suites.run_suite(stage, "tokenized", suites.Thresholds())

@@ -24,9 +24,9 @@ VOCAB_SIZE = 2048
 
 def corpus() -> list[str]:
     sys.path.insert(0, str(HERE.parent / "src"))
-    from dflash_etl.config import load_config
+    from dflash_etl.core.config import load_config
     from dflash_etl.formats import RowError, normalize_row
-    from dflash_etl.readers import Unit, read_unit, resolve_paths
+    from dflash_etl.io.readers import Unit, read_unit, resolve_paths
 
     config = load_config(HERE / "pipeline.toml")
     texts = []

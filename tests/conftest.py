@@ -150,7 +150,7 @@ def failed_gate_run(tmp_path_factory) -> tuple[Path, int, str]:
 
     import tomli_w
 
-    from dflash_etl.cli import main
+    from dflash_etl.cli.main import main
 
     base = tmp_path_factory.mktemp("failed-gate")
     config = tomllib.loads((REPO_ROOT / "data" / "pipeline.toml").read_text())

@@ -11,8 +11,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from dflash_etl import readers
-from dflash_etl.config import SourceConfig
+from dflash_etl.core.config import SourceConfig
+from dflash_etl.io import readers
 from dflash_etl.stages.ingest import normalize_records
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "fixtures"

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl.cli import main
+from dflash_etl.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl.config import load_config
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import load_config
+from dflash_etl.core.errors import StageError
 from dflash_etl.stages import extract, ingest, tokenize
 from dflash_etl.stages.extract import auto_layers, length_batches, padding_share
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
-    from dflash_etl.tiny_model import build_tiny_qwen2
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-target") / "model")  # 4 x 64
 
@@ -182,7 +182,7 @@ def test_errors_name_the_cause(target, tmp_path, monkeypatch):
 def test_run_chains_every_stage_on_a_named_target(target, tmp_path, capsys):
     """`dflash-etl run` on the embedded default's sources with `[target] model = DIR` (a real
     pipeline's form): the prompt-only rows get real replies and every stage completes in order."""
-    from dflash_etl.cli import main
+    from dflash_etl.cli.main import main
 
     data = tmp_path / "data"
     shutil.copytree(REPO / "data", data)

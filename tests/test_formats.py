@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from dflash_etl import readers
-from dflash_etl.config import SourceConfig
+from dflash_etl.core.config import SourceConfig
 from dflash_etl.formats import RowError, detect_format, normalize_row
-from dflash_etl.roles import letter, role_order_error
+from dflash_etl.formats.roles import letter, role_order_error
+from dflash_etl.io import readers
 from dflash_etl.stages.ingest import normalize_records
 
 # ------------------------------------------------------------------ helpers

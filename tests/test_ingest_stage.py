@@ -9,8 +9,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dflash_etl.config import load_config, parse_config
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import load_config, parse_config
+from dflash_etl.core.errors import StageError
 from dflash_etl.stages import ingest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def suite_gate_calls(monkeypatch) -> list[str]:
     """Stand in for the suite gate: these tests are about accounting, reruns and mixing, and
     each great_expectations gate costs 10-20 s on a 2-core machine. The gates themselves are
     tested in tests/test_suites.py and on the default run. Returns the stages gated."""
-    from dflash_etl import suites
+    from dflash_etl.validation import suites
 
     calls: list[str] = []
 

@@ -14,11 +14,11 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_etl import schema as S
-from dflash_etl.config import FORMATS, SourceConfig
+from dflash_etl.core import schema as S
+from dflash_etl.core.config import FORMATS, SourceConfig
 from dflash_etl.formats import RowError, normalize_row
-from dflash_etl.readers import decode_line
-from dflash_etl.roles import letter, role_order_error
+from dflash_etl.formats.roles import letter, role_order_error
+from dflash_etl.io.readers import decode_line
 from dflash_etl.stages.ingest import normalize_records
 
 REASONS = {v for k, v in vars(S).items() if k.startswith("Q_")}

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl import readers
-from dflash_etl.config import SourceConfig
-from dflash_etl.errors import StageError
-from dflash_etl.readers import RAW_KEEP_BYTES, Record, Unit, decode_line, plan_units, read_unit
+from dflash_etl.core.config import SourceConfig
+from dflash_etl.core.errors import StageError
+from dflash_etl.io import readers
+from dflash_etl.io.readers import RAW_KEEP_BYTES, Record, Unit, decode_line, plan_units, read_unit
 from dflash_etl.stages.ingest import normalize_records
 
 MAX = 1 << 20

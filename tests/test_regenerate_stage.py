@@ -11,8 +11,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dflash_etl.config import load_config
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import load_config
+from dflash_etl.core.errors import StageError
 from dflash_etl.stages import ingest, regenerate
 from dflash_etl.stages.regenerate import (
     RegenerateSettings,
@@ -37,7 +37,7 @@ ROWS = [
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer random Qwen2 with the project's tokenizer: generates real (meaningless) text."""
     pytest.importorskip("torch")
-    from dflash_etl.tiny_model import build_tiny_qwen2
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-model") / "model", hidden_size=32,
                             layers=2, heads=2, kv_heads=1)
@@ -174,7 +174,7 @@ def test_dummy_replies_are_found_across_prompts():
 
 
 def test_cli_subcommand_and_module_entry(tiny_model, ingested, capsys):
-    from dflash_etl.cli import main
+    from dflash_etl.cli.main import main
     from dflash_etl.stages.regenerate import main as module_main
 
     args = ["--run", str(ingested), "--model", str(tiny_model), "--max-new-tokens", "6",
@@ -202,7 +202,7 @@ def _openai_kw(server, **extra):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    from dflash_etl.devserver import DevServer
+    from dflash_etl.models.devserver import DevServer
 
     with DevServer(str(tiny_model)) as srv:
         srv.model_dir = tiny_model

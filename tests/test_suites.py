@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl import suite_helper, suites
-from dflash_etl.cli import main
-from dflash_etl.config import ConfigError
+from dflash_etl.cli.main import main
+from dflash_etl.core.config import ConfigError
+from dflash_etl.validation import suite_helper, suites
 
 DEFAULT_LIMITS = {"max_quarantine_rate_per_source": {"openai_chat": 0.10}}
 

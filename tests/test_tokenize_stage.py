@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_etl.cli import main
-from dflash_etl.config import parse_config
-from dflash_etl.errors import StageError
+from dflash_etl.cli.main import main
+from dflash_etl.core.config import parse_config
+from dflash_etl.core.errors import StageError
 from dflash_etl.stages import ingest, tokenize
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_etl.config import load_config
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import load_config
+from dflash_etl.core.errors import StageError
 from dflash_etl.stages import extract, ingest, regenerate, tokenize, train
 
 torch = pytest.importorskip("torch")
@@ -28,7 +28,7 @@ SMALL = {"draft_layers": 1, "block_size": 8, "batch_rows": 4, "anchors_per_row":
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    from dflash_etl.tiny_model import build_tiny_qwen2
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("train-target") / "model",
                             tie_word_embeddings=False)
@@ -93,8 +93,8 @@ def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
     """Whatever is proposed, the output is the target's greedy continuation (transformers'
     generate), and each step scores the accepted prefix + 1: a drafter, an oracle that is right
     on the first 2 of each block's 3 drafts, and a perfect one."""
-    from dflash_etl.acceptance import drafter_proposer, eos_token_ids, speculative_decode
-    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.acceptance import drafter_proposer, eos_token_ids, speculative_decode
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
     from dflash_etl.stages.extract import ExtractSettings, Target
 
     tgt = Target(ExtractSettings(model=str(target), layers="1,2", device="cpu"))
@@ -144,7 +144,7 @@ def tokenize_rows(run_dir: Path) -> list[dict]:
 def test_blocks_see_only_the_context_before_their_anchor():
     """make_batch labels a block with the row's tokens at anchor+k, supervised where the loss
     mask is; the drafter's block output ignores context at or after the anchor."""
-    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
 
     ids = list(range(10, 30))
     mask = [0] * 8 + [1] * 12  # anchors can be 8..18 (position 19 has no successor)
@@ -290,7 +290,7 @@ def test_drafter_layers_compute_what_speculators_dflash_layers_compute():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
 
     config = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=8, intermediate_size=64,
@@ -332,7 +332,7 @@ def test_drafter_layers_compute_what_speculators_dflash_layers_compute():
 def test_chunked_loss_equals_the_whole_batch_loss_and_gradients():
     """block_loss sends only supervised positions through the LM head, a chunk at a time under
     checkpointing; loss and gradients equal the plain formula over every block's logits."""
-    from dflash_etl.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
 
     config = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=8, intermediate_size=32,
@@ -375,8 +375,8 @@ def test_tau_evaluation_on_a_hybrid_target_without_a_croppable_cache(tmp_path):
     the evaluation re-reads the sequence; the output is still the target's greedy decoding."""
     import transformers
 
-    from dflash_etl.acceptance import _croppable_cache, drafter_proposer, speculative_decode
-    from dflash_etl.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.acceptance import _croppable_cache, drafter_proposer, speculative_decode
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
     from dflash_etl.stages.extract import ExtractSettings, Target
 
     config = transformers.Qwen3NextConfig(
@@ -402,7 +402,7 @@ def test_tau_evaluation_on_a_hybrid_target_without_a_croppable_cache(tmp_path):
 def test_the_tiny_target_follows_its_config(tmp_path):
     """[target] tiny is rebuilt when its spec changes (so the stages' fingerprints change with
     it), reused when it does not, and an unknown key is an error that lists the known ones."""
-    from dflash_etl.tiny_model import configured_target
+    from dflash_etl.models.tiny_model import configured_target
 
     def config_with(spec: str):
         path = tmp_path / "pipeline.toml"

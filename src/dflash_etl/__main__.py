@@ -1,3 +1,3 @@
-from dflash_etl.cli import main
+from dflash_etl.cli.main import main
 
 raise SystemExit(main())

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from dflash_etl import roles
-from dflash_etl import schema as S
+from dflash_etl.core import schema as S
+from dflash_etl.formats import roles
 from dflash_etl.formats.chat import parse_messages
 from dflash_etl.formats.common import (
     Conversation,

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from dflash_etl import schema as S
+from dflash_etl.core import schema as S
 from dflash_etl.formats.common import (
     Conversation,
     Message,

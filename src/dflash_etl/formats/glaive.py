@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from dflash_etl import schema as S
+from dflash_etl.core import schema as S
 from dflash_etl.formats.common import (
     Conversation,
     Message,

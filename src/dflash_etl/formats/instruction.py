@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_etl import schema as S
+from dflash_etl.core import schema as S
 from dflash_etl.formats.chat import parse_messages
 from dflash_etl.formats.common import (
     Conversation,

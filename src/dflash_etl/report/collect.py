@@ -10,7 +10,7 @@ from typing import Any
 
 import polars as pl
 
-from dflash_etl.suites import RESULT_FILE
+from dflash_etl.validation.suites import RESULT_FILE
 
 STAGES = ("ingest", "regenerate", "tokenize", "extract", "train")
 EXAMPLES_PER_REASON = 2

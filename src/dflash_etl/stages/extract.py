@@ -33,14 +33,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
-from dflash_etl.contracts import read_arrow
-from dflash_etl.errors import ContractError, StageError
-from dflash_etl.progress import progress_bar
+from dflash_etl.core.accounting import Stats, stats_document
+from dflash_etl.core.config import TARGET_HINT, PipelineConfig, stage_settings
+from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.models.tiny_model import with_target
 from dflash_etl.report import publish_docs
-from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
-from dflash_etl.tiny_model import with_target
+from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
@@ -452,7 +452,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli import main as cli_main
+    from dflash_etl.cli.main import main as cli_main
 
     return cli_main(["extract", *(argv if argv is not None else sys.argv[1:])])
 

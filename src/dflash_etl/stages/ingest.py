@@ -24,15 +24,16 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl import readers, suite_helper, suites
-from dflash_etl import schema as S
-from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig, SourceConfig
-from dflash_etl.errors import StageError
+from dflash_etl.core import schema as S
+from dflash_etl.core.accounting import Stats, stats_document
+from dflash_etl.core.config import PipelineConfig, SourceConfig
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
 from dflash_etl.formats import RowError, normalize_row
-from dflash_etl.progress import progress_bar
+from dflash_etl.io import readers
 from dflash_etl.report import publish_docs
-from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.validation import suite_helper, suites
 
 STAGE = "ingest"
 _ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
@@ -198,7 +199,7 @@ def run(
 ) -> dict[str, Any]:
     """Run ingest into `run_dir/ingest`; returns the stats document. Skips when complete."""
     suite_helper.start()  # the gate's great_expectations loads meanwhile
-    from dflash_etl.contracts import validate_conversations
+    from dflash_etl.validation.contracts import validate_conversations
 
     run = RunDir(run_dir)
     timer = Timer()
@@ -346,7 +347,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli import main as cli_main
+    from dflash_etl.cli.main import main as cli_main
 
     return cli_main(["ingest", *(argv if argv is not None else sys.argv[1:])])
 

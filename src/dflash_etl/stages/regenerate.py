@@ -30,16 +30,16 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl import schema as S
-from dflash_etl import suite_helper, suites
-from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
-from dflash_etl.errors import StageError
-from dflash_etl.progress import progress_bar
+from dflash_etl.core import schema as S
+from dflash_etl.core.accounting import Stats, stats_document
+from dflash_etl.core.config import TARGET_HINT, PipelineConfig, stage_settings
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.models.tiny_model import with_target
 from dflash_etl.report import publish_docs
-from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
 from dflash_etl.templates.render import RenderError
-from dflash_etl.tiny_model import with_target
+from dflash_etl.validation import suite_helper, suites
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
@@ -580,7 +580,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete.
     `generator` replaces the backend the settings name (an instance, e.g. shared between runs)."""
     suite_helper.start()  # the gate's great_expectations loads meanwhile
-    from dflash_etl.contracts import validate_conversations
+    from dflash_etl.validation.contracts import validate_conversations
 
     section = config.section("regenerate") if config else {}
     overrides = with_target(config, run_dir, section, overrides, "model")
@@ -646,7 +646,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli import main as cli_main
+    from dflash_etl.cli.main import main as cli_main
 
     return cli_main(["regenerate", *(argv if argv is not None else sys.argv[1:])])
 

@@ -29,14 +29,14 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_etl import suite_helper, suites
-from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import PipelineConfig, stage_settings
-from dflash_etl.errors import ContractError, StageError
-from dflash_etl.progress import progress_bar
+from dflash_etl.core.accounting import Stats, stats_document
+from dflash_etl.core.config import PipelineConfig, stage_settings
+from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.report import publish_docs
-from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
-from dflash_etl.torch_pickle import save_plain_dict
+from dflash_etl.validation import suite_helper, suites
 
 STAGE = "tokenize"
 CHUNK = 256  # conversations per work item
@@ -538,7 +538,7 @@ def _contract_params(vocab_size: int, settings: TokenizeSettings) -> dict[str, A
 
 
 def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> None:
-    from dflash_etl.contracts import format_failures, load_contract, validate_files
+    from dflash_etl.validation.contracts import format_failures, load_contract, validate_files
 
     params = _contract_params(vocab_size, settings)
     files = sorted((partial / "dataset").glob("*.arrow"))
@@ -549,7 +549,7 @@ def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli import main as cli_main
+    from dflash_etl.cli.main import main as cli_main
 
     return cli_main(["tokenize", *(argv if argv is not None else sys.argv[1:])])
 

@@ -4,7 +4,7 @@ Reads the tokenized rows (input_ids, loss_mask) and, offline, the extract stage'
 online (`--online`) it computes them from the target for each batch through the same Target class
 extract uses. Each step samples rows and, per row, anchors where the loss mask and its successor
 are 1; every anchor opens a block (anchor token + block_size-1 mask tokens) predicted in one pass
-(see dflash_etl.drafter). The loss at block offset k is cross-entropy against the row's token at
+(see models/drafter.py). The loss at block offset k is cross-entropy against the row's token at
 anchor+k, weighted exp(-(k-1)/gamma) and by the loss mask, normalised by the weight sum (SpecForge).
 
 Held-out conversations (never trained on) give the evaluation prompts: tau before training, every
@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash_etl.accounting import Stats, stats_document
-from dflash_etl.config import TARGET_HINT, PipelineConfig, stage_settings
-from dflash_etl.contracts import read_arrow
-from dflash_etl.errors import ContractError, StageError
-from dflash_etl.progress import progress_bar
+from dflash_etl.core.accounting import Stats, stats_document
+from dflash_etl.core.config import TARGET_HINT, PipelineConfig, stage_settings
+from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.models.tiny_model import with_target
 from dflash_etl.report import publish_docs
-from dflash_etl.rundir import RunDir, Timer, sha256_file, write_json_atomic
-from dflash_etl.tiny_model import with_target
+from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
 F_HELD_OUT = "held_out_for_eval"
@@ -376,7 +376,7 @@ class Trainer:
                  rank: int = 0, world: int = 1) -> None:
         import torch
 
-        from dflash_etl.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
+        from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
         from dflash_etl.stages.extract import ExtractSettings, Target
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
@@ -510,7 +510,7 @@ def verify(out: Path, block_size: int) -> list[str]:
     and eval.json holds finite tau values within [1, block_size]."""
     import torch
 
-    from dflash_etl.drafter import DFlashDrafter
+    from dflash_etl.models.drafter import DFlashDrafter
 
     problems = []
     try:
@@ -597,8 +597,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
            per_source: dict[str, Stats], partial: Path, rank: int,
            progress: bool | None) -> dict[str, Any]:
-    from dflash_etl.acceptance import acceptance_length, eos_token_ids
-    from dflash_etl.drafter import parameter_count
+    from dflash_etl.models.acceptance import acceptance_length, eos_token_ids
+    from dflash_etl.models.drafter import parameter_count
 
     ckpt_dir = partial / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
@@ -686,7 +686,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli import main as cli_main
+    from dflash_etl.cli.main import main as cli_main
 
     return cli_main(["train", *(argv if argv is not None else sys.argv[1:])])
 

@@ -6,7 +6,7 @@ supervised tokens, longest supervised run, supervised fraction, seq_len, source)
 with polars/numpy, and the per-source aggregates (quarantine rate, share of the mix) from
 stats.json; GE then checks those small flat frames. great_expectations is imported only inside
 `run_suite` (the import alone takes seconds, minutes on slow machines): in the suite helper process
-a stage starts first thing (`dflash_etl.suite_helper`), else ahead of the gate by `warming_up`
+a stage starts first thing (`validation/suite_helper.py`), else ahead of the gate by `warming_up`
 while the stage's worker processes are busy.
 """
 
@@ -27,12 +27,13 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_etl import roles, suite_helper
-from dflash_etl.config import ConfigError
-from dflash_etl.contracts import read_arrow
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import ConfigError
+from dflash_etl.core.errors import StageError
+from dflash_etl.formats import roles
+from dflash_etl.validation import suite_helper
+from dflash_etl.validation.contracts import read_arrow
 
-EXPECTATIONS_DIR = Path(__file__).resolve().parents[2] / "expectations"
+EXPECTATIONS_DIR = Path(__file__).resolve().parents[3] / "expectations"
 STAGE_SUITES = {"ingest": "conversations", "regenerate": "conversations",
                 "tokenize": "tokenized"}
 # Where each suite's stage writes its shards (the contract of the same name checks them).
@@ -115,7 +116,7 @@ def expectations_dir() -> Path:
     """expectations/ of the source tree (editable install) or a packaged copy."""
     if EXPECTATIONS_DIR.is_dir():
         return EXPECTATIONS_DIR
-    return Path(__file__).resolve().parent / "_expectations"
+    return Path(__file__).resolve().parents[1] / "_expectations"
 
 
 def load_suite(name: str) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def output_files(stage_dir: Path, kind: str) -> list[Path]:
 
 def conversation_features(frame: pl.DataFrame) -> pl.DataFrame:
     """One row per conversation: identity columns plus role features."""
-    from dflash_etl.contracts import role_letters
+    from dflash_etl.validation.contracts import role_letters
 
     keep = [c for c in ("id", "source", "format", "needs_response", "file", "line")
             if c in frame.columns]
@@ -582,7 +583,7 @@ def start_gate(stage: str, stage_dir: Path, run_root: Path,
     function (which must be called): the stage does other work on its own core meanwhile.
     `finish(in_process=False)` only collects the helper's answer (None without one): for a stage
     that already failed otherwise, the suite is not worth importing great_expectations here."""
-    from dflash_etl.rundir import write_json_atomic
+    from dflash_etl.core.rundir import write_json_atomic
 
     pending = suite_helper.request_suite(stage_dir, STAGE_SUITES[stage],
                                          dataclasses.asdict(thresholds))

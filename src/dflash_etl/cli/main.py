@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.config import ConfigError, load_config
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import ConfigError, load_config
+from dflash_etl.core.errors import StageError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONFIG = REPO_ROOT / "data" / "pipeline.toml"
 
 
@@ -214,7 +214,7 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from dflash_etl.check import check_path
+    from dflash_etl.validation.check import check_path
 
     report = check_path(Path(args.path), suite=args.suite)
     _say(report["summary"])
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("ingest", "regenerate", "tokenize", "run"):
-        from dflash_etl import suite_helper
+        from dflash_etl.validation import suite_helper
 
         suite_helper.start()  # before the stage's own imports: see suite_helper
     try:

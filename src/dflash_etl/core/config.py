@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.errors import StageError
+from dflash_etl.core.errors import StageError
 
 FORMATS = ("auto", "openai", "sharegpt", "alpaca", "orca", "prompt", "parts", "glaive")
 FIELD_KEYS = ("messages", "response", "system", "tools", "prompt")

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.accounting import AccountingError, Stats
-from dflash_etl.contracts import format_failures, load_contract, validate_files
-from dflash_etl.suites import (
+from dflash_etl.core.accounting import AccountingError, Stats
+from dflash_etl.validation.contracts import format_failures, load_contract, validate_files
+from dflash_etl.validation.suites import (
     OUTPUT_DIRS,
     STAGE_SUITES,
     Thresholds,

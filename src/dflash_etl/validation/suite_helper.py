@@ -37,7 +37,7 @@ def start() -> None:
 def _launch() -> None:
     try:
         process = subprocess.Popen(
-            [sys.executable, "-c", "from dflash_etl.suite_helper import serve; serve()"],
+            [sys.executable, "-c", "from dflash_etl.validation.suite_helper import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
     except OSError:
@@ -103,7 +103,7 @@ def stop() -> None:
 
 def serve() -> None:
     """The helper's loop: build the GE context now, then answer one request per input line."""
-    from dflash_etl import suites
+    from dflash_etl.validation import suites
 
     # an error here fails the request the same way, and the stage validates in-process
     with contextlib.suppress(Exception):

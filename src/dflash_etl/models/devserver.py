@@ -2,7 +2,7 @@
 
 For trying `regenerate --backend openai` without vLLM, and for that backend's tests and benchmark:
 
-    python -m dflash_etl.devserver --model DIR [--port 8000]
+    python -m dflash_etl.models.devserver --model DIR [--port 8000]
 
 It serves `GET /v1/models` and `POST /v1/chat/completions` (streaming on and off) through the
 same `TransformersBackend` the regenerate stage uses, one generation at a time. `--instant` answers

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.config import PipelineConfig
-from dflash_etl.errors import StageError
+from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.errors import StageError
 
-PROJECT_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer"
+PROJECT_TOKENIZER = Path(__file__).resolve().parents[3] / "data" / "tokenizer"
 
 
 def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads: int = 4,

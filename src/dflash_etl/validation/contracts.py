@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from dflash_etl import roles
-from dflash_etl.errors import ContractError
+from dflash_etl.core.errors import ContractError
+from dflash_etl.formats import roles
 
 if TYPE_CHECKING:  # pandera (and pandas under it) is imported where a contract is built or run:
     # ~1 s of a stage's start that `read_arrow` and the named checks do not need
     import pandera.polars as pa
     from pandera.errors import SchemaError, SchemaErrors
 
-CONTRACTS_DIR = Path(__file__).resolve().parents[2] / "contracts"
+CONTRACTS_DIR = Path(__file__).resolve().parents[3] / "contracts"
 
 MESSAGE = pl.Struct(
     {
@@ -42,7 +42,7 @@ def contracts_dir() -> Path:
     """contracts/ of the source tree (editable install) or the packaged copy."""
     if CONTRACTS_DIR.is_dir():
         return CONTRACTS_DIR
-    return Path(__file__).resolve().parent / "_contracts"
+    return Path(__file__).resolve().parents[1] / "_contracts"
 
 
 # --------------------------------------------------------------- named checks (polars)
@@ -60,7 +60,7 @@ def _letters(col: str) -> pl.Expr:
 
 
 def role_letters(frame: pl.DataFrame | pl.LazyFrame, col: str = "messages"):
-    """The S/U/A/C/T spelling of every row's roles (see dflash_etl.roles)."""
+    """The S/U/A/C/T spelling of every row's roles (see dflash_etl.formats.roles)."""
     return frame.select(_letters(col).alias("letters"))
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from dflash_etl import schema as S
-from dflash_etl.errors import StageError
+from dflash_etl.core import schema as S
+from dflash_etl.core.errors import StageError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".json", ".json.gz", ".parquet")
 RAW_KEEP_BYTES = 64 * 1024  # quarantine keeps this much of a huge line; file+line find the rest

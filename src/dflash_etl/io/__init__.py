@@ -1,0 +1,1 @@
+"""Reading sources and writing files in the formats other tools read."""

@@ -1,0 +1,1 @@
+"""The gates between stages: pandera contracts, great-expectations suites, `check`."""
