@@ -131,25 +131,27 @@ def test_interrupted_run_resumes_from_finished_units(tmp_path, monkeypatch, suit
     for k in range(3):
         _write_jsonl(tmp_path / f"part{k}.jsonl", [_chat(10 * k + j) for j in range(5)])
     config = _config(tmp_path, [{"name": "p", "path": "part*.jsonl"}])
-    real = ingest.ingest_unit
+    real = ingest.IngestStage.process_batch
     calls: list[int] = []
 
-    def crash_on_third(source, unit, unit_id, *args):
-        if unit_id == 2:
+    def crash_on_third(worker, batch, item):
+        if item.index == 2:
             raise KeyboardInterrupt
-        calls.append(unit_id)
-        return real(source, unit, unit_id, *args)
+        calls.append(item.index)
+        return real(worker, batch, item)
 
-    monkeypatch.setattr(ingest, "ingest_unit", crash_on_third)
+    monkeypatch.setattr(ingest.IngestStage, "process_batch", staticmethod(crash_on_third))
     with pytest.raises(KeyboardInterrupt):
         ingest.run(config, tmp_path / "run")
     assert calls == [0, 1] and not (tmp_path / "run" / "ingest").exists()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["stages"]["ingest"]["status"] == "failed"  # never left "running"
 
-    def count(source, unit, unit_id, *args):
-        calls.append(unit_id)
-        return real(source, unit, unit_id, *args)
+    def count(worker, batch, item):
+        calls.append(item.index)
+        return real(worker, batch, item)
 
-    monkeypatch.setattr(ingest, "ingest_unit", count)
+    monkeypatch.setattr(ingest.IngestStage, "process_batch", staticmethod(count))
     doc = ingest.run(config, tmp_path / "run")
     assert calls == [0, 1, 2]  # only the unfinished unit ran again
     assert doc["total"]["rows_out"] == 15

@@ -37,6 +37,8 @@ class RunConfig:
     max_line_bytes: int = 16 * 1024 * 1024
     workers: int = 0  # 0: one per core
     max_quarantine_rate: float = 0.05
+    executor: str = "local"  # or "ray": the CPU stages' work items on a Ray cluster (Ray Data)
+    ray_address: str | None = None  # "auto", "HOST:PORT"; default: start a local Ray
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,23 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+FILES_JSON = "files.json"  # in each published output: every file's size (and sha256 if small)
+HASHED_MAX_BYTES = 16 * 2**20
+
+
+def list_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {size, sha256 (files up to 16 MiB)}} of every file below `directory`."""
+    listing: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel == FILES_JSON:
+            continue
+        size = path.stat().st_size
+        listing[rel] = {"size": size,
+                        "sha256": sha256_file(path) if size <= HASHED_MAX_BYTES else None}
+    return listing
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
@@ -94,9 +111,17 @@ class RunDir:
             and info.get("fingerprint") == fingerprint
         )
 
-    def completed_stats(self, stage: str, fingerprint: str) -> dict[str, Any] | None:
-        """The stats of a stage already complete for these inputs (marked skipped), or None."""
+    def completed_stats(self, stage: str, fingerprint: str,
+                        say: Any = None) -> dict[str, Any] | None:
+        """The stats of a stage already complete for these inputs (marked skipped), or None;
+        None also when a published file went missing or changed (`say` is told which)."""
         if not self.is_complete(stage, fingerprint):
+            return None
+        changed = self.changed_files(stage)
+        if changed:
+            if say is not None:
+                say(f"{stage}: the published output changed since it was made "
+                    f"({'; '.join(changed)}): redoing the stage")
             return None
         doc = json.loads((self.stage_dir(stage) / "stats.json").read_text())
         doc["skipped"] = True
@@ -114,16 +139,48 @@ class RunDir:
         return partial
 
     def commit(self, stage: str, summary: dict[str, Any], seconds: float) -> Path:
-        """Publish the partial directory as the stage output and mark it complete."""
+        """Publish the partial directory as the stage output and mark it complete. The old output
+        is renamed away before the new one is renamed in, so `<stage>/` is never half deleted."""
         partial, final = self.partial_dir(stage), self.stage_dir(stage)
         (partial / "FINGERPRINT").unlink(missing_ok=True)
+        listing = list_files(partial)
+        write_json_atomic(partial / FILES_JSON, listing)
+        old = self.root / f".{stage}.old"
+        if old.exists():
+            shutil.rmtree(old)
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, old)
         os.replace(partial, final)
         self.update_stage(
-            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), counts=summary
+            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), counts=summary,
+            files={"count": len(listing), "bytes": sum(e["size"] for e in listing.values()),
+                   "listing_sha256": sha256_file(final / FILES_JSON)}, error=None,
         )
+        shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def changed_files(self, stage: str) -> list[str]:
+        """What differs between the published output and what was published (missing, resized,
+        or re-hashed files); [] when it is intact."""
+        final = self.stage_dir(stage)
+        info = self.manifest().get("stages", {}).get(stage, {}).get("files")
+        listing_path = final / FILES_JSON
+        if not info or not listing_path.exists():
+            return [f"{FILES_JSON} (the list of published files) is missing"]
+        if sha256_file(listing_path) != info.get("listing_sha256"):
+            return [f"{FILES_JSON} was edited"]
+        problems = []
+        for rel, entry in json.loads(listing_path.read_text()).items():
+            path = final / rel
+            if not path.is_file():
+                problems.append(f"{rel}: missing")
+            elif path.stat().st_size != entry["size"]:
+                problems.append(f"{rel}: {path.stat().st_size} bytes, published {entry['size']}")
+            elif entry.get("sha256") and sha256_file(path) != entry["sha256"]:
+                problems.append(f"{rel}: content changed")
+            if len(problems) >= 5:
+                break
+        return problems
 
     def fail(self, stage: str, error: str) -> None:
         self.update_stage(stage, status="failed", finished_at=now(), error=error)

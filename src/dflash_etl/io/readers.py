@@ -162,14 +162,21 @@ def _json_document(data: bytes, max_bytes: int) -> Iterator[Record]:
 
 
 def _parquet(path: str) -> Iterator[Record]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     line = 1
-    parquet = pq.ParquetFile(path)
-    for batch in parquet.iter_batches(batch_size=8192):
-        for row in batch.to_pylist():
-            yield Record(line, value=row, raw=b"")
-            line += 1
+    try:
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=8192):
+            for row in batch.to_pylist():
+                yield Record(line, value=row, raw=b"")
+                line += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise StageError(
+            f"{path}: cannot read it as Parquet after {line - 1} rows ({exc}); the file is "
+            "truncated or not Parquet — re-create or re-download it, or remove it from the source"
+        ) from None
 
 
 def raw_text(record: Record) -> tuple[str, bytes | None]:

@@ -8,14 +8,10 @@ passes.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +24,12 @@ from dflash_etl.core import schema as S
 from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import PipelineConfig, SourceConfig
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import sha256_file, write_json_atomic
+from dflash_etl.core.runner import run_stage
+from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
-from dflash_etl.report import publish_docs
-from dflash_etl.validation import suite_helper, suites
+from dflash_etl.validation import suites
 
 STAGE = "ingest"
 _ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
@@ -138,26 +134,6 @@ def _sample(part: pl.DataFrame, k: int, seed: int, salt: int) -> pl.DataFrame:
     return part[chosen]
 
 
-# ---------------------------------------------------------------- worker
-def ingest_unit(
-    source: SourceConfig, unit: readers.Unit, unit_id: int, out_dir: str, max_line_bytes: int
-) -> dict[str, Any]:
-    """Normalize one unit and write its rows and quarantine as Parquet (runs in a worker)."""
-    records = readers.read_unit(unit, max_line_bytes)
-    rows, quarantine, stats = normalize_records(records, source, unit.path)
-    for row in rows:
-        row["_unit"] = unit_id
-        row["_line"] = row["line"]
-    base = Path(out_dir) / f"u{unit_id:06d}"
-    pq.write_table(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA), f"{base}.rows.parquet.tmp")
-    pq.write_table(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE), f"{base}.q.parquet.tmp")
-    os.replace(f"{base}.rows.parquet.tmp", f"{base}.rows.parquet")
-    os.replace(f"{base}.q.parquet.tmp", f"{base}.q.parquet")
-    result = {"unit_id": unit_id, "source": source.name, "stats": stats.to_dict()}
-    write_json_atomic(Path(f"{base}.done.json"), result)
-    return result
-
-
 # ---------------------------------------------------------------- shell
 def _inputs(config: PipelineConfig) -> list[tuple[SourceConfig, list[str]]]:
     found = []
@@ -190,98 +166,93 @@ def _empty_output_message(per_source: dict[str, Stats], problem: list[str]) -> s
     return "\n".join(lines)
 
 
+class IngestStage(BatchStage):
+    """Source files -> canonical conversations; a work item is one unit of one source file."""
+
+    name = STAGE
+    gated = True
+
+    def prepare(self, ctx: StageContext) -> dict[str, Any]:
+        config = _require_config(ctx.config)
+        sources = _inputs(config)
+        inputs = [
+            {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
+            for s, paths in sources for p in paths
+        ]
+        ctx.run.update_manifest(config=config.to_dict(), config_hash=config.digest(),
+                                inputs=inputs)
+        ctx.state["sources"] = sources
+        return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs]}
+
+    def plan(self, ctx: StageContext) -> list[WorkItem]:
+        units = [(source, unit) for source, paths in ctx.state["sources"] for path in paths
+                 for unit in readers.plan_units(path)]
+        return [WorkItem(k, unit) for k, unit in enumerate(units)]
+
+    def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
+        return (_require_config(ctx.config).run.max_line_bytes,)
+
+    @classmethod
+    def load(cls, worker: Any, item: WorkItem) -> Any:
+        (max_line_bytes,) = worker
+        return readers.read_unit(item.payload[1], max_line_bytes)
+
+    @classmethod
+    def process_batch(cls, worker: Any, batch: Any, item: WorkItem) -> BatchOutput:
+        source, unit = item.payload
+        rows, quarantine, stats = normalize_records(batch, source, unit.path)
+        for row in rows:
+            row["_unit"] = item.index
+            row["_line"] = row["line"]
+        return BatchOutput(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA),
+                           pa.Table.from_pylist(quarantine, schema=S.QUARANTINE),
+                           {source.name: stats})
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        from dflash_etl.validation.contracts import validate_conversations
+
+        with suites.warming_up() as warm_up:
+            ctx.state["on_forked"] = warm_up
+            doc = super().execute(ctx)
+            validate_conversations(ctx.partial / "conversations", ctx.partial)
+            write_json_atomic(ctx.partial / "stats.json", doc)
+            suites.gate(STAGE, ctx.partial, ctx.run.root,
+                        suites.Thresholds.from_config(_require_config(ctx.config)))
+        return doc
+
+    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
+               ) -> dict[str, Any]:
+        return _finish(_require_config(ctx.config), results, ctx.partial, work_dir)
+
+
+def _require_config(config: PipelineConfig | None) -> PipelineConfig:
+    if config is None:
+        raise StageError("ingest needs a config: pass --config pipeline.toml (its [[sources]])")
+    return config
+
+
 def run(
     config: PipelineConfig,
     run_dir: str | Path,
     force: bool = False,
     progress: bool | None = None,
     workers: int | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Run ingest into `run_dir/ingest`; returns the stats document. Skips when complete."""
-    suite_helper.start()  # the gate's great_expectations loads meanwhile
-    from dflash_etl.validation.contracts import validate_conversations
-
-    run = RunDir(run_dir)
-    timer = Timer()
-    thresholds = suites.Thresholds.from_config(config)
-    sources = _inputs(config)
-    inputs = [
-        {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
-        for s, paths in sources for p in paths
-    ]
-    fingerprint = hashlib.sha256(
-        (config.digest() + ":" + ",".join(i["sha256"] for i in inputs)).encode()
-    ).hexdigest()
-    run.update_manifest(config=config.to_dict(), config_hash=config.digest(), inputs=inputs)
-    if not force and (done := run.completed_stats(STAGE, fingerprint)):
-        return done
-    partial = run.begin(STAGE, fingerprint)
-    units_dir = partial / "units"
-    units_dir.mkdir(exist_ok=True)
-    jobs = [
-        (source, unit)
-        for source, paths in sources
-        for path in paths
-        for unit in readers.plan_units(path)
-    ]
-    try:
-        with suites.warming_up() as warm_up:
-            results = _run_units(config, jobs, units_dir, progress, workers, warm_up)
-            doc = _finish(config, jobs, results, partial, units_dir)
-            validate_conversations(partial / "conversations", partial)
-            write_json_atomic(partial / "stats.json", doc)
-            suites.gate(STAGE, partial, run.root, thresholds)
-    except StageError as exc:
-        run.fail(STAGE, str(exc))
-        publish_docs(run.root)
-        raise
-    shutil.rmtree(units_dir)
-    run.commit(STAGE, doc["total"], timer.seconds)
-    publish_docs(run.root)
-    return doc
+    return run_stage(IngestStage(), config, run_dir, force=force, progress=progress,
+                     workers=workers, **options)
 
 
-def _run_units(config, jobs, units_dir: Path, progress, workers,
-               on_forked=lambda: None) -> list[dict[str, Any]]:
-    """Read every unit not done yet (resume), in forked workers when there are several;
-    `on_forked` runs once they all exist."""
-    results: dict[int, dict[str, Any]] = {}
-    todo = []
-    for unit_id, (source, unit) in enumerate(jobs):
-        done = units_dir / f"u{unit_id:06d}.done.json"
-        if done.exists():  # resume: this unit finished before an interruption
-            results[unit_id] = _read_json(done)
-        else:
-            todo.append((unit_id, source, unit))
-    n_workers = workers or config.run.workers or os.cpu_count() or 1
-    n_workers = max(1, min(n_workers, len(todo)))
-    args = (str(units_dir), config.run.max_line_bytes)
-    with progress_bar("ingest", total=len(jobs), enabled=progress) as bar:
-        bar.advance(len(results))
-        if n_workers == 1:
-            for unit_id, source, unit in todo:
-                results[unit_id] = ingest_unit(source, unit, unit_id, *args)
-                bar.advance(1)
-        else:
-            with ProcessPoolExecutor(n_workers) as pool:
-                futures = [
-                    pool.submit(ingest_unit, source, unit, unit_id, *args)
-                    for unit_id, source, unit in todo
-                ]
-                on_forked()  # the first submit forked every worker
-                for future in futures:
-                    result = future.result()
-                    results[result["unit_id"]] = result
-                    bar.advance(1)
-    return [results[k] for k in sorted(results)]
-
-
-def _finish(config, jobs, results, partial: Path, units_dir: Path) -> dict[str, Any]:
+def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path,
+            units_dir: Path) -> dict[str, Any]:
     per_source = {s.name: Stats() for s in config.sources}
     for result in results:
-        per_source[result["source"]].merge(Stats.from_dict(result["stats"]))
-    row_files = [str(units_dir / f"u{k:06d}.rows.parquet") for k in range(len(jobs))]
-    q_files = [str(units_dir / f"u{k:06d}.q.parquet") for k in range(len(jobs))]
+        for name, data in result["sources"].items():
+            per_source[name].merge(Stats.from_dict(data))
+    paths = [item_paths(units_dir, r["index"]) for r in results]
+    row_files = [str(rows) for rows, _, _ in paths]
+    q_files = [str(q) for _, q, _ in paths]
     index = pl.concat(
         [pl.read_parquet(f, columns=["id", "source", "_unit", "_line"]) for f in row_files]
     ) if row_files else pl.DataFrame()
@@ -340,10 +311,6 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
                 writer, shard, in_shard = None, shard + 1, 0
     if writer is not None:
         writer.close()
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

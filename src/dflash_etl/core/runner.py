@@ -1,0 +1,144 @@
+"""The one lifecycle every stage runs through.
+
+settings -> lock -> prepare (inputs, fingerprint) -> skip if complete and intact -> partial
+directory -> execute (work, contract, suite) -> publish or fail -> report. Any error ends with
+the stage marked `failed` in the manifest, with the same message the user sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.lock import run_lock
+from dflash_etl.core.rundir import RunDir, Timer
+from dflash_etl.core.stage import Stage, StageContext
+
+
+def fingerprint_of(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _rank() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, *,
+              force: bool = False, progress: bool | None = None, workers: int | None = None,
+              executor: str | None = None, ray_address: str | None = None,
+              **overrides: Any) -> dict[str, Any]:
+    """Run `stage` into `run_dir/<stage>`; returns its stats document (`skipped: True` when it
+    was already complete for the same inputs and its published files are intact)."""
+    if stage.gated:
+        from dflash_etl.validation import suite_helper
+
+        suite_helper.start()  # the gate's great_expectations loads meanwhile
+    run = RunDir(run_dir)
+    rank, world = _rank()
+    run_config = config.run if config else None
+    ctx = StageContext(
+        name=stage.name, run=run, config=config, progress=progress, workers=workers,
+        executor=executor or (run_config.executor if run_config else "local"),
+        ray_address=ray_address or (run_config.ray_address if run_config else None),
+        rank=rank, world=world,
+    )
+    lock = run_lock(run.root, stage.name) if rank == 0 else contextlib.nullcontext()
+    with lock as stale:
+        if stale and stale.get("stage"):
+            _mark_interrupted(run, stale)
+        timer = Timer()
+        begun = False
+        try:
+            ctx.settings = stage.make_settings(config, run.root, overrides)
+            ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
+            if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
+                                                          say=_say)):
+                return done
+            if rank == 0:
+                ctx.partial = run.begin(stage.name, ctx.fingerprint)
+            else:
+                ctx.partial = run.partial_dir(stage.name)
+            begun = True
+            stage.begin(ctx)
+            doc = stage.execute(ctx)
+        except BaseException as exc:
+            error = exc if isinstance(exc, StageError) else describe_error(exc, stage.name)
+            if rank == 0 and run.root.is_dir():
+                _record_failure(run, stage.name, error, begun)
+            if error is exc or isinstance(exc, KeyboardInterrupt):
+                raise
+            raise error from exc
+        if rank == 0:
+            stage.cleanup(ctx)
+            run.commit(stage.name, doc["total"], timer.seconds)
+            _publish_docs(run)
+        stage.end(ctx)
+        return doc
+
+
+def _record_failure(run: RunDir, stage: str, error: BaseException, begun: bool) -> None:
+    """The manifest says `failed` with the message (never `running`); the report shows it."""
+    message = str(error) or type(error).__name__
+    if isinstance(error, KeyboardInterrupt):
+        message = "interrupted: completed work is kept in the partial directory; rerun to resume"
+    with contextlib.suppress(OSError):
+        run.fail(stage, message)
+    if begun:
+        _publish_docs(run)
+
+
+def _publish_docs(run: RunDir) -> None:
+    from dflash_etl.report import publish_docs
+
+    publish_docs(run.root)
+
+
+def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
+    """A holder that died (SIGKILL, OOM) left its stage `running`: say what happened."""
+    stage = stale["stage"]
+    info = run.manifest().get("stages", {}).get(stage, {})
+    if info.get("status") == "running":
+        run.fail(stage, f"the process running it (pid {stale.get('pid')} on "
+                        f"{stale.get('host')}) died before it finished; its completed work is "
+                        "kept and a rerun resumes it")
+
+
+def describe_error(exc: BaseException, stage: str) -> StageError | BaseException:
+    """An unexpected exception as one paragraph: what went wrong, where, what to do."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if isinstance(exc, KeyboardInterrupt):
+        return exc
+    if isinstance(exc, BrokenProcessPool):
+        return StageError(
+            f"{stage}: a worker process died (killed by the operating system — often out of "
+            "memory — or crashed). Completed work is kept: rerun to resume, with fewer "
+            "--workers if memory is short (see `dmesg` for the kernel's reason)")
+    if isinstance(exc, OSError):
+        where = exc.filename or "the run directory"
+        if exc.errno == errno.ENOSPC:
+            return StageError(f"{stage}: the disk is full (writing {where}). Completed work is "
+                              "kept: free space and rerun to resume")
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return StageError(f"{stage}: cannot write {where} ({exc.strerror}): make the run "
+                              "directory writable or choose another --run")
+        return StageError(f"{stage}: {exc.strerror or exc} ({where}); rerun with --debug for "
+                          "the traceback")
+    if isinstance(exc, MemoryError):
+        return StageError(f"{stage}: out of memory; rerun with fewer --workers or a smaller "
+                          "batch (completed work is kept)")
+    return StageError(f"{stage}: internal error {type(exc).__name__}: {exc}. This is a bug in "
+                      "dflash_etl: rerun with --debug for the traceback and report it with the "
+                      "run's manifest.json")

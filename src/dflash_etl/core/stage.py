@@ -1,0 +1,175 @@
+"""What a stage is: its settings, what it reads, and its work. The runner owns the rest.
+
+A stage says how to make its settings, `prepare` (find its inputs; what its fingerprint covers),
+and `execute` (write its output into the partial directory and return its stats document).
+CPU stages that split into independent work items are `BatchStage`s: a per-worker `setup`, a
+`load` of one item's input, a pure `process_batch`, and a `finish` over all items' results;
+an executor (local process pool or Ray Data) runs the items, so the stage never sees how.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_etl.core.accounting import Stats
+from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.rundir import RunDir, write_json_atomic
+
+
+@dataclass
+class StageContext:
+    """One stage run: what the runner knows, and what `prepare` found for `execute`."""
+
+    name: str
+    run: RunDir
+    config: PipelineConfig | None
+    progress: bool | None = None
+    workers: int | None = None
+    executor: str = "local"
+    ray_address: str | None = None
+    settings: Any = None
+    fingerprint: str = ""
+    partial: Path = Path()
+    rank: int = 0
+    world: int = 1
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def n_workers(self) -> int:
+        """--workers, else [run] workers, else one per core."""
+        configured = self.config.run.workers if self.config else 0
+        return max(1, self.workers or configured or os.cpu_count() or 1)
+
+
+class Stage:
+    """A stage of the pipeline. Subclasses set `name` and implement `prepare` and `execute`."""
+
+    name: ClassVar[str]
+    gated: ClassVar[bool] = False  # has a great-expectations suite: start the suite helper early
+
+    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
+                      overrides: dict[str, Any]) -> Any:
+        return None
+
+    def prepare(self, ctx: StageContext) -> dict[str, Any]:
+        """Read what the stage needs to decide whether it must run; returns what the fingerprint
+        covers (settings, input hashes, model identity)."""
+        raise NotImplementedError
+
+    def begin(self, ctx: StageContext) -> None:
+        """The partial directory exists (and may hold an interrupted run's work)."""
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        """Write the output into ctx.partial, pass its gates; returns the stats document."""
+        raise NotImplementedError
+
+    def cleanup(self, ctx: StageContext) -> None:
+        """Remove work files from ctx.partial before it is published."""
+
+    def end(self, ctx: StageContext) -> None:
+        """After the output was published (or, on ranks other than 0, after the work)."""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One independent piece of a batch stage's input (a file unit, a row range): small and
+    picklable, so an executor can send it anywhere; `index` orders the results."""
+
+    index: int
+    payload: Any
+
+
+@dataclass
+class BatchOutput:
+    """What `process_batch` makes of one item: rows, quarantined rows, per-source accounting,
+    and anything `finish` adds up (JSON-able)."""
+
+    rows: pa.Table
+    quarantine: pa.Table
+    stats: dict[str, Stats]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BatchStage(Stage):
+    """A stage made of independent work items; `execute` runs them on the chosen executor."""
+
+    def plan(self, ctx: StageContext) -> list[WorkItem]:
+        raise NotImplementedError
+
+    def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
+        """Picklable arguments of `setup` (sent to every remote worker)."""
+        return ()
+
+    @classmethod
+    def setup(cls, *args: Any) -> Any:
+        """Per worker, once: load the tokenizer or model; the result is passed to every item."""
+        return args
+
+    @classmethod
+    def load(cls, worker: Any, item: WorkItem) -> Any:
+        """The item's input (I/O, in the worker)."""
+        raise NotImplementedError
+
+    @classmethod
+    def process_batch(cls, worker: Any, batch: Any, item: WorkItem) -> BatchOutput:
+        """The pure transform of one item's input."""
+        raise NotImplementedError
+
+    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
+               ) -> dict[str, Any]:
+        """Whole-dataset steps over every item's result (mix, dedup, vocabulary), the output
+        files and the gates; returns the stats document."""
+        raise NotImplementedError
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        from dflash_etl.executors import get_executor
+
+        work_dir = ctx.partial / "units"
+        work_dir.mkdir(exist_ok=True)
+        items = self.plan(ctx)
+        results = get_executor(ctx).map(self, ctx, items, work_dir)
+        return self.finish(ctx, results, work_dir)
+
+    def cleanup(self, ctx: StageContext) -> None:
+        import shutil
+
+        shutil.rmtree(ctx.partial / "units", ignore_errors=True)
+
+
+def item_paths(work_dir: Path, index: int) -> tuple[Path, Path, Path]:
+    base = work_dir / f"u{index:06d}"
+    return (Path(f"{base}.rows.parquet"), Path(f"{base}.q.parquet"), Path(f"{base}.done.json"))
+
+
+def done_result(work_dir: Path, index: int) -> dict[str, Any] | None:
+    """The result of an item finished before (resume), or None."""
+    done = item_paths(work_dir, index)[2]
+    if not done.exists():
+        return None
+    try:
+        return json.loads(done.read_text())
+    except ValueError:  # cut by a crash: the item is done again
+        return None
+
+
+def run_item(stage: type[BatchStage], worker: Any, item: WorkItem, work_dir: Path
+             ) -> dict[str, Any]:
+    """Load, process and write one item (in whatever worker runs it). Files are renamed into
+    place and done.json comes last, so an item retried after a crash is written whole once."""
+    output = stage.process_batch(worker, stage.load(worker, item), item)
+    rows_path, q_path, done_path = item_paths(work_dir, item.index)
+    for table, path in ((output.rows, rows_path), (output.quarantine, q_path)):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    result = {"index": item.index,
+              "sources": {name: s.to_dict() for name, s in output.stats.items()},
+              **output.extra}
+    write_json_atomic(done_path, result)
+    return result

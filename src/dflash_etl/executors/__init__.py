@@ -1,0 +1,34 @@
+"""Executors run a batch stage's work items; they never change what the items produce.
+
+`local` (the default) forks a process pool on this machine; `ray` runs the same items as Ray
+Data `map_batches` over a Ray cluster. Both skip items finished before (resume) and return the
+items' results in item order, so `finish` and the outputs are the same on either.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.stage import BatchStage, StageContext, WorkItem
+
+EXECUTORS = ("local", "ray")
+
+
+class Executor(Protocol):
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
+            work_dir: Path) -> list[dict[str, Any]]: ...
+
+
+def get_executor(ctx: StageContext) -> Executor:
+    if ctx.executor == "local":
+        from dflash_etl.executors.local import LocalExecutor
+
+        return LocalExecutor()
+    if ctx.executor == "ray":
+        from dflash_etl.executors.ray import RayExecutor
+
+        return RayExecutor(ctx.ray_address)
+    raise StageError(f"executor {ctx.executor!r} is not known; use one of {list(EXECUTORS)} "
+                     "([run] executor or --executor)")

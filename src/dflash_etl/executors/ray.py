@@ -1,0 +1,126 @@
+"""The Ray executor: a batch stage's work items as Ray Data `map_batches` over an actor pool.
+
+Each actor runs the stage's `setup` once (the tokenizer is loaded per actor, not per batch) and
+then the same `run_item` the local executor runs, writing the item's files into the partial
+directory, which must be on storage every node sees (one machine, or a shared filesystem).
+Only the items' small results travel back to the driver, so its memory does not grow with the
+data. An actor that dies is restarted by Ray and its items are retried (Ray Data's actor pools
+retry tasks); items write their files atomically, done marker last, so a retry is harmless.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.stage import BatchStage, StageContext, WorkItem, done_result, run_item
+
+INSTALL_HINT = "pip install 'dflash-etl[ray]'"
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+        import ray.data
+    except ImportError as exc:
+        raise StageError(f"executor 'ray' needs Ray Data, which is not installed: "
+                         f"{INSTALL_HINT} (or use the default executor 'local')") from exc
+    return ray
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
+    """Connect to the cluster at `address` ("auto", "HOST:PORT"), or start a local one; a Ray
+    this process already joined is used as it is."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                              "configure_logging": False}
+    if address:
+        kwargs["address"] = address
+    elif num_cpus:
+        kwargs["num_cpus"] = num_cpus
+    try:
+        ray.init(**kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise StageError(f"cannot connect to the Ray cluster at {address!r}: {exc}. Start it "
+                         "with `ray start --head` (and `ray start --address HEAD:PORT` on the "
+                         "other nodes), or leave [run] ray_address unset for a local Ray"
+                         ) from exc
+    return ray
+
+
+class _Actor:
+    """One Ray Data actor: the stage's worker state, set up once."""
+
+    def __init__(self, stage: type[BatchStage], args: tuple[Any, ...], work_dir: str) -> None:
+        import os
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one CPU per actor
+        self.stage, self.work_dir = stage, Path(work_dir)
+        self.worker = stage.setup(*args)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        results = []
+        for blob in batch["item"]:
+            item: WorkItem = pickle.loads(blob)
+            result = done_result(self.work_dir, item.index)  # a retried batch's finished items
+            if result is None:
+                result = run_item(self.stage, self.worker, item, self.work_dir)
+            results.append(json.dumps(result))
+        return {"result": np.array(results, dtype=object)}
+
+
+class RayExecutor:
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
+            work_dir: Path) -> list[dict[str, Any]]:
+        results: dict[int, dict[str, Any]] = {}
+        todo = []
+        for item in items:
+            done = done_result(work_dir, item.index)
+            if done is not None:
+                results[item.index] = done
+            else:
+                todo.append(item)
+        with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
+            bar.advance(len(results))
+            if todo:
+                for result in self._run(stage, ctx, todo, work_dir):
+                    results[result["index"]] = result
+                    bar.advance(1)
+        return [results[k] for k in sorted(results)]
+
+    def _run(self, stage: BatchStage, ctx: StageContext, todo: list[WorkItem],
+             work_dir: Path):
+        ray = init_ray(self.address, ctx.workers or (ctx.config.run.workers if ctx.config
+                                                     else None) or None)
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False
+        actors = ctx.workers or (ctx.config.run.workers if ctx.config else 0) or max(
+            1, int(ray.cluster_resources().get("CPU", 1)))
+        actors = max(1, min(actors, len(todo)))
+        rows = [{"item": pickle.dumps(item)} for item in todo]
+        dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
+        mapped = dataset.map_batches(
+            _Actor, fn_constructor_args=(type(stage), stage.worker_args(ctx), str(work_dir)),
+            batch_size=1, concurrency=actors, num_cpus=1, batch_format="numpy")
+        try:
+            for row in mapped.iter_rows():
+                yield json.loads(row["result"])
+        except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc.__cause__
+            if isinstance(cause, StageError):
+                raise cause from None
+            raise StageError(f"{stage.name}: the Ray job failed: {type(exc).__name__}: "
+                             f"{str(exc)[:1500]}. Items finished so far are kept: rerun to "
+                             "resume") from exc
