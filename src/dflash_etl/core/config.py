@@ -419,9 +419,20 @@ def parse_config(data: dict[str, Any], base_dir: Path) -> PipelineConfig:
 def load_config(path: str | Path) -> PipelineConfig:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8: byte {exc.start} (line {line}) is "
+                          f"{raw[exc.start:exc.end]!r} ({exc.reason}); save the file as "
+                          "UTF-8") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     try:
