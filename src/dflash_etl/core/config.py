@@ -1,11 +1,28 @@
-"""pipeline.toml: parsed once into frozen dataclasses so every stage sees the same settings."""
+"""pipeline.toml: parsed once into frozen dataclasses so every stage sees the same settings.
+
+The whole file is checked against a schema before any stage runs (`parse_config`): every section
+and key must be known (a typo gets a "did you mean"), and every value must have its setting's type
+and range. The schema of a section is a settings dataclass: [run] is `RunConfig`, each stage's
+section the dataclass its module registers with `register_section`; a field's range or choices
+are in its metadata (`setting`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
+import importlib
 import json
+import math
+import re
+import shlex
 import tomllib
+import types
+import typing
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +30,27 @@ from dflash_etl.core.errors import StageError
 
 FORMATS = ("auto", "openai", "sharegpt", "alpaca", "orca", "prompt", "parts", "glaive")
 FIELD_KEYS = ("messages", "response", "system", "tools", "prompt")
+# The stage modules whose settings dataclasses are the schemas of their sections (imported on
+# the first parse_config: core never imports a stage at import time).
+STAGE_SECTIONS = ("regenerate", "tokenize", "extract", "train")
 
 
 class ConfigError(ValueError):
     """The config file is wrong; the message names the key and what to write instead."""
+
+
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+            min: float | None = None, max: float | None = None, above: float | None = None,
+            choices: Iterable[str] | None = None, why: str | None = None) -> Any:
+    """A settings dataclass field with the range its value must be in: `min` <= value <= `max`,
+    value > `above`, value in `choices` (a choice "x:N" also accepts "x:0", "x:1", ...); `why`
+    is added to the error message. For a dict field the range applies to its values."""
+    meta = {"min": min, "max": max, "above": above, "why": why,
+            "choices": tuple(choices) if choices is not None else None}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -31,14 +65,249 @@ class SourceConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    seed: int = 0
+    seed: int = setting(0, min=0)
     dedup: bool = True
-    shard_rows: int = 100_000
-    max_line_bytes: int = 16 * 1024 * 1024
-    workers: int = 0  # 0: one per core
-    max_quarantine_rate: float = 0.05
-    executor: str = "local"  # or "ray": the CPU stages' work items on a Ray cluster (Ray Data)
+    shard_rows: int = setting(100_000, min=1)
+    max_line_bytes: int = setting(16 * 1024 * 1024, min=1)
+    workers: int = setting(0, min=0)  # 0: one per core
+    max_quarantine_rate: float = setting(0.05, min=0, max=1)
+    # "ray": the CPU stages' work items on a Ray cluster (Ray Data)
+    executor: str = setting("local", choices=("local", "ray"))
     ray_address: str | None = None  # "auto", "HOST:PORT"; default: start a local Ray
+
+
+@dataclass(frozen=True)
+class ExpectationsSettings:
+    """The schema of [expectations] (validation/suites.py `Thresholds` parses it; its DEFAULTS
+    are the defaults)."""
+
+    max_quarantine_rate: float = setting(0.05, min=0, max=1)
+    share_tolerance: float = setting(0.05, min=0, max=1)
+    min_mean_supervised_fraction: float = setting(0.05, min=0, max=1)
+    max_mean_supervised_fraction: float = setting(0.95, min=0, max=1)
+    # a setting's range applies to a table's values (`setting` would do, but ruff's RUF009)
+    max_quarantine_rate_per_source: dict[str, float] = field(default_factory=dict,
+                                                             metadata={"min": 0, "max": 1})
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """The schema of [target] (models/tiny_model.py reads it and checks `tiny`'s keys)."""
+
+    model: str = ""
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+
+# section name -> its settings dataclass; the stage modules add theirs (register_section).
+SECTION_SCHEMAS: dict[str, type] = {
+    "run": RunConfig, "expectations": ExpectationsSettings, "target": TargetSettings,
+}
+
+
+def register_section(name: str, settings_cls: type) -> type:
+    """Make `settings_cls` the schema of the config section [name]."""
+    SECTION_SCHEMAS[name] = settings_cls
+    return settings_cls
+
+
+def _ensure_registered() -> None:
+    for name in STAGE_SECTIONS:
+        if name not in SECTION_SCHEMAS:
+            importlib.import_module(f"dflash_etl.stages.{name}")
+
+
+# ---------------------------------------------------------------- schema checks
+def _show(value: Any) -> str:
+    """A value as it is written in TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _close(name: str, known: Iterable[str]) -> str | None:
+    match = difflib.get_close_matches(name, list(known), n=1)
+    return match[0] if match else None
+
+
+def unknown_name(where: str, what: str, name: str, known: Iterable[str], show: Any = str,
+                 label: str | None = None) -> str:
+    """`<where>unknown <what> <name>; did you mean <close>?` (else the known names); `show`
+    writes a known name as the message shows it, `label` the unknown one (default: as is)."""
+    known = list(known)
+    close = _close(name, known)
+    hint = f"did you mean {show(close)}?" if close else \
+        f"known: {', '.join(show(k) for k in known)}"
+    return f"{where}unknown {what} {label or name}; {hint}"
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unoptional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _bounds(meta: dict[str, Any]) -> str:
+    low, above, high = meta.get("min"), meta.get("above"), meta.get("max")
+    if high is not None and (low is not None or above is not None):
+        return f" in [{low}, {high}]" if low is not None else f" in ({above}, {high}]"
+    if low is not None:
+        return f" >= {low}"
+    if above is not None:
+        return f" > {above}"
+    return f" <= {high}" if high is not None else ""
+
+
+def _expected(tp: Any, meta: dict[str, Any]) -> str:
+    """What a value of this setting must be, in words."""
+    tp, _ = _unoptional(tp)
+    if tp is bool:
+        return "true or false (a TOML boolean, without quotes)"
+    if tp is int:
+        return "an integer" + _bounds(meta)
+    if tp is float:
+        return "a number" + _bounds(meta)
+    if tp is str:
+        choices = meta.get("choices")
+        return f"one of {', '.join(_show(c) for c in choices)}" if choices else "a string"
+    if typing.get_origin(tp) is dict:
+        value_tp = typing.get_args(tp)[1]
+        return "a table" if value_tp is Any else f"a table of {_plural(value_tp, meta)}"
+    return str(tp)
+
+
+def _plural(tp: Any, meta: dict[str, Any]) -> str:
+    words = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+    text = words.get(tp, str(tp))
+    return text + _bounds(meta) if tp in (int, float) else text
+
+
+def _fits(value: Any, tp: Any, meta: dict[str, Any]) -> bool:
+    tp, optional = _unoptional(tp)
+    if value is None:
+        return optional
+    if tp is Any:
+        return True
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int if tp is int else int | float):
+            return False
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        low, above, high = meta.get("min"), meta.get("above"), meta.get("max")
+        return ((low is None or value >= low) and (above is None or value > above)
+                and (high is None or value <= high))
+    if tp is str:
+        if not isinstance(value, str):
+            return False
+        choices = meta.get("choices")
+        return choices is None or value in choices or any(
+            c.endswith(":N") and re.fullmatch(re.escape(c[:-1]) + r"\d+", value)
+            for c in choices)
+    if typing.get_origin(tp) is dict:
+        value_tp = typing.get_args(tp)[1]
+        return isinstance(value, dict) and all(_fits(v, value_tp, meta) for v in value.values())
+    return True  # an annotation this check does not know: the dataclass takes it as it is
+
+
+def check_value(value: Any, tp: Any, meta: dict[str, Any]) -> str | None:
+    """None when `value` fits the setting (type `tp`, range `meta`), else what it must be."""
+    if _fits(value, tp, meta):
+        return None
+    tp, _ = _unoptional(tp)
+    message = "must be " + _expected(tp, meta)
+    choices = meta.get("choices")
+    if tp is str and choices and isinstance(value, str):
+        close = _close(value, choices)
+        if close:
+            message += f"; did you mean {_show(close)}?"
+    if tp in (bool, int, float) and isinstance(value, str):
+        with_quotes_removed = _unquoted(value)
+        if with_quotes_removed is not None and _fits(with_quotes_removed, tp, meta):
+            message += f"; write {_show(with_quotes_removed)} without quotes"
+    if meta.get("why"):
+        message += f" ({meta['why']})"
+    return message
+
+
+def _unquoted(text: str) -> Any:
+    if "\n" in text:
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return None
+
+
+def check_section(cls: type, where: str, section: Any, skip: Iterable[str] = ()) -> list[str]:
+    """The problems of one config table against the dataclass `cls` (unknown keys, wrong types
+    or ranges); `where` names it ("[run]"), `skip`: keys checked elsewhere."""
+    if not isinstance(section, dict):
+        return [f"{where} must be a table (key = value lines under {where}), not "
+                f"{_show(section)}"]
+    specs = {f.name: f for f in fields(cls)}
+    hints = _hints(cls)
+    problems = []
+    for key, value in section.items():
+        if key not in specs:
+            problems.append(unknown_name(f"{where}: ", "key", key, specs))
+        elif key in skip:
+            continue
+        elif typing.get_origin(hints[key]) is dict and isinstance(value, dict):
+            value_tp = typing.get_args(hints[key])[1]  # a sub-table: each of its values
+            for sub, item in value.items():
+                wrong = check_value(item, value_tp, dict(specs[key].metadata))
+                if wrong:
+                    problems.append(f"[{where.strip('[]')}.{key}] {sub} = {_show(item)}: {wrong}")
+        else:
+            wrong = check_value(value, hints[key], dict(specs[key].metadata))
+            if wrong:
+                problems.append(f"{where} {key} = {_show(value)}: {wrong}")
+    return problems
+
+
+def _section_label(name: str, value: Any = None) -> str:
+    if name == "sources" or (isinstance(value, list) and value
+                             and all(isinstance(v, dict) for v in value)):
+        return f"[[{name}]]"
+    return f"[{name}]" if value is None or isinstance(value, dict) else name
+
+
+def check_schema(data: dict[str, Any]) -> list[str]:
+    """Every problem of a parsed pipeline.toml: unknown sections and keys, wrong types, values
+    out of range ([[sources]] entries: see `_source`)."""
+    _ensure_registered()
+    known = ["run", "sources", *sorted(set(SECTION_SCHEMAS) - {"run"})]
+    problems = []
+    for name, value in data.items():
+        if name == "sources":
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                problems.append("sources must be an array of tables: write [[sources]] (two "
+                                "brackets) above each source's keys")
+        elif name not in SECTION_SCHEMAS:
+            what = "section" if isinstance(value, dict | list) else "top-level key"
+            problems.append(unknown_name("", what, name, known, show=_section_label,
+                                         label=_section_label(name, value)))
+        else:
+            problems += check_section(SECTION_SCHEMAS[name], f"[{name}]", value)
+    return problems
 
 
 @dataclass(frozen=True)
@@ -67,22 +336,33 @@ class PipelineConfig:
         return dict(self.raw.get(name, {}))
 
 
+SOURCE_KEYS = tuple(f.name for f in fields(SourceConfig))
+
+
 def _source(entry: dict[str, Any], index: int) -> SourceConfig:
     where = f"[[sources]] #{index + 1}"
-    unknown = set(entry) - {"name", "path", "format", "max_rows", "weight", "fields"}
+    unknown = [k for k in entry if k not in SOURCE_KEYS]
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+        raise ConfigError("; ".join(unknown_name(f"{where}: ", "key", k, SOURCE_KEYS)
+                                    for k in unknown))
     if "path" not in entry:
         raise ConfigError(f"{where}: 'path' is required (a file, a directory or a glob)")
+    hints = _hints(SourceConfig)
+    for key in ("name", "path", "fields"):
+        if key in entry and check_value(entry[key], hints[key], {}):
+            raise ConfigError(f"{where} {key} = {_show(entry[key])}: "
+                              f"{check_value(entry[key], hints[key], {})}")
     name = str(entry.get("name") or Path(str(entry["path"])).stem)
     fmt = entry.get("format", "auto")
     if fmt not in FORMATS:
         raise ConfigError(f"{where} ({name!r}): format={fmt!r}; use one of {list(FORMATS)}")
     max_rows = entry.get("max_rows")
     weight = entry.get("weight")
-    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+    if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool)
+                                 or max_rows < 0):
         raise ConfigError(f"{where} ({name!r}): max_rows must be a non-negative integer")
-    if weight is not None and (not isinstance(weight, int | float) or weight <= 0):
+    if weight is not None and (not isinstance(weight, int | float) or isinstance(weight, bool)
+                               or math.isnan(weight) or weight <= 0):
         raise ConfigError(f"{where} ({name!r}): weight must be a positive number")
     fields = entry.get("fields", {})
     bad = set(fields) - set(FIELD_KEYS)
@@ -100,33 +380,68 @@ def _source(entry: dict[str, Any], index: int) -> SourceConfig:
     )
 
 
+def _problems(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
 def parse_config(data: dict[str, Any], base_dir: Path) -> PipelineConfig:
-    run_section = data.get("run", {})
-    known_run = set(RunConfig.__dataclass_fields__)
-    unknown = set(run_section) - known_run
-    if unknown:
-        raise ConfigError(f"[run]: unknown keys {sorted(unknown)}; known: {sorted(known_run)}")
-    sources = tuple(_source(e, i) for i, e in enumerate(data.get("sources", [])))
-    if not sources:
-        raise ConfigError("no [[sources]] in the config: add at least one source with a path")
+    """The checked config (ConfigError naming every unknown section or key and every value of
+    the wrong type or out of range)."""
+    problems = check_schema(data)
+    sources = []
+    entries = data.get("sources", [])
+    for index, entry in enumerate(entries if isinstance(entries, list) else []):
+        if not isinstance(entry, dict):
+            continue  # check_schema said so
+        try:
+            sources.append(_source(entry, index))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if not entries and not any("did you mean [[sources]]" in p for p in problems):
+        problems.append("no [[sources]] in the config: add at least one source with a path")
     names = [s.name for s in sources]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
-        raise ConfigError(f"source names must be unique; repeated: {sorted(dupes)}")
+        problems.append(f"source names must be unique; repeated: {sorted(dupes)}")
+    per_source = data.get("expectations", {})
+    per_source = per_source.get("max_quarantine_rate_per_source") \
+        if isinstance(per_source, dict) else None
+    if isinstance(per_source, dict) and sources and len(sources) == len(entries):
+        problems += [unknown_name("[expectations.max_quarantine_rate_per_source]: ", "source",
+                                  k, names) for k in per_source if k not in names]
+    if problems:
+        raise ConfigError(_problems(problems))
     return PipelineConfig(
-        run=RunConfig(**run_section), sources=sources, base_dir=base_dir, raw=dict(data)
+        run=RunConfig(**data.get("run", {})), sources=tuple(sources), base_dir=base_dir,
+        raw=dict(data),
     )
 
 
 def load_config(path: str | Path) -> PipelineConfig:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8: byte {exc.start} (line {line}) is "
+                          f"{raw[exc.start:exc.end]!r} ({exc.reason}); save the file as "
+                          "UTF-8") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_config(data, path.resolve().parent)
+    try:
+        return parse_config(data, path.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 TARGET_HINT = " (or [target] model = 'DIR' for regenerate, extract and train at once)"
@@ -137,18 +452,30 @@ def stage_settings(cls: type, stage: str, section: dict[str, Any], overrides: di
                    hint: str = "") -> Any:
     """A stage's settings dataclass from its config section and the command line (flags that
     were given win); `paths` in the config are relative to it; `required` must end up set, else
-    the error says how (`need`: what it is)."""
-    known = {f.name for f in fields(cls)}
-    unknown = set(section) - known
-    if unknown:
-        raise StageError(f"[{stage}]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+    the error says how (`need`: what it is). Unknown keys, and values (the config's or the
+    flags') of the wrong type or out of range, are a StageError naming the key or flag."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    problems = check_section(cls, f"[{stage}]", section, skip=given)
+    specs = {f.name: f for f in fields(cls)}
+    for key, value in given.items():
+        if key not in specs:
+            problems.append(unknown_name(f"{stage}: ", "setting", _flag(key),
+                                         [_flag(k) for k in specs]))
+            continue
+        wrong = check_value(value, _hints(cls)[key], dict(specs[key].metadata))
+        if wrong:
+            as_text = isinstance(value, str) and _unoptional(_hints(cls)[key])[0] is str
+            shown = shlex.quote(value) if as_text else _show(value)
+            problems.append(f"{_flag(key)} {shown}: {wrong}")
+    if problems:
+        raise StageError(_problems(problems))
+    values = {**section, **given}
     for key in paths:
         if section.get(key) and base_dir is not None and overrides.get(key) is None:
             values[key] = str((base_dir / section[key]).resolve())
     settings = cls(**values)
     if not getattr(settings, required):
-        flag = "--" + required.replace("_", "-")
+        flag = _flag(required)
         raise StageError(f"{stage} needs {need}: pass {flag} DIR or set [{stage}] {required} = "
                          f"'DIR' in the config{hint}")
     return settings

@@ -34,7 +34,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import TARGET_HINT, PipelineConfig, stage_settings
+from dflash_etl.core.config import (
+    TARGET_HINT,
+    PipelineConfig,
+    register_section,
+    setting,
+    stage_settings,
+)
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
@@ -54,12 +60,13 @@ class ExtractSettings:
 
     model: str = ""
     layers: str = "auto"  # or "1,16,31": decoder layer indices (0-based)
-    draft_layers: int = 5  # K for `auto`: the DFlash rule spreads K layers from 1 to L-3
-    dtype: str = "fp32"  # or bf16
-    batch_tokens: int = 8192  # padded tokens per forward pass
-    shard_rows: int = 256
-    device: str = "auto"  # cpu | cuda | auto
-    format: str = "native"  # or speculators
+    # K for `auto`: the DFlash rule spreads K layers from 1 to L-3
+    draft_layers: int = setting(5, min=1)
+    dtype: str = setting("fp32", choices=("fp32", "bf16"))
+    batch_tokens: int = setting(8192, min=1)  # padded tokens per forward pass
+    shard_rows: int = setting(256, min=1)
+    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"))
+    format: str = setting("native", choices=("native", "speculators"))
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -71,6 +78,9 @@ class ExtractSettings:
         if settings.format not in ("native", "speculators"):
             raise StageError(f"--format {settings.format!r}: use native or speculators")
         return settings
+
+
+register_section("extract", ExtractSettings)
 
 
 # ---------------------------------------------------------------- pure core

@@ -32,7 +32,13 @@ import pyarrow.parquet as pq
 
 from dflash_etl.core import schema as S
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import TARGET_HINT, PipelineConfig, stage_settings
+from dflash_etl.core.config import (
+    TARGET_HINT,
+    PipelineConfig,
+    register_section,
+    setting,
+    stage_settings,
+)
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
@@ -66,21 +72,23 @@ class RegenerateSettings:
     """[regenerate] in pipeline.toml; CLI flags override it."""
 
     model: str = ""
-    backend: str = "transformers"
-    mode: str = "missing"  # or "all"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0
-    batch_size: int = 8
-    thinking: str = "keep"  # on | off | keep (the template's default)
+    backend: str = setting("transformers", choices=BACKENDS)
+    mode: str = setting("missing", choices=("missing", "all"))
+    max_new_tokens: int = setting(256, min=1)
+    temperature: float = setting(0.0, min=0)
+    seed: int = setting(0, min=0)
+    batch_size: int = setting(8, min=1)
+    thinking: str = setting("keep", choices=("on", "off", "keep"))  # keep: the template's default
     keep_truncated: bool = False
-    dummy_min_repeats: int = 3  # one short reply for this many different prompts is a dummy
+    # one short reply for this many different prompts is a dummy
+    dummy_min_repeats: int = setting(3, min=2, why="a reply given once is not a dummy")
     # openai backend
     endpoint: str = "http://127.0.0.1:8000/v1"
     served_model: str | None = None  # default: the first model the server lists
-    concurrency: int = 8
-    timeout_s: float = 120.0
-    retries: int = 3  # on timeouts, connection errors, 429 and 5xx, with exponential backoff
+    concurrency: int = setting(8, min=1)
+    timeout_s: float = setting(120.0, above=0)
+    # on timeouts, connection errors, 429 and 5xx, with exponential backoff
+    retries: int = setting(3, min=0)
     stream: bool = False
 
     @classmethod
@@ -98,6 +106,9 @@ class RegenerateSettings:
         if settings.thinking not in ("on", "off", "keep"):
             raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
         return settings
+
+
+register_section("regenerate", RegenerateSettings)
 
 
 @dataclass

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import PipelineConfig, stage_settings
+from dflash_etl.core.config import PipelineConfig, register_section, setting, stage_settings
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
@@ -63,14 +63,14 @@ class TokenizeSettings:
 
     model: str = ""
     chat_template: str | None = None
-    seq_length: int = 4096
-    truncation: str = "right"  # or "drop"
-    min_supervised_tokens: int = 2
-    strategy: str = "auto"  # or generation | render_diff | per_turn
+    seq_length: int = setting(4096, min=1)
+    truncation: str = setting("right", choices=("right", "drop"))
+    min_supervised_tokens: int = setting(2, min=1)
+    strategy: str = setting("auto", choices=("auto", "generation", "render_diff", "per_turn"))
     include_eot: bool = True
     supervise_reasoning: bool = True
-    turns: str = "all"  # or "last"
-    draft_vocab_size: int = 32000
+    turns: str = setting("all", choices=("all", "last"))
+    draft_vocab_size: int = setting(32000, min=1)
 
     @classmethod
     def from_sources(
@@ -81,6 +81,9 @@ class TokenizeSettings:
         if settings.truncation not in ("right", "drop"):
             raise StageError(f"truncation={settings.truncation!r}: use 'right' or 'drop'")
         return settings
+
+
+register_section("tokenize", TokenizeSettings)
 
 
 # ---------------------------------------------------------------- loading (offline)

@@ -33,7 +33,13 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import TARGET_HINT, PipelineConfig, stage_settings
+from dflash_etl.core.config import (
+    TARGET_HINT,
+    PipelineConfig,
+    register_section,
+    setting,
+    stage_settings,
+)
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
@@ -51,27 +57,30 @@ class TrainSettings:
     """[train] in pipeline.toml; CLI flags override it."""
 
     target: str = ""
-    draft_layers: int = 5
-    block_size: int = 16
-    steps: int = 1000
-    lr: float = 6e-4
-    warmup_steps: int = -1  # -1: 4% of the steps
-    batch_rows: int = 8
-    anchors_per_row: int = 64
-    gamma: float = 7.0
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    seed: int = 0
-    mask_token_id: int = -1  # -1: the tokenizer's mask token, a spare embedding row, or pad
+    draft_layers: int = setting(5, min=1)
+    block_size: int = setting(16, min=2, why="a block needs the anchor and at least one token "
+                              "to predict")
+    steps: int = setting(1000, min=1)
+    lr: float = setting(6e-4, above=0)
+    warmup_steps: int = setting(-1, min=-1)  # -1: 4% of the steps
+    batch_rows: int = setting(8, min=1)
+    anchors_per_row: int = setting(64, min=1)
+    gamma: float = setting(7.0, above=0)
+    grad_clip: float = setting(1.0, above=0)
+    weight_decay: float = setting(0.0, min=0)
+    seed: int = setting(0, min=0)
+    # -1: the tokenizer's mask token, a spare embedding row, or pad
+    mask_token_id: int = setting(-1, min=-1)
     online: bool = False  # compute hidden states from the target instead of reading extract's
     layers: str = "auto"  # online only (offline uses the layers extract chose)
-    eval_prompts: int = 16
-    eval_new_tokens: int = 48
-    eval_every: int = 0  # 0: before and after training only
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    dtype: str = "fp32"  # the target's dtype (the drafter trains in fp32)
-    device: str = "auto"
+    eval_prompts: int = setting(16, min=0)
+    eval_new_tokens: int = setting(48, min=1)
+    eval_every: int = setting(0, min=0)  # 0: before and after training only
+    save_every: int = setting(200, min=1)
+    keep_checkpoints: int = setting(2, min=1)
+    # the target's dtype (the drafter trains in fp32)
+    dtype: str = setting("fp32", choices=("fp32", "bf16"))
+    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"))
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -88,6 +97,9 @@ class TrainSettings:
     @property
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps >= 0 else max(1, round(0.04 * self.steps))
+
+
+register_section("train", TrainSettings)
 
 
 # ---------------------------------------------------------------- pure core
