@@ -39,6 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
     from dflash_etl.core.config import load_config
+    from dflash_etl.models.target import Target
     from dflash_etl.stages import extract, ingest, tokenize
 
     model = target(WORK / "target")
@@ -56,7 +57,7 @@ def main() -> None:
     tokens = sum(len(r) for r in rows)
     import torch
 
-    hooked = extract.Target(settings)
+    hooked = Target(settings)
     plain = hooked.model
     with torch.no_grad():  # warm-up
         plain(input_ids=torch.tensor([rows[0]]), output_hidden_states=True)

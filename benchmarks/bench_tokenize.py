@@ -102,7 +102,7 @@ def raw_limit(model: Path, conversations: Path) -> dict:
     """
     import polars as pl
 
-    from dflash_etl.stages.tokenize import load_tokenizer
+    from dflash_etl.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(model))
     frame = pl.read_parquet(conversations / "*.parquet", columns=["messages"])

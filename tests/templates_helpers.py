@@ -36,7 +36,7 @@ def require_fixtures() -> None:
 def qwen_tokenizer() -> Any:
     require_fixtures()
     pytest.importorskip("transformers")
-    from dflash_etl.stages.tokenize import load_tokenizer
+    from dflash_etl.models.tokenizer import load_tokenizer
 
     return load_tokenizer(str(TOKENIZER_DIR))  # the stage's loader, and its per-process cache
 

@@ -14,8 +14,9 @@ import pytest
 
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.target import Target, auto_layers, parse_layers
 from dflash_etl.stages import extract, ingest, tokenize
-from dflash_etl.stages.extract import auto_layers, length_batches, padding_share
+from dflash_etl.stages.extract import length_batches, padding_share
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +170,7 @@ def test_bucketing_and_layer_rules():
     assert padding_share(lengths, [list(range(6))]) > 0.4  # one unsorted batch pads a lot
     assert auto_layers(64, 5) == [1, 16, 31, 46, 61]  # the example for L = 64
     with pytest.raises(StageError, match=r"decoder layers 0\.\.3"):
-        extract.parse_layers("1,9", 4, 5)
+        parse_layers("1,9", 4, 5)
 
 
 def test_errors_name_the_cause(target, tmp_path, monkeypatch):
@@ -240,7 +241,7 @@ def test_hooks_capture_moe_and_hybrid_architectures(family, tmp_path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(tmp_path / "model")
-    target = extract.Target(extract.ExtractSettings(model=str(tmp_path / "model"),
+    target = Target(extract.ExtractSettings(model=str(tmp_path / "model"),
                                                     layers="1,2", device="cpu"))
     rows = [[int(t) for t in torch.randint(3, 300, (n,))] for n in (17, 5, 11)]
     got = target.states(rows)

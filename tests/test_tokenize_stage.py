@@ -11,6 +11,7 @@ import pytest
 from dflash_etl.cli.main import main
 from dflash_etl.core.config import parse_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.tokenizer import load_tokenizer
 from dflash_etl.stages import ingest, tokenize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def test_dataset_loads_with_datasets_and_masks_decode_to_replies(run_dir):
         dataset.column_names)
     assert dataset.features["input_ids"].feature.dtype == "int32"
     assert dataset.num_rows == 3  # the prompt-only conversation has nothing to supervise
-    tok = tokenize.load_tokenizer(str(DEFAULT_TOKENIZER))
+    tok = load_tokenizer(str(DEFAULT_TOKENIZER))
     texts = []
     for row in dataset:
         ids, mask = np.array(row["input_ids"]), np.array(row["loss_mask"])
@@ -172,7 +173,7 @@ def test_qwen36_multi_turn_reasoning_and_tool_calls(run_dir, tmp_path):
     doc = tokenize.run(None, tmp_path / "run", workers=1, model=str(QWEN), seq_length=2048)
     assert doc["total"]["rows_out"] == 3 and doc["total"]["rows_quarantined"] == 0
     dataset = load_from_disk(str(tmp_path / "run" / "tokenize" / "dataset")).with_format(None)
-    tok = tokenize.load_tokenizer(str(QWEN))
+    tok = load_tokenizer(str(QWEN))
     supervised = [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m])
                   for r in dataset]
     joined = "\n".join(supervised)
@@ -187,9 +188,9 @@ def test_fast_loader_matches_autotokenizer_on_qwen36():
     """The stage loads tokenizer.json directly (no torch import); it must equal AutoTokenizer."""
     from transformers import AutoTokenizer
 
-    fast = tokenize.load_tokenizer(str(QWEN))
+    fast = load_tokenizer(str(QWEN))
     auto = AutoTokenizer.from_pretrained(str(QWEN))
-    assert tokenize.load_tokenizer(str(QWEN)) is fast  # parsed once per process
+    assert load_tokenizer(str(QWEN)) is fast  # parsed once per process
     assert len(fast) == len(auto)
     assert (fast.eos_token, fast.bos_token, fast.pad_token) == (
         auto.eos_token, auto.bos_token, auto.pad_token)
@@ -274,11 +275,20 @@ def test_forked_workers_and_a_resumed_run_write_the_rows_of_one_process(tmp_path
         patch.setattr(tokenize, "_finish", fail)
         with pytest.raises(StageError, match="interrupted"):
             tokenize.run(config, tmp_path / "resumed", workers=2, **kw)
-    chunks = tmp_path / "resumed" / ".tokenize.partial" / "chunks"
-    assert len(list(chunks.glob("c*.done.json"))) == 3
+    units = tmp_path / "resumed" / ".tokenize.partial" / "units"
+    assert len(list(units.glob("u*.done.json"))) == 3
+    manifest = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert manifest["stages"]["tokenize"] == {**manifest["stages"]["tokenize"],
+                                              "status": "failed",
+                                              "error": "interrupted after the chunks"}
     redone = []
-    real_work = tokenize._work
-    monkeypatch.setattr(tokenize, "_work", lambda item: redone.append(item[0]) or real_work(item))
+    real = tokenize.TokenizeStage.process_batch
+
+    def count(worker, batch, item):
+        redone.append(item.index)
+        return real(worker, batch, item)
+
+    monkeypatch.setattr(tokenize.TokenizeStage, "process_batch", staticmethod(count))
     doc = tokenize.run(config, tmp_path / "resumed", workers=1, **kw)
     assert redone == [] and doc["total"]["rows_in"] == 600
     assert dataset("resumed") == dataset("one")

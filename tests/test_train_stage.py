@@ -95,9 +95,9 @@ def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
     on the first 2 of each block's 3 drafts, and a perfect one."""
     from dflash_etl.models.acceptance import drafter_proposer, eos_token_ids, speculative_decode
     from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
-    from dflash_etl.stages.extract import ExtractSettings, Target
+    from dflash_etl.models.target import Target, TargetSpec
 
-    tgt = Target(ExtractSettings(model=str(target), layers="1,2", device="cpu"))
+    tgt = Target(TargetSpec(model=str(target), layers="1,2", device="cpu"))
     config = DrafterConfig.from_target(tgt.model.config, draft_layers=1, target_layer_ids=[1, 2],
                                        mask_token_id=1226, block_size=4)
     drafter = DFlashDrafter(config).eval()
@@ -377,7 +377,7 @@ def test_tau_evaluation_on_a_hybrid_target_without_a_croppable_cache(tmp_path):
 
     from dflash_etl.models.acceptance import _croppable_cache, drafter_proposer, speculative_decode
     from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
-    from dflash_etl.stages.extract import ExtractSettings, Target
+    from dflash_etl.models.target import Target, TargetSpec
 
     config = transformers.Qwen3NextConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -387,7 +387,7 @@ def test_tau_evaluation_on_a_hybrid_target_without_a_croppable_cache(tmp_path):
         full_attention_interval=2)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    tgt = Target(ExtractSettings(model=str(tmp_path / "model"), layers="1", device="cpu"))
+    tgt = Target(TargetSpec(model=str(tmp_path / "model"), layers="1", device="cpu"))
     assert _croppable_cache(tgt) is None
     drafter = DFlashDrafter(DrafterConfig.from_target(
         tgt.model.config, draft_layers=1, target_layer_ids=[1], mask_token_id=299,

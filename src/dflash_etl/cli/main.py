@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,17 @@ def _overrides(args: argparse.Namespace, settings: type) -> dict[str, Any]:
     return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(settings)}
 
 
+def _executor(args: argparse.Namespace) -> dict[str, Any]:
+    return {"executor": getattr(args, "executor", None),
+            "ray_address": getattr(args, "ray_address", None)}
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dflash_etl.stages import ingest
 
     config = load_config(args.config)
-    doc = ingest.run(config, args.run, force=args.force, workers=args.workers)
+    doc = ingest.run(config, args.run, force=args.force, workers=args.workers,
+                     **_executor(args))
     out = Path(args.run) / "ingest"
     state = _state(doc)
     _say(f"ingest {state}: {_counts_line(doc['total'])}")
@@ -72,7 +79,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
     config = load_config(args.config) if args.config else None
     doc = tokenize.run(config, args.run, force=args.force, workers=args.workers,
-                       **_tokenize_overrides(args))
+                       **_executor(args), **_tokenize_overrides(args))
     out = Path(args.run) / "tokenize"
     total = doc["total"]
     state = _state(doc)
@@ -170,7 +177,15 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Every stage that exists, in order, on one config (the embedded default by default)."""
+    from dflash_etl.core.lock import run_lock
+
     args.config = args.config or str(DEFAULT_CONFIG)
+    load_config(args.config)  # a bad config is refused before the run directory is touched
+    with run_lock(args.run, "run"):  # held across the stages: no other process in between
+        return _run_stages(args)
+
+
+def _run_stages(args: argparse.Namespace) -> int:
     _say(f"config: {args.config}\nrun:    {args.run}")
     code = cmd_ingest(args)
     if code:
@@ -239,7 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
         p.add_argument("--force", action="store_true", help="redo a stage that is complete")
         p.add_argument("--workers", type=int, default=None,
-                       help="worker processes (default: one per core)")
+                       help="worker processes (default: [run] workers, else one per core)")
+        p.add_argument("--executor", choices=["local", "ray"], default=None,
+                       help="where ingest's and tokenize's work items run (default: [run] "
+                            "executor, else local)")
+        p.add_argument("--ray-address", default=None,
+                       help="--executor ray: 'auto' or HOST:PORT of a running cluster "
+                            "(default: start a local Ray)")
+        p.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
     def tokenize_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="local tokenizer or model directory (offline)")
@@ -357,11 +379,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, StageError) as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("interrupted: completed work is kept; rerun to resume", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug, or an error outside a stage: one paragraph, not a trace
+        from dflash_etl.core.runner import describe_error
+
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"error: {describe_error(exc, args.command)}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -70,3 +70,7 @@ F_BLANK_LINE = "blank_line"
 F_DUPLICATE = "duplicate"
 F_MAX_ROWS = "max_rows"
 F_MIX_WEIGHT = "mix_weight"
+
+# Conversations per Parquet row group in the conversations shards: a downstream work item reads
+# only the row group its rows are in.
+ROW_GROUP_ROWS = 1024

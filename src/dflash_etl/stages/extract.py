@@ -19,8 +19,6 @@ Output (runs/<name>/extract/):
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -29,7 +27,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -43,9 +40,12 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
+from dflash_etl.core.runner import run_stage
+from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.models.identity import model_identity
+from dflash_etl.models.target import Target, parse_layers
 from dflash_etl.models.tiny_model import with_target
-from dflash_etl.report import publish_docs
 from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "extract"
@@ -84,28 +84,6 @@ register_section("extract", ExtractSettings)
 
 
 # ---------------------------------------------------------------- pure core
-def auto_layers(n_layers: int, k: int) -> list[int]:
-    """DFlash's rule: K target layers spread evenly from layer 1 to layer L-3 (one layer: the
-    middle one), as SpecForge's and z-lab's build_target_layer_ids."""
-    if k == 1:
-        return [n_layers // 2]
-    last = max(1, n_layers - 3)
-    return sorted({round(float(x)) for x in np.linspace(1, last, max(1, k))})
-
-
-def parse_layers(spec: str, n_layers: int, k: int) -> list[int]:
-    if spec == "auto":
-        return auto_layers(n_layers, k)
-    try:
-        layers = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError as exc:
-        raise StageError(f"--layers {spec!r}: give 'auto' or comma-separated indices") from exc
-    bad = [x for x in layers if not 0 <= x < n_layers]
-    if bad or not layers:
-        raise StageError(f"--layers {spec!r}: the target has decoder layers 0..{n_layers - 1}")
-    return layers
-
-
 def stored_layers(layers: list[int], n_layers: int, fmt: str) -> list[int]:
     """The layers a shard holds, in order: the chosen ones; the speculators format appends the
     last decoder layer, which speculators' loader reads as the verifier's final hidden state."""
@@ -136,104 +114,6 @@ def length_batches(lengths: list[int], batch_tokens: int,
 def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
     padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     return 1 - sum(lengths) / padded if padded else 0.0
-
-
-def decoder_layers(model: Any) -> Any:
-    """The model's decoder layer list: the ModuleList as long as config.num_hidden_layers."""
-    import torch
-
-    n = model.config.num_hidden_layers
-    for _, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return module
-    raise StageError(f"cannot find the {n} decoder layers of {type(model).__name__}: no "
-                     "ModuleList of that length; this architecture needs explicit support")
-
-
-# ---------------------------------------------------------------- the target
-class _EnoughLayers(Exception):
-    """Raised by the last wanted layer's hook: the rest of the forward pass is not needed."""
-
-
-class Target:
-    """The target model with forward hooks that keep the chosen layers' outputs."""
-
-    def __init__(self, settings: ExtractSettings) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.device = settings.device if settings.device != "auto" else (
-            "cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                settings.model, local_files_only=True, dtype=dtype)
-        except Exception as exc:  # transformers raises many types for a bad directory
-            raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
-        self.model.to(self.device).eval()
-        self.n_layers = self.model.config.num_hidden_layers
-        self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
-        self.hidden = self.model.config.hidden_size
-        self.captured: dict[int, Any] = {}
-        self.stop_after: int | None = None  # the layer after which a forward pass may stop
-        # transformers renamed past_key_values to cache (5.x); older models know only the first
-        self.cache_argument = ("cache" if "cache" in inspect.signature(
-            self.model.forward).parameters else "past_key_values")
-        modules = decoder_layers(self.model)
-        self.last_layer = self.n_layers - 1
-        for index in sorted({*self.layers, self.last_layer}):
-            modules[index].register_forward_hook(self._keep(index))
-
-    def _keep(self, index: int):
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self.captured[index] = output[0] if isinstance(output, tuple) else output
-            if index == self.stop_after:
-                raise _EnoughLayers
-        return hook
-
-    def states(self, rows: list[list[int]]) -> list[Any]:
-        """[seq, layers, hidden] per row (right padding; causal attention ignores the pad)."""
-        return self.forward(rows)[1]
-
-    def forward(self, rows: list[list[int]], logits: bool = False,
-                extra_layers: tuple[int, ...] = ()) -> tuple[list[Any] | None, list[Any]]:
-        """(logits [seq, vocab] per row when asked, else None; states [seq, layers + extra,
-        hidden] per row). `extra_layers` appends more decoder layers' outputs (hooked too)."""
-        torch = self.torch
-        width = max(len(r) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for k, r in enumerate(rows):
-            ids[k, :len(r)] = torch.tensor(r)
-            mask[k, :len(r)] = 1
-        self.captured.clear()
-        # without logits, nothing after the last wanted layer is needed: its hook ends the pass
-        self.stop_after = None if logits else max((*self.layers, *extra_layers))
-        out = None
-        with torch.no_grad(), contextlib.suppress(_EnoughLayers):
-            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             use_cache=False, logits_to_keep=0 if logits else 1)
-        stacked = torch.stack([self.captured[i] for i in (*self.layers, *extra_layers)],
-                              dim=2).cpu()
-        states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
-        if not logits or out is None:
-            return None, states
-        return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
-
-
-    def extend(self, tokens: list[int], cache: Any) -> tuple[Any, Any]:
-        """Feed `tokens` after what the KV `cache` holds (one sequence): (logits [k, vocab],
-        states [k, layers, hidden]) of the new tokens."""
-        torch = self.torch
-        self.captured.clear()
-        self.stop_after = None
-        with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([tokens], device=self.device),
-                             use_cache=True, **{self.cache_argument: cache})
-        states = torch.stack([self.captured[i] for i in self.layers], dim=2)[0].cpu()
-        return out.logits[0], states
 
 
 # ---------------------------------------------------------------- shell
@@ -367,48 +247,53 @@ def _n_layers(model: str) -> int:
         raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
 
 
-def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
-    """Extract into `run_dir/extract`; returns the stats document. Skips when complete."""
-    section = config.section("extract") if config else {}
-    overrides = with_target(config, run_dir, section, overrides, "model")
-    settings = ExtractSettings.from_sources(section, overrides,
+class ExtractStage(Stage):
+    """Tokenized rows -> the target's hidden states at the chosen layers."""
+
+    name = STAGE
+
+    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
+                      overrides: dict[str, Any]) -> ExtractSettings:
+        section = config.section("extract") if config else {}
+        overrides = with_target(config, run_dir, section, overrides, "model")
+        return ExtractSettings.from_sources(section, overrides,
                                             config.base_dir if config else None)
-    run = RunDir(run_dir)
-    timer = Timer()
-    files = _dataset_files(run)
-    table = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
-                              for f in files])
-    rows = table.to_pylist()
-    for position, row in enumerate(rows):
-        row["row"] = position
-    layers = parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
-    model_files = sorted(p for p in Path(settings.model).iterdir() if p.is_file())
-    fingerprint = hashlib.sha256(json.dumps({
-        "settings": asdict(settings), "layers": layers,
-        "inputs": [sha256_file(f) for f in files],
-        "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
-    }, sort_keys=True).encode()).hexdigest()
-    if not force and (done := run.completed_stats(STAGE, fingerprint)):
-        return done
-    target = Target(settings)  # loaded only when there is work: a big target takes minutes
-    partial = run.begin(STAGE, fingerprint)
-    tokens = sum(len(r["input_ids"]) for r in rows)
-    stored = stored_layers(target.layers, target.n_layers, settings.format)
-    need = _check_disk(partial, tokens, len(stored), target.hidden, settings.dtype)
-    run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
-                     stored_layers=stored, n_layers=target.n_layers, estimated_bytes=need)
-    lengths = [len(r["input_ids"]) for r in rows]
-    # shards hold rows of similar length (sorted), so each shard's batches pad little
-    order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
-    shards = [order[k:k + settings.shard_rows] for k in range(0, len(order), settings.shard_rows)]
-    done_dir = partial / "shards"
-    done_dir.mkdir(exist_ok=True)
-    per_source: dict[str, Stats] = {}
-    index: list[dict[str, Any]] = []
-    padded = 0
-    try:
-        with progress_bar("extract", total=len(shards), enabled=progress) as bar:
+
+    def prepare(self, ctx: StageContext) -> dict[str, Any]:
+        settings: ExtractSettings = ctx.settings
+        files = _dataset_files(ctx.run)
+        table = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
+                                  for f in files])
+        rows = table.to_pylist()
+        for position, row in enumerate(rows):
+            row["row"] = position
+        layers = parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
+        ctx.state["rows"] = rows
+        return {"settings": asdict(settings), "layers": layers,
+                "inputs": [sha256_file(f) for f in files],
+                "model": model_identity(settings.model)}
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        settings: ExtractSettings = ctx.settings
+        rows = ctx.state["rows"]
+        run, partial = ctx.run, ctx.partial
+        target = Target(settings)  # loaded only when there is work: a big target takes minutes
+        tokens = sum(len(r["input_ids"]) for r in rows)
+        stored = stored_layers(target.layers, target.n_layers, settings.format)
+        need = _check_disk(partial, tokens, len(stored), target.hidden, settings.dtype)
+        run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
+                         stored_layers=stored, n_layers=target.n_layers, estimated_bytes=need)
+        lengths = [len(r["input_ids"]) for r in rows]
+        # shards hold rows of similar length (sorted), so each shard's batches pad little
+        order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
+        size = settings.shard_rows
+        shards = [order[k:k + size] for k in range(0, len(order), size)]
+        done_dir = partial / "shards"
+        done_dir.mkdir(exist_ok=True)
+        per_source: dict[str, Stats] = {}
+        index: list[dict[str, Any]] = []
+        padded = 0
+        with progress_bar("extract", total=len(shards), enabled=ctx.progress) as bar:
             for n, members in enumerate(shards):
                 name = f"shard-{n:05d}"
                 marker = done_dir / f"{name}.json"
@@ -451,14 +336,17 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
             raise ContractError("the extract contract failed:\n  - " + "\n  - ".join(problems),
                                 {"problems": problems})
         write_json_atomic(partial / "stats.json", doc)
-    except StageError as exc:
-        run.fail(STAGE, str(exc))
-        publish_docs(run.root)
-        raise
-    shutil.rmtree(done_dir)
-    run.commit(STAGE, doc["total"], timer.seconds)
-    publish_docs(run.root)
-    return doc
+        return doc
+
+    def cleanup(self, ctx: StageContext) -> None:
+        shutil.rmtree(ctx.partial / "shards", ignore_errors=True)
+
+
+def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
+        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
+    """Extract into `run_dir/extract`; returns the stats document. Skips when complete."""
+    return run_stage(ExtractStage(), config, run_dir, force=force, progress=progress,
+                     **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

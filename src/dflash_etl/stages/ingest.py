@@ -303,7 +303,7 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
             if writer is None:
                 writer = pq.ParquetWriter(out / f"part-{shard:05d}.parquet", S.CONVERSATIONS)
             take = min(shard_rows - in_shard, table.num_rows - offset)
-            writer.write_table(table.slice(offset, take))
+            writer.write_table(table.slice(offset, take), row_group_size=S.ROW_GROUP_ROWS)
             offset += take
             in_shard += take
             if in_shard >= shard_rows:

@@ -41,11 +41,13 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
+from dflash_etl.core.runner import run_stage
+from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.models.identity import model_identity
 from dflash_etl.models.tiny_model import with_target
-from dflash_etl.report import publish_docs
 from dflash_etl.templates.render import RenderError
-from dflash_etl.validation import suite_helper, suites
+from dflash_etl.validation import suites
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
@@ -194,13 +196,6 @@ def cache_key(messages: list[dict[str, Any]], tools: str | None, settings: Regen
 
 
 # ---------------------------------------------------------------- transformers backend
-def _model_identity(model_dir: str) -> str:
-    """A hash of the model directory's weights, config, tokenizer and template files."""
-    files = sorted(p for p in Path(model_dir).iterdir()
-                   if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".bin"))
-    return hashlib.sha256("".join(sha256_file(p) for p in files).encode()).hexdigest()
-
-
 class _LocalTemplate:
     """Backends that render the chat template themselves (in the sandbox) and generate text."""
 
@@ -241,7 +236,7 @@ class TransformersBackend(_LocalTemplate):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from dflash_etl.stages.tokenize import load_tokenizer
+        from dflash_etl.models.tokenizer import load_tokenizer
 
         self.settings = settings
         self.torch = torch
@@ -263,7 +258,7 @@ class TransformersBackend(_LocalTemplate):
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = min(self.eos_ids)
-        self.model_id = _model_identity(settings.model)
+        self.model_id = model_identity(settings.model)
 
     def generate_text(self, prompts: list[str]) -> list[Reply]:
         torch = self.torch
@@ -306,14 +301,14 @@ class VLLMBackend(_LocalTemplate):
             raise StageError("--backend vllm needs vLLM, which is not installed: pip install "
                              "'dflash-etl[gpu]' on a CUDA machine, or use --backend transformers "
                              "or --backend openai (e.g. against `vllm serve`)") from exc
-        from dflash_etl.stages.tokenize import load_tokenizer
+        from dflash_etl.models.tokenizer import load_tokenizer
 
         self.settings = settings
         self.tokenizer = load_tokenizer(settings.model)
         self.llm = LLM(model=settings.model, seed=settings.seed, trust_remote_code=False)
         self.params = SamplingParams(max_tokens=settings.max_new_tokens,
                                      temperature=settings.temperature, seed=settings.seed)
-        self.model_id = _model_identity(settings.model)
+        self.model_id = model_identity(settings.model)
         self.batch_hint = max(settings.batch_size, 256)  # vLLM schedules a large batch itself
 
     def generate_text(self, prompts: list[str]) -> list[Reply]:
@@ -585,46 +580,56 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
     return kept, quarantine, per_source, finish, turns
 
 
-def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, generator: Backend | None = None,
-        **overrides: Any) -> dict[str, Any]:
-    """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete.
-    `generator` replaces the backend the settings name (an instance, e.g. shared between runs)."""
-    suite_helper.start()  # the gate's great_expectations loads meanwhile
-    from dflash_etl.validation.contracts import validate_conversations
+class RegenerateStage(Stage):
+    """Conversations -> the same conversations with the target's replies."""
 
-    section = config.section("regenerate") if config else {}
-    overrides = with_target(config, run_dir, section, overrides, "model")
-    settings = RegenerateSettings.from_sources(section, overrides,
+    name = STAGE
+    gated = True
+
+    def __init__(self, generator: Backend | None = None) -> None:
+        self.generator = generator
+
+    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
+                      overrides: dict[str, Any]) -> RegenerateSettings:
+        section = config.section("regenerate") if config else {}
+        overrides = with_target(config, run_dir, section, overrides, "model")
+        return RegenerateSettings.from_sources(section, overrides,
                                                config.base_dir if config else None)
-    run = RunDir(run_dir)
-    timer = Timer()
-    thresholds = (suites.Thresholds.from_config(config) if config
-                  else suites.Thresholds.from_manifest(run.root))
-    files = _input_files(run)
-    backend = generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
-        settings.backend, TransformersBackend)(settings)
-    ingest_fingerprint = run.manifest().get("stages", {}).get("ingest", {}).get("fingerprint")
-    fingerprint = hashlib.sha256(json.dumps({
-        "settings": asdict(settings), "model": backend.model_id,
-        "inputs": [sha256_file(f) for f in files]}, sort_keys=True).encode()).hexdigest()
-    if not force and (done := run.completed_stats(STAGE, fingerprint)):
-        return done
-    partial = run.begin(STAGE, fingerprint)
-    run.update_stage(STAGE, settings=asdict(settings), input_fingerprint=ingest_fingerprint)
-    cache = _Cache(partial / "generations.jsonl")
-    conversations = pl.read_parquet(files).to_dicts()
-    total = sum(len(_targets(c, settings.mode)) for c in conversations)
-    try:
-        with progress_bar("regenerate", total=total, enabled=progress) as bar:
+
+    def prepare(self, ctx: StageContext) -> dict[str, Any]:
+        settings: RegenerateSettings = ctx.settings
+        files = _input_files(ctx.run)
+        backend = self.generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
+            settings.backend, TransformersBackend)(settings)
+        ctx.state.update(files=files, backend=backend)
+        return {"settings": asdict(settings), "model": backend.model_id,
+                "inputs": [sha256_file(f) for f in files]}
+
+    def begin(self, ctx: StageContext) -> None:
+        ingest_fingerprint = ctx.run.manifest().get("stages", {}).get("ingest", {}).get(
+            "fingerprint")
+        ctx.run.update_stage(STAGE, settings=asdict(ctx.settings),
+                             input_fingerprint=ingest_fingerprint)
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        from dflash_etl.validation.contracts import validate_conversations
+
+        settings: RegenerateSettings = ctx.settings
+        partial = ctx.partial
+        thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
+                      else suites.Thresholds.from_manifest(ctx.run.root))
+        cache = _Cache(partial / "generations.jsonl")
+        conversations = pl.read_parquet(ctx.state["files"]).to_dicts()
+        total = sum(len(_targets(c, settings.mode)) for c in conversations)
+        with progress_bar("regenerate", total=total, enabled=ctx.progress) as bar:
             kept, quarantine, per_source, finish, turns = regenerate_conversations(
-                conversations, backend, cache, settings, bar)
+                conversations, ctx.state["backend"], cache, settings, bar)
         doc = stats_document(per_source, STAGE)
         doc["total"]["finish_reasons"] = dict(finish)
         out = partial / "conversations"
         out.mkdir(exist_ok=True)
         pq.write_table(pa.Table.from_pylist(kept, schema=S.CONVERSATIONS),
-                       out / "part-00000.parquet")
+                       out / "part-00000.parquet", row_group_size=S.ROW_GROUP_ROWS)
         pq.write_table(pa.Table.from_pylist(turns, schema=GENERATED_TURNS),
                        partial / "generated_turns.parquet")
         pq.write_table(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE),
@@ -646,14 +651,17 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
                              f"e.g. {unanswered[:3]}")
         validate_conversations(out, partial)
         write_json_atomic(partial / "stats.json", doc)
-        suites.gate(STAGE, partial, run.root, thresholds)
-    except StageError as exc:
-        run.fail(STAGE, str(exc))
-        publish_docs(run.root)
-        raise
-    run.commit(STAGE, doc["total"], timer.seconds)
-    publish_docs(run.root)
-    return doc
+        suites.gate(STAGE, partial, ctx.run.root, thresholds)
+        return doc
+
+
+def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
+        progress: bool | None = None, generator: Backend | None = None,
+        **overrides: Any) -> dict[str, Any]:
+    """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete.
+    `generator` replaces the backend the settings name (an instance, e.g. shared between runs)."""
+    return run_stage(RegenerateStage(generator), config, run_dir, force=force,
+                     progress=progress, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,34 +9,28 @@ trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
-import hashlib
 import itertools
 import json
-import multiprocessing as mp
-import os
 import shutil
 import sys
-from collections import Counter, deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import PipelineConfig, register_section, setting, stage_settings
 from dflash_etl.core.errors import ContractError, StageError
-from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
+from dflash_etl.core.runner import run_stage
+from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
-from dflash_etl.report import publish_docs
-from dflash_etl.validation import suite_helper, suites
+from dflash_etl.models.tokenizer import load_tokenizer, read_template
+from dflash_etl.validation import suites
 
 STAGE = "tokenize"
 CHUNK = 256  # conversations per work item
@@ -87,49 +81,6 @@ register_section("tokenize", TokenizeSettings)
 
 
 # ---------------------------------------------------------------- loading (offline)
-def load_tokenizer(model: str) -> Any:
-    """A local tokenizer or model directory; never the hub, never remote code.
-
-    Loaded once per process and directory (a 12 MB tokenizer.json takes seconds to parse); the
-    cache key includes the files' sizes and times, so an edited tokenizer is reloaded.
-    """
-    path = Path(model)
-    if not path.is_dir():
-        raise StageError(f"--model {model!r} is not a directory: give a local tokenizer or model "
-                         "directory (the hub is never used)")
-    signature = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                             for f in path.iterdir() if f.is_file()))
-    return _load_tokenizer(str(path.resolve()), signature)
-
-
-@functools.lru_cache(maxsize=4)
-def _load_tokenizer(model: str, signature: tuple[Any, ...]) -> Any:
-    """A directory with tokenizer.json loads as a plain fast tokenizer: AutoTokenizer would import
-    torch (through the model configs), which costs seconds in every process."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        if (Path(model) / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(model, local_files_only=True)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model, local_files_only=True,
-                                             trust_remote_code=False)
-    except Exception as exc:  # transformers raises many types for a bad directory
-        raise StageError(f"cannot load a tokenizer from {model}: {exc}") from exc
-
-
-def read_template(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise StageError(f"--chat-template {path}: cannot read it ({exc})") from exc
-
-
 def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
     """The template probe (TemplateUnusable becomes a StageError naming the reason)."""
     from dflash_etl.templates import TemplateUnusable, probe_template
@@ -237,53 +188,6 @@ def draft_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int):
     return d2t, t2d, (covered / total if total else 0.0)
 
 
-# ---------------------------------------------------------------- workers
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer: Any, settings: TokenizeSettings, probe_state: Any) -> None:
-    _WORKER["tokenizer"] = tokenizer
-    _WORKER["probe"] = probe_state
-    _WORKER["settings"] = settings
-    _WORKER["template"] = read_template(settings.chat_template)
-
-
-def _one_thread_per_worker() -> None:
-    """The workers already use every core: the tokenizer's batch encode runs serially in each
-    (its thread pool would only compete with the other workers)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-def _work(args: tuple[int, bytes, str]) -> dict[str, Any]:
-    index, chunk, out_dir = args
-    rows, quarantine, per_source, freq = tokenize_rows(
-        _chunk_conversations(chunk), _WORKER["tokenizer"], _WORKER["probe"],
-        _WORKER["settings"], _WORKER["template"],
-    )
-    base = Path(out_dir) / f"c{index:06d}"
-    pq.write_table(rows, f"{base}.rows.parquet")
-    pq.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE), f"{base}.q.parquet")
-    result = {"index": index, "sources": {n: s.to_dict() for n, s in per_source.items()},
-              "freq": {str(k): v for k, v in freq.items()}}
-    write_json_atomic(Path(f"{base}.done.json"), result)
-    return result
-
-
-def _chunk_bytes(table: pa.Table) -> bytes:
-    """A chunk of conversations as Arrow IPC: the parent slices and sends columns, each worker
-    makes its own Python dicts (in parallel, instead of the parent making and pickling all)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def _chunk_conversations(chunk: bytes) -> list[dict[str, Any]]:
-    """pyarrow, not polars: polars' thread pool does not survive the fork (a worker using it
-    hangs)."""
-    return pa.ipc.open_stream(chunk).read_all().to_pylist()
-
-
 # ---------------------------------------------------------------- shell
 def _conversations(run: RunDir) -> list[Path]:
     """The regenerated conversations when regenerate completed on the current ingest output,
@@ -302,15 +206,111 @@ def _conversations(run: RunDir) -> list[Path]:
     return files
 
 
-def _chunks(files: list[Path]):
-    """(index, conversations as an Arrow table) per chunk, in order."""
-    columns = ["id", "source", "messages", "tools", "file", "line"]
-    index = 0
+COLUMNS = ["id", "source", "messages", "tools", "file", "line"]
+
+
+def plan_chunks(files: list[Path]) -> list[WorkItem]:
+    """Work items of at most CHUNK conversations, each within one Parquet row group (a worker
+    reads just its row group), in file order."""
+    items: list[WorkItem] = []
     for path in files:
-        table = pl.read_parquet(path, columns=columns).to_arrow()
-        for start in range(0, table.num_rows, CHUNK):
-            yield index, table.slice(start, CHUNK)
-            index += 1
+        metadata = pq.ParquetFile(path).metadata
+        for group in range(metadata.num_row_groups):
+            rows = metadata.row_group(group).num_rows
+            for start in range(0, rows, CHUNK):
+                items.append(WorkItem(len(items), (str(path), group, start,
+                                                   min(CHUNK, rows - start))))
+    return items
+
+
+class TokenizeStage(BatchStage):
+    """Conversations -> verified training rows; a work item is a chunk of conversations."""
+
+    name = STAGE
+    gated = True
+
+    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
+                      overrides: dict[str, Any]) -> TokenizeSettings:
+        section = config.section("tokenize") if config else {}
+        return TokenizeSettings.from_sources(section, overrides,
+                                             config.base_dir if config else None)
+
+    def prepare(self, ctx: StageContext) -> dict[str, Any]:
+        settings: TokenizeSettings = ctx.settings
+        files = _conversations(ctx.run)
+        tokenizer = load_tokenizer(settings.model)
+        template_probe = probe(settings, tokenizer)
+        probe_doc = template_probe.to_dict()
+        ctx.state.update(files=files, tokenizer=tokenizer, probe=template_probe,
+                         probe_doc=probe_doc)
+        return {"settings": asdict(settings), "inputs": [sha256_file(f) for f in files],
+                "tokenizer": tokenizer_identity(settings.model),
+                "template": probe_doc["template_sha256"]}
+
+    def begin(self, ctx: StageContext) -> None:
+        probe_doc = ctx.state["probe_doc"]
+        write_json_atomic(ctx.partial / "probe.json", probe_doc)
+        ctx.run.update_stage(STAGE, settings=asdict(ctx.settings), probe={
+            "strategy": probe_doc["strategy"], "reason": probe_doc["reason"],
+            "template_sha256": probe_doc["template_sha256"]})
+
+    def plan(self, ctx: StageContext) -> list[WorkItem]:
+        return plan_chunks(ctx.state["files"])
+
+    def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
+        return (ctx.settings, ctx.state["probe"])
+
+    @classmethod
+    def setup(cls, settings: TokenizeSettings, template_probe: Any) -> dict[str, Any]:
+        return {"tokenizer": load_tokenizer(settings.model), "probe": template_probe,
+                "settings": settings, "template": read_template(settings.chat_template)}
+
+    @classmethod
+    def load(cls, worker: Any, item: WorkItem) -> pa.Table:
+        path, group, start, length = item.payload
+        # pyarrow, not polars: polars' thread pool does not survive a fork (a worker hangs)
+        table = pq.ParquetFile(path).read_row_group(group, columns=COLUMNS)
+        return table.slice(start, length)
+
+    @classmethod
+    def process_batch(cls, worker: Any, batch: pa.Table, item: WorkItem) -> BatchOutput:
+        rows, quarantine, per_source, freq = tokenize_rows(
+            batch.to_pylist(), worker["tokenizer"], worker["probe"], worker["settings"],
+            worker["template"])
+        return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE), per_source,
+                           {"freq": {str(k): v for k, v in freq.items()}})
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        settings: TokenizeSettings = ctx.settings
+        vocab_size = len(ctx.state["tokenizer"])
+        thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
+                      else suites.Thresholds.from_manifest(ctx.run.root))
+        with suites.warming_up(("pandera.polars",)) as warm_up:  # for the contract
+            ctx.state["on_forked"] = warm_up
+            doc = super().execute(ctx)
+            write_json_atomic(ctx.partial / "stats.json", doc)
+            # the suite runs in the helper process while the contract runs here; both must pass
+            finish_gate = suites.start_gate(STAGE, ctx.partial, ctx.run.root, thresholds)
+            try:
+                _validate(ctx.partial, vocab_size, settings)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the contract's failure is the one raised
+                    finish_gate(in_process=False)  # the helper's answer, if it is computing one
+                raise
+            finish_gate()
+        return doc
+
+    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
+               ) -> dict[str, Any]:
+        return _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
+                       ctx.state["probe_doc"], ctx.fingerprint)
+
+
+def tokenizer_identity(model: str) -> list[str]:
+    """What a tokenizer directory's fingerprint covers: its tokenizer and template files."""
+    files = sorted(p for p in Path(model).iterdir()
+                   if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model"))
+    return [sha256_file(f) for f in files]
 
 
 def run(
@@ -319,116 +319,18 @@ def run(
     force: bool = False,
     progress: bool | None = None,
     workers: int | None = None,
+    executor: str | None = None,
+    ray_address: str | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Tokenize the run's conversations into `run_dir/tokenize`; returns the stats document."""
-    suite_helper.start()  # the gate's great_expectations loads meanwhile
-    section = config.section("tokenize") if config else {}
-    settings = TokenizeSettings.from_sources(section, overrides,
-                                             config.base_dir if config else None)
-    run = RunDir(run_dir)
-    timer = Timer()
-    thresholds = (suites.Thresholds.from_config(config) if config
-                  else suites.Thresholds.from_manifest(run.root))
-    files = _conversations(run)
-    tokenizer = load_tokenizer(settings.model)
-    template_probe = probe(settings, tokenizer)
-    probe_doc = template_probe.to_dict()
-    tok_files = sorted(p for p in Path(settings.model).iterdir()
-                       if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model"))
-    fingerprint = hashlib.sha256(json.dumps({
-        "settings": asdict(settings), "inputs": [sha256_file(f) for f in files],
-        "tokenizer": [sha256_file(f) for f in tok_files],
-        "template": probe_doc["template_sha256"],
-    }, sort_keys=True).encode()).hexdigest()
-    if not force and (done := run.completed_stats(STAGE, fingerprint)):
-        return done
-    partial = run.begin(STAGE, fingerprint)
-    write_json_atomic(partial / "probe.json", probe_doc)
-    run.update_stage(STAGE, settings=asdict(settings), probe={
-        "strategy": probe_doc["strategy"], "reason": probe_doc["reason"],
-        "template_sha256": probe_doc["template_sha256"]})
-    chunks_dir = partial / "chunks"
-    chunks_dir.mkdir(exist_ok=True)
-    try:
-        with suites.warming_up(("pandera.polars",)) as warm_up:  # for the contract
-            results = _run_chunks(settings, tokenizer, template_probe, files, chunks_dir,
-                                  progress, workers, on_forked=warm_up)
-            doc = _finish(settings, results, partial, chunks_dir, len(tokenizer), probe_doc,
-                          fingerprint)
-            write_json_atomic(partial / "stats.json", doc)
-            # the suite runs in the helper process while the contract runs here; both must pass
-            finish_gate = suites.start_gate(STAGE, partial, run.root, thresholds)
-            try:
-                _validate(partial, len(tokenizer), settings)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the contract's failure is the one raised
-                    finish_gate(in_process=False)  # the helper's answer, if it is computing one
-                raise
-            finish_gate()
-    except StageError as exc:
-        run.fail(STAGE, str(exc))
-        publish_docs(run.root)
-        raise
-    shutil.rmtree(chunks_dir)
-    run.commit(STAGE, doc["total"], timer.seconds)
-    publish_docs(run.root)
-    return doc
+    return run_stage(TokenizeStage(), config, run_dir, force=force, progress=progress,
+                     workers=workers, executor=executor, ray_address=ray_address, **overrides)
 
 
-def _run_chunks(settings, tokenizer, template_probe, files, chunks_dir: Path, progress,
-                workers, on_forked=lambda: None):
-    """Tokenize every chunk not done yet (resume), in forked workers when there are several;
-    `on_forked` runs once they all exist. Chunks are read and sent as the workers take them (a
-    few per worker ahead), so the parent holds one input shard, not the dataset."""
-    results: dict[int, dict[str, Any]] = {}
-    total = sum(-(-pq.ParquetFile(path).metadata.num_rows // CHUNK) for path in files)
-    done = {int(p.name[1:7]) for p in chunks_dir.glob("c*.done.json")}
-
-    def todo():
-        for index, conversations in _chunks(files):
-            if index in done:  # resume
-                results[index] = json.loads((chunks_dir / f"c{index:06d}.done.json").read_text())
-            else:
-                yield index, _chunk_bytes(conversations), str(chunks_dir)
-
-    n_workers = max(1, min(workers or os.cpu_count() or 1, total - len(done)))
-    with progress_bar("tokenize", total=total, enabled=progress) as bar:
-        bar.advance(len(done))
-        # Forked workers inherit the loaded tokenizer instead of parsing it again.
-        _init_worker(tokenizer, settings, template_probe)
-        if n_workers == 1:
-            for item in todo():
-                result = _work(item)
-                results[result["index"]] = result
-                bar.advance(1)
-        else:
-            # Frozen objects are never traversed by the collector: the workers' collections
-            # skip (and do not copy-on-write) the whole inherited heap, tokenizer and all.
-            gc.freeze()
-            try:
-                with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork"),
-                                         initializer=_one_thread_per_worker) as pool:
-                    in_flight: deque[Future[dict[str, Any]]] = deque()
-                    for k, item in enumerate(todo()):
-                        in_flight.append(pool.submit(_work, item))
-                        if k == 0:
-                            on_forked()  # the first submit forked every worker
-                        if len(in_flight) >= 4 * n_workers:
-                            result = in_flight.popleft().result()
-                            results[result["index"]] = result
-                            bar.advance(1)
-                    while in_flight:
-                        result = in_flight.popleft().result()
-                        results[result["index"]] = result
-                        bar.advance(1)
-            finally:
-                gc.unfreeze()
-    return [results[k] for k in sorted(results)]
-
-
-def _finish(settings, results, partial: Path, chunks_dir: Path, vocab_size: int,
-            probe_doc: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: Path,
+            units_dir: Path, vocab_size: int, probe_doc: dict[str, Any], fingerprint: str
+            ) -> dict[str, Any]:
     per_source: dict[str, Stats] = {}
     freq: Counter[int] = Counter()
     for result in results:
@@ -438,8 +340,9 @@ def _finish(settings, results, partial: Path, chunks_dir: Path, vocab_size: int,
     total = Stats()
     for stats in per_source.values():
         total.merge(stats)
-    row_files = [chunks_dir / f"c{r['index']:06d}.rows.parquet" for r in results]
-    q_files = [chunks_dir / f"c{r['index']:06d}.q.parquet" for r in results]
+    paths = [item_paths(units_dir, r["index"]) for r in results]
+    row_files = [rows for rows, _, _ in paths]
+    q_files = [q for _, q, _ in paths]
     quarantine = pa.concat_tables([pq.read_table(f, schema=QUARANTINE) for f in q_files])
     pq.write_table(quarantine, partial / "quarantine.parquet")
     if not total.extra.get("rows_written", 0):

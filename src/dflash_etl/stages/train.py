@@ -43,8 +43,10 @@ from dflash_etl.core.config import (
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.runner import run_stage
+from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.models.identity import model_identity
 from dflash_etl.models.tiny_model import with_target
-from dflash_etl.report import publish_docs
 from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
@@ -389,14 +391,14 @@ class Trainer:
         import torch
 
         from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
-        from dflash_etl.stages.extract import ExtractSettings, Target
+        from dflash_etl.models.target import Target, TargetSpec
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
         device = settings.device
         if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
             device = f"cuda:{torch.cuda.current_device()}"  # LOCAL_RANK's, set by _distributed
-        self.target = Target(ExtractSettings(model=settings.target, layers=layers,
+        self.target = Target(TargetSpec(model=settings.target, layers=layers,
                                              draft_layers=settings.draft_layers,
                                              dtype=settings.dtype, device=device))
         for p in self.target.model.parameters():
@@ -485,14 +487,11 @@ class Trainer:
 NOT_FINGERPRINTED = ("device", "save_every", "keep_checkpoints")
 
 
-def _fingerprint(settings: TrainSettings, files: list[Path], extract_fp: str | None) -> str:
-    model_files = sorted(p for p in Path(settings.target).iterdir() if p.is_file())
+def _fingerprint_payload(settings: TrainSettings, files: list[Path],
+                         extract_fp: str | None) -> dict[str, Any]:
     kept = {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED}
-    return hashlib.sha256(json.dumps({
-        "settings": kept, "inputs": [sha256_file(f) for f in files],
-        "extract": extract_fp,
-        "model": [sha256_file(p) for p in model_files if p.suffix in (".json", ".safetensors")],
-    }, sort_keys=True).encode()).hexdigest()
+    return {"settings": kept, "inputs": [sha256_file(f) for f in files], "extract": extract_fp,
+            "model": model_identity(settings.target)}
 
 
 def _split(rows: list[dict[str, Any]], settings: TrainSettings
@@ -547,63 +546,77 @@ def check_output(out: Path) -> tuple[int, int, list[str]]:
     return total["rows_out"], checkpoints, verify(out, int(total["block_size"]))
 
 
+class TrainStage(Stage):
+    """Hidden states (or the target, online) -> a DFlash drafter and its tau. Under torchrun
+    every rank runs it; rank 0 alone owns the run directory (lock, partial, publish)."""
+
+    name = STAGE
+
+    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
+                      overrides: dict[str, Any]) -> TrainSettings:
+        section = config.section("train") if config else {}
+        overrides = with_target(config, run_dir, section, overrides, "target")
+        return TrainSettings.from_sources(section, overrides,
+                                          config.base_dir if config else None)
+
+    def prepare(self, ctx: StageContext) -> dict[str, Any]:
+        settings: TrainSettings = ctx.settings
+        ctx.rank, ctx.world = _distributed()
+        rows, files = _load_rows(ctx.run)
+        extracted = None if settings.online else _extract_info(ctx.run)
+        index: list[dict[str, Any]] = []
+        if extracted is not None:
+            index = _read_index(ctx.run.stage_dir("extract") / "index.parquet")
+            indexed = {e["row"] for e in index}
+            rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
+        ctx.state.update(rows=rows, extracted=extracted, index=index)
+        return _fingerprint_payload(settings, files,
+                                    extracted["fingerprint"] if extracted else None)
+
+    def begin(self, ctx: StageContext) -> None:
+        if ctx.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # rank 0 has prepared the partial directory
+
+    def execute(self, ctx: StageContext) -> dict[str, Any]:
+        settings: TrainSettings = ctx.settings
+        rows, extracted = ctx.state["rows"], ctx.state["extracted"]
+        train_rows, prompts, per_source = _split(rows, settings)
+        if not train_rows:
+            held = sum(s.rows_filtered.get(F_HELD_OUT, 0) for s in per_source.values())
+            raise StageError(f"train has no rows to train on: of {len(rows)} rows, {held} are "
+                             "held out for evaluation and the rest have no two consecutive "
+                             "supervised tokens to anchor a block; check the tokenize stage's "
+                             "masks or lower --eval-prompts")
+        if not prompts:
+            raise StageError("train has no evaluation prompts: no held-out row has a prompt "
+                             "before its first supervised token; raise --eval-prompts (now "
+                             f"{settings.eval_prompts}) or check the tokenize stage's masks")
+        states = (ExtractedStates(ctx.run.stage_dir("extract"), len(extracted["layers"]),
+                                  ctx.state["index"]) if extracted else None)
+        trainer = Trainer(settings, train_rows, states,
+                          extracted["layers"] if extracted else None, ctx.partial, ctx.rank,
+                          ctx.world)
+        try:
+            return _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
+                          ctx.rank, ctx.progress)
+        finally:
+            trainer.states.close()
+
+    def end(self, ctx: StageContext) -> None:
+        if ctx.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # rank 0 has published
+
+
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
     """Train into `run_dir/train`; returns the stats document. Skips when complete; resumes from
     the newest checkpoint of an interrupted run with the same inputs and settings."""
-    section = config.section("train") if config else {}
-    overrides = with_target(config, run_dir, section, overrides, "target")
-    settings = TrainSettings.from_sources(section, overrides, config.base_dir if config else None)
-    run = RunDir(run_dir)
-    timer = Timer()
-    rank, world = _distributed()
-    rows, files = _load_rows(run)
-    extracted = None if settings.online else _extract_info(run)
-    index: list[dict[str, Any]] = []
-    if extracted is not None:
-        index = _read_index(run.stage_dir("extract") / "index.parquet")
-        indexed = {e["row"] for e in index}
-        rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
-    fingerprint = _fingerprint(settings, files, extracted["fingerprint"] if extracted else None)
-    if not force and (done := run.completed_stats(STAGE, fingerprint)):
-        return done
-    train_rows, prompts, per_source = _split(rows, settings)
-    if not train_rows:
-        raise StageError(f"train has no rows to train on: of {len(rows)} rows, "
-                         f"{sum(s.rows_filtered.get(F_HELD_OUT, 0) for s in per_source.values())}"
-                         f" are held out for evaluation and the rest have no two consecutive "
-                         "supervised tokens to anchor a block; check the tokenize stage's masks "
-                         "or lower --eval-prompts")
-    if not prompts:
-        raise StageError("train has no evaluation prompts: no held-out row has a prompt before "
-                         "its first supervised token; raise --eval-prompts (now "
-                         f"{settings.eval_prompts}) or check the tokenize stage's masks")
-    partial = run.partial_dir(STAGE) if rank else run.begin(STAGE, fingerprint)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # rank 0 has prepared the partial directory
-    states = (ExtractedStates(run.stage_dir("extract"), len(extracted["layers"]), index)
-              if extracted else None)
-    trainer = Trainer(settings, train_rows, states,
-                      extracted["layers"] if extracted else None, partial, rank, world)
-    try:
-        doc = _train(trainer, run, settings, prompts, per_source, partial, rank, progress)
-    except StageError as exc:
-        if rank == 0:
-            run.fail(STAGE, str(exc))
-            publish_docs(run.root)
-        raise
-    finally:
-        trainer.states.close()
-    if rank == 0:
-        run.commit(STAGE, doc["total"], timer.seconds)
-        publish_docs(run.root)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-    return doc
+    return run_stage(TrainStage(), config, run_dir, force=force, progress=progress,
+                     **overrides)
 
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],

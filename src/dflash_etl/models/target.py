@@ -1,0 +1,145 @@
+"""The target model with forward hooks on its decoder layers: the hidden states extract stores,
+train computes online, and tau evaluation reads (logits and a KV cache)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflash_etl.core.errors import StageError
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Which target and how to run it (extract's settings have the same fields)."""
+
+    model: str
+    layers: str = "auto"
+    draft_layers: int = 5
+    dtype: str = "fp32"
+    device: str = "auto"
+
+
+def auto_layers(n_layers: int, k: int) -> list[int]:
+    """DFlash's rule: K target layers spread evenly from layer 1 to layer L-3 (one layer: the
+    middle one), as SpecForge's and z-lab's build_target_layer_ids."""
+    if k == 1:
+        return [n_layers // 2]
+    last = max(1, n_layers - 3)
+    return sorted({round(float(x)) for x in np.linspace(1, last, max(1, k))})
+
+
+def parse_layers(spec: str, n_layers: int, k: int) -> list[int]:
+    if spec == "auto":
+        return auto_layers(n_layers, k)
+    try:
+        layers = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError as exc:
+        raise StageError(f"--layers {spec!r}: give 'auto' or comma-separated indices") from exc
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad or not layers:
+        raise StageError(f"--layers {spec!r}: the target has decoder layers 0..{n_layers - 1}")
+    return layers
+
+
+def decoder_layers(model: Any) -> Any:
+    """The model's decoder layer list: the ModuleList as long as config.num_hidden_layers."""
+    import torch
+
+    n = model.config.num_hidden_layers
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise StageError(f"cannot find the {n} decoder layers of {type(model).__name__}: no "
+                     "ModuleList of that length; this architecture needs explicit support")
+
+
+# ---------------------------------------------------------------- the target
+class _EnoughLayers(Exception):
+    """Raised by the last wanted layer's hook: the rest of the forward pass is not needed."""
+
+
+class Target:
+    """The target model with forward hooks that keep the chosen layers' outputs."""
+
+    def __init__(self, settings: TargetSpec) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = settings.device if settings.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                settings.model, local_files_only=True, dtype=dtype)
+        except Exception as exc:  # transformers raises many types for a bad directory
+            raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
+        self.model.to(self.device).eval()
+        self.n_layers = self.model.config.num_hidden_layers
+        self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
+        self.hidden = self.model.config.hidden_size
+        self.captured: dict[int, Any] = {}
+        self.stop_after: int | None = None  # the layer after which a forward pass may stop
+        # transformers renamed past_key_values to cache (5.x); older models know only the first
+        self.cache_argument = ("cache" if "cache" in inspect.signature(
+            self.model.forward).parameters else "past_key_values")
+        modules = decoder_layers(self.model)
+        self.last_layer = self.n_layers - 1
+        for index in sorted({*self.layers, self.last_layer}):
+            modules[index].register_forward_hook(self._keep(index))
+
+    def _keep(self, index: int):
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == self.stop_after:
+                raise _EnoughLayers
+        return hook
+
+    def states(self, rows: list[list[int]]) -> list[Any]:
+        """[seq, layers, hidden] per row (right padding; causal attention ignores the pad)."""
+        return self.forward(rows)[1]
+
+    def forward(self, rows: list[list[int]], logits: bool = False,
+                extra_layers: tuple[int, ...] = ()) -> tuple[list[Any] | None, list[Any]]:
+        """(logits [seq, vocab] per row when asked, else None; states [seq, layers + extra,
+        hidden] per row). `extra_layers` appends more decoder layers' outputs (hooked too)."""
+        torch = self.torch
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for k, r in enumerate(rows):
+            ids[k, :len(r)] = torch.tensor(r)
+            mask[k, :len(r)] = 1
+        self.captured.clear()
+        # without logits, nothing after the last wanted layer is needed: its hook ends the pass
+        self.stop_after = None if logits else max((*self.layers, *extra_layers))
+        out = None
+        with torch.no_grad(), contextlib.suppress(_EnoughLayers):
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             use_cache=False, logits_to_keep=0 if logits else 1)
+        stacked = torch.stack([self.captured[i] for i in (*self.layers, *extra_layers)],
+                              dim=2).cpu()
+        states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
+        if not logits or out is None:
+            return None, states
+        return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
+
+
+    def extend(self, tokens: list[int], cache: Any) -> tuple[Any, Any]:
+        """Feed `tokens` after what the KV `cache` holds (one sequence): (logits [k, vocab],
+        states [k, layers, hidden]) of the new tokens."""
+        torch = self.torch
+        self.captured.clear()
+        self.stop_after = None
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([tokens], device=self.device),
+                             use_cache=True, **{self.cache_argument: cache})
+        states = torch.stack([self.captured[i] for i in self.layers], dim=2)[0].cpu()
+        return out.logits[0], states

@@ -1,0 +1,53 @@
+"""Tokenizers from local directories only: never the hub, never remote code."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core.errors import StageError
+
+
+def load_tokenizer(model: str) -> Any:
+    """A local tokenizer or model directory; never the hub, never remote code.
+
+    Loaded once per process and directory (a 12 MB tokenizer.json takes seconds to parse); the
+    cache key includes the files' sizes and times, so an edited tokenizer is reloaded.
+    """
+    path = Path(model)
+    if not path.is_dir():
+        raise StageError(f"--model {model!r} is not a directory: give a local tokenizer or model "
+                         "directory (the hub is never used)")
+    signature = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                             for f in path.iterdir() if f.is_file()))
+    return _load_tokenizer(str(path.resolve()), signature)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(model: str, signature: tuple[Any, ...]) -> Any:
+    """A directory with tokenizer.json loads as a plain fast tokenizer: AutoTokenizer would import
+    torch (through the model configs), which costs seconds in every process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        if (Path(model) / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(model, local_files_only=True)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model, local_files_only=True,
+                                             trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types for a bad directory
+        raise StageError(f"cannot load a tokenizer from {model}: {exc}") from exc
+
+
+def read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise StageError(f"--chat-template {path}: cannot read it ({exc})") from exc
