@@ -46,6 +46,15 @@ def _executor(args: argparse.Namespace) -> dict[str, Any]:
             "ray_address": getattr(args, "ray_address", None)}
 
 
+def _url_list(text: str) -> tuple[str, ...]:
+    """`--endpoints URL,URL` -> a tuple of URLs (the frozen settings keep tuples)."""
+    urls = tuple(u.strip() for u in text.split(",") if u.strip())
+    if not urls:
+        raise argparse.ArgumentTypeError("give at least one URL, e.g. "
+                                         "http://127.0.0.1:8001/v1,http://127.0.0.1:8002/v1")
+    return urls
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dflash_etl.stages import ingest
 
@@ -292,9 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generation backend (default transformers)")
     p.add_argument("--endpoint", help="openai backend: the server's /v1 URL "
                                       "(default http://127.0.0.1:8000/v1)")
+    p.add_argument("--endpoints", type=_url_list, metavar="URL,URL",
+                   help="openai backend: several servers of one model, comma-separated; each "
+                        "request goes to the least loaded healthy one (default: --endpoint)")
     p.add_argument("--served-model", help="openai backend: model name (default: the first the "
                                           "server lists)")
-    p.add_argument("--concurrency", type=int, help="openai backend: requests in flight (8)")
+    p.add_argument("--concurrency", type=int,
+                   help="openai backend: requests in flight per server (8)")
+    p.add_argument("--cooldown-s", type=float,
+                   help="openai backend, several endpoints: how long a failed server sits out "
+                        "before its probe (10)")
     p.add_argument("--timeout-s", type=float, help="openai backend: per request (120)")
     p.add_argument("--retries", type=int, help="openai backend: on timeouts/429/5xx (3)")
     p.add_argument("--stream", action="store_true", default=None,

@@ -6,9 +6,12 @@ For trying `regenerate --backend openai` without vLLM, and for that backend's te
 
 It serves `GET /v1/models` and `POST /v1/chat/completions` (streaming on and off) through the
 same `TransformersBackend` the regenerate stage uses, one generation at a time. `--instant` answers
-every request with a fixed reply without touching the model, to measure a client's own overhead.
-Failures can be injected (`fail_next`, `delay_next`) to test retries and timeouts. Not for
-production serving.
+every request with a fixed reply (tagged with a digest of the messages, so replies can be told
+apart) without touching the model, to measure a client's own overhead. `--latency-ms N` makes each
+request hold the server's one generation slot for N ms more (requests queue, as on the model
+server): a stand-in for a real server's generation time, for fleet benchmarks. Failures can be
+injected (`fail_next`, `delay_next`, `die_after`, `kill()`) to test retries, timeouts and
+failover. `requests` counts the chat-completion requests it received. Not for production serving.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import threading
 import time
@@ -42,8 +46,8 @@ class DevServer:
     """The server, started in a background thread; `url` is its /v1 base."""
 
     def __init__(self, model: str | None, host: str = "127.0.0.1", port: int = 0,
-                 instant: bool = False) -> None:
-        self.model_name = Path(model).name if model else "instant"
+                 instant: bool = False, latency_ms: float = 0.0, name: str | None = None) -> None:
+        self.model_name = name or (Path(model).name if model else "instant")
         self.backend: Any = None
         if not instant:
             from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
@@ -53,18 +57,29 @@ class DevServer:
         self.fail_next = 0  # answer this many coming requests with HTTP 500
         self.delay_next = 0  # delay this many coming requests by `delay_s`
         self.delay_s = 0.0
+        self.latency_s = latency_ms / 1000  # per request, holding the one generation slot
+        self.slot = threading.Lock()
+        self.die_after: int | None = None  # kill() itself when more requests than this arrive
+        self.dead = False
         self.requests = 0
         self.httpd = _QuietServer((host, port), _handler(self))
         self.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     def start(self) -> DevServer:
         self.thread.start()
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        if self.thread.is_alive():  # shutdown() waits for a serve_forever that must be running
+            self.httpd.shutdown()
         self.httpd.server_close()
+
+    def kill(self) -> None:
+        """Die as a crashed server does: stop listening (new connections are refused) and drop
+        every request in flight without an answer."""
+        self.dead = True
+        threading.Thread(target=self.stop, daemon=True).start()
 
     def __enter__(self) -> DevServer:
         return self.start()
@@ -82,8 +97,14 @@ class DevServer:
 
     def complete(self, body: dict[str, Any]) -> tuple[str, str, int]:
         """(text, finish_reason, completion tokens) for one chat-completions request."""
+        if self.latency_s:
+            with self.slot:
+                time.sleep(self.latency_s)
         if self.backend is None:
-            return INSTANT_REPLY, "stop", len(INSTANT_REPLY.split())
+            digest = hashlib.sha256(json.dumps(body.get("messages"), sort_keys=True)
+                                    .encode()).hexdigest()[:8]
+            text = f"{INSTANT_REPLY} [{digest}]"
+            return text, "stop", len(text.split())
         thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking")
         with self.lock:
             self.backend.settings = dataclasses.replace(
@@ -123,7 +144,13 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
                 return
             with server.lock:
                 server.requests += 1
+                if server.die_after is not None and server.requests > server.die_after \
+                        and not server.dead:
+                    server.kill()
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if server.dead:  # a crashed server answers nothing
+                self.close_connection = True
+                return
             if server.take("fail_next"):
                 self._json(500, {"error": {"message": "injected failure"}})
                 return
@@ -133,6 +160,9 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
                 text, finish, tokens = server.complete(body)
             except (KeyError, ValueError) as exc:
                 self._json(400, {"error": {"message": str(exc)}})
+                return
+            if server.dead:  # died while generating
+                self.close_connection = True
                 return
             if body.get("stream"):
                 self._stream(text, finish)
@@ -166,13 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--instant", action="store_true", help="fixed replies, no model")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="each request holds the server's one generation slot this long")
+    parser.add_argument("--name", help="the model name it lists (default: the model directory's "
+                                       "name, or 'instant')")
     args = parser.parse_args(argv)
     if not args.instant and not args.model:
         parser.error("--model DIR is required (or --instant)")
-    server = DevServer(args.model, args.host, args.port, instant=args.instant)
+    server = DevServer(args.model, args.host, args.port, instant=args.instant,
+                       latency_ms=args.latency_ms, name=args.name)
     print(f"serving {server.model_name} at {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        server.httpd.serve_forever()
+        server.start().thread.join()
     return 0
 
 

@@ -16,11 +16,13 @@ OpenAI-compatible server, async with bounded concurrency, timeouts and retries) 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import sys
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,6 +67,11 @@ GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
                              ("finish_reason", pa.string()), ("new_tokens", pa.int32()),
                              ("key", pa.string())])
 
+# where and how the openai backend reaches its servers: not what it generates, so changing them
+# (another fleet, more concurrency) keeps a run's fingerprint, and an interrupted run's cache
+TRANSPORT_SETTINGS = ("endpoint", "endpoints", "concurrency", "timeout_s", "retries",
+                      "cooldown_s")
+
 THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
 DUMMY_MAX_CHARS = 40
 
@@ -86,12 +93,28 @@ class RegenerateSettings:
     dummy_min_repeats: int = setting(3, min=2, why="a reply given once is not a dummy")
     # openai backend
     endpoint: str = "http://127.0.0.1:8000/v1"
+    # several servers of one model (empty: `endpoint` alone); requests go to the least loaded
+    # healthy one, a failed server sits out `cooldown_s` and is probed before it comes back
+    endpoints: tuple[str, ...] = ()
     served_model: str | None = None  # default: the first model the server lists
-    concurrency: int = setting(8, min=1)
+    concurrency: int = setting(8, min=1)  # requests in flight PER SERVER
     timeout_s: float = setting(120.0, above=0)
     # on timeouts, connection errors, 429 and 5xx, with exponential backoff
     retries: int = setting(3, min=0)
     stream: bool = False
+    cooldown_s: float = 10.0  # several endpoints: a failed server's rest before its probe
+
+    def __post_init__(self) -> None:
+        endpoints = self.endpoints or ()
+        if isinstance(endpoints, str):  # "URL,URL" (a TOML string, or the flag's text)
+            endpoints = endpoints.split(",")
+        object.__setattr__(self, "endpoints",
+                           tuple(u.strip() for u in endpoints if u and u.strip()))
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The openai backend's server URLs (/v1 bases, no trailing slash)."""
+        return tuple(u.rstrip("/") for u in (self.endpoints or (self.endpoint,)))
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -107,6 +130,13 @@ class RegenerateSettings:
             raise StageError("dummy_min_repeats must be >= 2: a reply given once is not a dummy")
         if settings.thinking not in ("on", "off", "keep"):
             raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
+        if settings.concurrency < 1:
+            raise StageError("--concurrency must be >= 1 (requests in flight per server)")
+        if not 0 < settings.cooldown_s <= 600:
+            raise StageError("cooldown_s must be in (0, 600] seconds")
+        twice = sorted({u for u in settings.servers if settings.servers.count(u) > 1})
+        if twice:
+            raise StageError(f"--endpoints lists {twice} more than once")
         return settings
 
 
@@ -324,20 +354,56 @@ class VLLMBackend(_LocalTemplate):
 
 
 # ---------------------------------------------------------------- openai backend
+class _Server:
+    """One server of the openai backend's fleet, and what the dispatcher knows of it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.in_flight = 0
+        self.served = 0  # replies it gave (of this backend's requests)
+        self.healthy = True
+        self.probing = False
+        self.probes_failed = 0  # failed probes since it was taken out
+        self.retry_at = 0.0  # time.monotonic() of its next probe, while it is out
+        self.problem = ""  # why it was taken out
+        self.probe_problem = ""  # why its last probe failed
+
+    def why(self) -> str:
+        return f"{self.url}: {self.problem}" + (
+            f"; then {self.probe_problem}" if self.probe_problem else "")
+
+
 class OpenAIBackend:
-    """Any OpenAI-compatible chat-completions server (vLLM serve, SGLang): the server applies the
-    chat template. Async requests with bounded concurrency, per-request timeouts and retries with
-    exponential backoff; replies come back in request order whatever order they finish in."""
+    """Any OpenAI-compatible chat-completions server (vLLM serve, SGLang), or several serving
+    one model: the server applies the chat template. Async requests with bounded concurrency
+    (per server), per-request timeouts and retries with exponential backoff; replies come back
+    in request order whatever order, and whatever server, they finish on.
+
+    With several servers each request goes to the healthy server with the fewest requests in
+    flight (ties in turn). A server that fails a request (refused connection; reset, timeout,
+    429 or 5xx after `retries`) is taken out and the request goes to another; an out server is
+    probed (GET /models) after `cooldown_s` and comes back when it answers with the fleet's
+    models. When no server is left a request waits at most one probe round for one to come
+    back, then fails as a row (generation_failed): no wait is without a deadline. With one
+    server, failures stay per request (retried, then the row fails), as they always were."""
 
     def __init__(self, settings: RegenerateSettings) -> None:
         import httpx
 
         self.settings = settings
         self.httpx = httpx
-        self.base = settings.endpoint.rstrip("/")
+        self.servers = [_Server(url) for url in settings.servers]
+        self.base = self.servers[0].url
+        self.fleet = len(self.servers) > 1  # health tracking and failover
+        self.probe_timeout_s = min(settings.timeout_s, 5.0)
         self.retried = 0
+        self.failovers = 0  # requests moved to another server after theirs failed
+        self._turn = 0  # round-robin position among equally loaded servers
+        self.listed: list[str] = []
         name = settings.served_model
-        if name is None:
+        if self.fleet:
+            name = self._check_fleet(name)
+        elif name is None:
             try:
                 listed = httpx.get(f"{self.base}/models", timeout=settings.timeout_s)
                 listed.raise_for_status()
@@ -346,12 +412,51 @@ class OpenAIBackend:
                 raise StageError(f"cannot list the models of {self.base}/models ({exc}): is the "
                                  "server running? Pass --served-model to skip the lookup") from exc
         self.served_model = name
-        self.batch_hint = settings.concurrency * 4  # requests per cache flush
+        self.batch_hint = settings.concurrency * 4 * len(self.servers)  # requests per flush
+        # the model's identity, never which or how many servers answer: the cache keys (and a
+        # rerun's reuse of them) are the same with one server or a fleet
         files = sorted(p for p in Path(settings.model).iterdir() if p.is_file()) \
             if Path(settings.model).is_dir() else []
         identity = [name, *(sha256_file(p) for p in files if p.suffix in (".json", ".jinja"))]
         self.model_id = hashlib.sha256("\x00".join(identity).encode()).hexdigest()
 
+    # ------------------------------------------------------------ the fleet's models
+    def _models(self, url: str) -> list[str]:
+        response = self.httpx.get(f"{url}/models", timeout=self.probe_timeout_s)
+        response.raise_for_status()
+        return [m["id"] for m in response.json()["data"]]
+
+    def _check_fleet(self, name: str | None) -> str:
+        """Every server that answers must list the same models; those that do not answer yet
+        start out of the fleet (probed later). Returns the served model name."""
+        listed: dict[str, list[str]] = {}
+        for server in self.servers:
+            try:
+                listed[server.url] = self._models(server.url)
+            except (self.httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+                self._take_out(server, f"did not list its models at the start: "
+                                       f"{type(exc).__name__}: {exc}")
+        if not listed:
+            raise StageError("cannot list the models of any of --endpoints "
+                             f"{[s.url for s in self.servers]}: "
+                             + " | ".join(s.why() for s in self.servers))
+        kinds = {tuple(sorted(ids)) for ids in listed.values()}
+        if len(kinds) > 1:
+            raise StageError("the --endpoints do not serve the same models: " + "; ".join(
+                f"{url} lists {ids}" for url, ids in listed.items())
+                + ". A fleet must serve one model (the replies would depend on the server)")
+        self.listed = sorted(next(iter(kinds)))
+        first = next(iter(listed.values()))
+        if name is None:
+            if not first:
+                raise StageError(f"{next(iter(listed))}/models lists no model")
+            return first[0]
+        if name not in self.listed:
+            raise StageError(f"--served-model {name!r} is not served by the --endpoints "
+                             f"{list(listed)} (they list {self.listed})")
+        return name
+
+    # ------------------------------------------------------------ requests
     def payload(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.served_model, "messages": messages,
@@ -372,20 +477,162 @@ class OpenAIBackend:
     async def _generate_all(self, requests: list[Request]) -> list[Reply]:
         import asyncio
 
-        gate = asyncio.Semaphore(self.settings.concurrency)
-        limits = self.httpx.Limits(max_connections=self.settings.concurrency)
+        changed = asyncio.Condition()  # in-flight counts and health: the dispatcher's state
+        for server in self.servers:  # an interrupted batch may have left counts behind
+            server.in_flight, server.probing = 0, False
+        limits = self.httpx.Limits(max_connections=self.settings.concurrency * len(self.servers))
         async with self.httpx.AsyncClient(timeout=self.settings.timeout_s, limits=limits) as client:
+            probes: set[asyncio.Task] = set()
+            self._probe_due(client, changed, probes)  # before any request picks a server
+            prober = asyncio.create_task(self._prober(client, changed, probes))
+            # the fleet's slots: few requests wait on `changed` (only while servers are out)
+            gate = asyncio.Semaphore(self.settings.concurrency * len(self.servers))
 
             async def one(request: Request) -> Reply:
                 async with gate:
-                    return await self._request(client, self.payload(*request))
+                    return await self._dispatch(client, changed, self.payload(*request))
 
-            return list(await asyncio.gather(*(one(r) for r in requests)))
+            try:
+                return list(await asyncio.gather(*(one(r) for r in requests)))
+            finally:
+                prober.cancel()
+                for task in (prober, *probes):
+                    task.cancel()
+                await asyncio.gather(prober, *probes, return_exceptions=True)
 
-    async def _request(self, client: Any, body: dict[str, Any]) -> Reply:
+    async def _dispatch(self, client: Any, changed: Any, body: dict[str, Any]) -> Reply:
+        """One request: a server, then another while servers fail, until a reply or none is
+        left."""
+        tried: dict[int, str] = {}  # server -> how it failed this request
+        while True:
+            picked = await self._acquire(changed, tried)
+            if picked is None:
+                return Reply("", "", 0, error=self._no_server(tried))
+            k, server = picked
+            try:
+                reply, problem = await self._request(client, server.url, body)
+            finally:
+                async with changed:
+                    server.in_flight -= 1
+                    changed.notify_all()
+            if reply is not None:
+                server.served += 1
+                return reply
+            if not self.fleet:
+                return Reply("", "", 0, error=problem)
+            tried[k] = problem
+            async with changed:
+                self._take_out(server, problem)
+                changed.notify_all()
+            self.failovers += 1
+
+    def _no_server(self, tried: dict[int, str]) -> str:
+        n = len(self.servers)
+        if len(tried) == n:
+            return f"failed on every one of the {n} --endpoints: " + " | ".join(tried.values())
+        down = " | ".join(s.why() for k, s in enumerate(self.servers) if k not in tried)
+        failed = "".join(f" | this request: {p}" for p in tried.values())
+        return (f"no server of the {n} --endpoints is up (waited one probe round, cooldown_s="
+                f"{self.settings.cooldown_s:g}): {down}{failed}")
+
+    async def _acquire(self, changed: Any, tried: dict[int, str]) -> tuple[int, _Server] | None:
+        """The least-loaded healthy server this request has not failed on (ties in turn), its
+        in-flight count taken; None when there is none to wait for. Waits for a free slot (freed
+        by requests that have their own timeouts) or, when every server is out, at most one probe
+        round for one to come back."""
         import asyncio
 
-        url = f"{self.base}/chat/completions"
+        n, cap, deadline = len(self.servers), self.settings.concurrency, None
+        async with changed:
+            while True:
+                left = [k for k in range(n) if k not in tried]
+                if not left:
+                    return None
+                free = [k for k in left
+                        if self.servers[k].healthy and self.servers[k].in_flight < cap]
+                if free:
+                    low = min(self.servers[k].in_flight for k in free)
+                    k = min((k for k in free if self.servers[k].in_flight == low),
+                            key=lambda k: (k - self._turn) % n)
+                    self._turn = (k + 1) % n
+                    self.servers[k].in_flight += 1
+                    return k, self.servers[k]
+                wait = 1.0  # re-checked at least this often
+                if not any(self.servers[k].healthy for k in left):
+                    # out servers worth waiting for: probed now, or not probed yet since they
+                    # were taken out (a server whose probe failed is not waited for again)
+                    coming = [k for k in left if self.servers[k].probing
+                              or self.servers[k].probes_failed == 0]
+                    if not coming:
+                        return None
+                    if deadline is None:
+                        deadline = (time.monotonic() + self.settings.cooldown_s
+                                    + self.probe_timeout_s + 1.0)
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), wait)
+
+    def _take_out(self, server: _Server, problem: str) -> None:
+        if server.healthy:
+            server.healthy = False
+            server.probes_failed = 0
+            server.retry_at = time.monotonic() + self.settings.cooldown_s
+            server.problem, server.probe_problem = problem, ""
+
+    # ------------------------------------------------------------ probes
+    def _probe_due(self, client: Any, changed: Any, probes: set[Any]) -> None:
+        import asyncio
+
+        now = time.monotonic()
+        for server in self.servers:
+            if not server.healthy and not server.probing and server.retry_at <= now:
+                server.probing = True
+                task = asyncio.create_task(self._probe(client, changed, server))
+                probes.add(task)
+                task.add_done_callback(probes.discard)
+
+    async def _prober(self, client: Any, changed: Any, probes: set[Any]) -> None:
+        import asyncio
+
+        if not self.fleet:
+            return
+        while True:
+            await asyncio.sleep(min(0.2, self.settings.cooldown_s / 2))
+            self._probe_due(client, changed, probes)
+
+    async def _probe(self, client: Any, changed: Any, server: _Server) -> None:
+        """GET /models: the server comes back when it answers with the fleet's models."""
+        problem = ""
+        try:
+            response = await client.get(f"{server.url}/models", timeout=self.probe_timeout_s)
+            response.raise_for_status()
+            ids = sorted(m["id"] for m in response.json()["data"])
+            if ids != self.listed:
+                problem = f"now lists {ids}, not the fleet's {self.listed}"
+        except (self.httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            problem = f"probe failed: {type(exc).__name__}: {exc}"
+        finally:
+            server.probing = False  # also when cancelled: the next batch probes it again
+        async with changed:
+            if problem:
+                server.probes_failed += 1
+                server.retry_at = time.monotonic() + self.settings.cooldown_s
+                server.probe_problem = problem
+            else:
+                server.healthy, server.probes_failed = True, 0
+                server.problem = server.probe_problem = ""
+            changed.notify_all()
+
+    async def _request(self, client: Any, base: str,
+                       body: dict[str, Any]) -> tuple[Reply | None, str]:
+        """(reply, "") — a reply, or the request's own error (HTTP 4xx: no other server would
+        take it) — or (None, problem) when the server failed it after its retries. In a fleet a
+        refused connection fails over at once: nothing listens there."""
+        import asyncio
+
+        url = f"{base}/chat/completions"
         problem = ""
         for attempt in range(self.settings.retries + 1):
             if attempt:
@@ -393,21 +640,23 @@ class OpenAIBackend:
                 await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
             try:
                 if body["stream"]:
-                    return await self._streamed(client, url, body)
+                    return await self._streamed(client, url, body), ""
                 response = await client.post(url, json=body)
                 if response.status_code == 429 or response.status_code >= 500:
                     problem = f"HTTP {response.status_code}: {response.text[:300]}"
                     continue
                 if response.status_code >= 400:  # the request itself is wrong: no retry
                     return Reply("", "", 0, error=f"{url} refused the request: HTTP "
-                                 f"{response.status_code}: {response.text[:500]}")
-                return _reply_from_completion(response.json())
+                                 f"{response.status_code}: {response.text[:500]}"), ""
+                return _reply_from_completion(response.json()), ""
             except _Retry as exc:
                 problem = str(exc)
             except (self.httpx.TimeoutException, self.httpx.TransportError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-        return Reply("", "", 0, error=f"{url} failed after {self.settings.retries + 1} attempts; "
-                     f"last: {problem}")
+                if self.fleet and isinstance(exc, self.httpx.ConnectError):
+                    return None, f"{url}: {problem}"
+        return None, (f"{url} failed after {self.settings.retries + 1} attempts; "
+                      f"last: {problem}")
 
     async def _streamed(self, client: Any, url: str, body: dict[str, Any]) -> Reply:
         content, reasoning, finish, chunks = [], [], "", 0
@@ -466,7 +715,8 @@ def _targets(conv: dict[str, Any], mode: str) -> list[int]:
 
 
 class _Cache:
-    """Finished generations, appended as JSON lines and flushed per batch."""
+    """Finished generations, appended as JSON lines and flushed per batch. A failed one (the
+    template refused, the servers failed) is kept for this run only: a rerun tries it again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -482,7 +732,8 @@ class _Cache:
     def add(self, entries: list[dict[str, Any]]) -> None:
         with self.path.open("a", encoding="utf-8") as fh:
             for entry in entries:
-                fh.write(json.dumps(entry) + "\n")
+                if not entry.get("error"):
+                    fh.write(json.dumps(entry) + "\n")
                 self.entries[entry["key"]] = entry
             fh.flush()
             os.fsync(fh.fileno())
@@ -602,7 +853,9 @@ class RegenerateStage(Stage):
         backend = self.generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
             settings.backend, TransformersBackend)(settings)
         ctx.state.update(files=files, backend=backend)
-        return {"settings": asdict(settings), "model": backend.model_id,
+        return {"settings": {k: v for k, v in asdict(settings).items()
+                             if k not in TRANSPORT_SETTINGS},
+                "model": backend.model_id,
                 "inputs": [sha256_file(f) for f in files]}
 
     def begin(self, ctx: StageContext) -> None:
