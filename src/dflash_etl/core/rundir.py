@@ -113,15 +113,19 @@ class RunDir:
         self.update_stage(stage, status="running", fingerprint=fingerprint, started_at=now())
         return partial
 
-    def commit(self, stage: str, summary: dict[str, Any], seconds: float) -> Path:
-        """Publish the partial directory as the stage output and mark it complete."""
+    def commit(self, stage: str, summary: dict[str, Any], seconds: float,
+               **timings: Any) -> Path:
+        """Publish the partial directory as the stage output and mark it complete. Timings
+        (`seconds`, and e.g. train's `steps_per_s`) are kept here, in the manifest, never in the
+        stage's files: two runs of the same inputs give byte-identical data files."""
         partial, final = self.partial_dir(stage), self.stage_dir(stage)
         (partial / "FINGERPRINT").unlink(missing_ok=True)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
         self.update_stage(
-            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), counts=summary
+            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), **timings,
+            counts=summary,
         )
         return final
 

@@ -576,7 +576,8 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     trainer = Trainer(settings, train_rows, states,
                       extracted["layers"] if extracted else None, partial, rank, world)
     try:
-        doc = _train(trainer, run, settings, prompts, per_source, partial, rank, progress)
+        doc, timing = _train(trainer, run, settings, prompts, per_source, partial, rank,
+                             progress)
     except StageError as exc:
         if rank == 0:
             run.fail(STAGE, str(exc))
@@ -585,7 +586,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
     finally:
         trainer.states.close()
     if rank == 0:
-        run.commit(STAGE, doc["total"], timer.seconds)
+        run.commit(STAGE, doc["total"], timer.seconds, **timing)
         publish_docs(run.root)
     if world > 1:
         import torch.distributed as dist
@@ -596,7 +597,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
            per_source: dict[str, Stats], partial: Path, rank: int,
-           progress: bool | None) -> dict[str, Any]:
+           progress: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train; returns the stats document (stats.json) and the timings, which go to the manifest
+    only: the data files of two runs of the same inputs are byte-identical."""
     from dflash_etl.models.acceptance import acceptance_length, eos_token_ids
     from dflash_etl.models.drafter import parameter_count
 
@@ -653,7 +656,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
             bar.advance(1)
     seconds = timer.seconds
     if rank:
-        return {}
+        return {}, {}
     if not history or history[-1]["step"] != settings.steps:
         evaluate(settings.steps)
     trainer.drafter.save(partial / "drafter")
@@ -668,7 +671,6 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     trained = settings.steps - start
     doc["total"].update({
         "steps": settings.steps, "steps_this_run": trained,
-        "steps_per_s": round(trained / seconds, 3) if seconds and trained else None,
         "final_loss": round(last["loss"], 4) if last else None,
         "tau_untrained": evaluation["tau_untrained"], "tau_final": evaluation["tau_final"],
         "eval_prompts": len(prompts), "draft_layers": settings.draft_layers,
@@ -682,7 +684,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         raise ContractError("the train contract failed:\n  - " + "\n  - ".join(problems),
                             {"problems": problems})
     write_json_atomic(partial / "stats.json", doc)
-    return doc
+    return doc, {"steps_per_s": round(trained / seconds, 3) if seconds and trained else None}
 
 
 def main(argv: list[str] | None = None) -> int:
