@@ -46,8 +46,9 @@ def main() -> None:
         doc = train.run(config, run_dir, force=True, progress=False, steps=args.steps,
                         online=mode == "online", device=args.device, save_every=args.steps)
         total = doc["total"]
+        timing = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
         results[mode] = {"stage_s": round(time.perf_counter() - start, 2),
-                         "steps_per_s": total["steps_per_s"], "final_loss": total["final_loss"],
+                         "steps_per_s": timing["steps_per_s"], "final_loss": total["final_loss"],
                          "tau_untrained": round(total["tau_untrained"], 3),
                          "tau_final": round(total["tau_final"], 3)}
     tokens = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]["tokens"]

@@ -145,11 +145,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     doc = train.run(config, args.run, force=args.force, **_overrides(args, train.TrainSettings))
     if not doc:  # a torchrun rank other than 0: rank 0 reports
         return 0
+    from dflash_etl.core.rundir import RunDir
+
     out = Path(args.run) / "train"
     total = doc["total"]
+    # timings live in the manifest, not in stats.json (whose bytes do not depend on the machine)
+    timing = RunDir(args.run).manifest().get("stages", {}).get("train", {})
     _say(f"train {_state(doc)}: rows {_counts_line(total)}")
     _say(f"  {total.get('steps')} steps ({total.get('steps_this_run')} this run, "
-         f"{total.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
+         f"{timing.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
          f"{total.get('drafter_parameters')} drafter parameters")
     _say(f"  acceptance length tau on {total.get('eval_prompts')} held-out prompts: "
          f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))} "

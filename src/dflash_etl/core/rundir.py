@@ -138,9 +138,12 @@ class RunDir:
         self.update_stage(stage, status="running", fingerprint=fingerprint, started_at=now())
         return partial
 
-    def commit(self, stage: str, summary: dict[str, Any], seconds: float) -> Path:
+    def commit(self, stage: str, summary: dict[str, Any], seconds: float,
+               **timings: Any) -> Path:
         """Publish the partial directory as the stage output and mark it complete. The old output
-        is renamed away before the new one is renamed in, so `<stage>/` is never half deleted."""
+        is renamed away before the new one is renamed in, so `<stage>/` is never half deleted.
+        Timings (`seconds`, and e.g. train's `steps_per_s`) are kept here, in the manifest, never
+        in the stage's files: two runs of the same inputs give byte-identical data files."""
         partial, final = self.partial_dir(stage), self.stage_dir(stage)
         (partial / "FINGERPRINT").unlink(missing_ok=True)
         listing = list_files(partial)
@@ -152,7 +155,8 @@ class RunDir:
             os.replace(final, old)
         os.replace(partial, final)
         self.update_stage(
-            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), counts=summary,
+            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), **timings,
+            counts=summary,
             files={"count": len(listing), "bytes": sum(e["size"] for e in listing.values()),
                    "listing_sha256": sha256_file(final / FILES_JSON)}, error=None,
         )

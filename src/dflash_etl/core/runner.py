@@ -82,7 +82,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             raise error from exc
         if rank == 0:
             stage.cleanup(ctx)
-            run.commit(stage.name, doc["total"], timer.seconds)
+            run.commit(stage.name, doc["total"], timer.seconds, **ctx.timings)
             _publish_docs(run)
         stage.end(ctx)
         return doc

@@ -40,6 +40,7 @@ class StageContext:
     rank: int = 0
     world: int = 1
     state: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)  # kept in the manifest, not the data
 
     def n_workers(self) -> int:
         """--workers, else [run] workers, else one per core."""

@@ -146,8 +146,10 @@ def train_section(stage: StageInfo) -> str:
          f"{ev.get('prompts')} / {ev.get('max_new_tokens')}"),
         ("block size (max tau)", total.get("block_size")),
     ], raw=True)
+    # steps/s is a timing: the manifest's stage entry has it, stats.json does not
+    numbers = {**total, "steps_per_s": stage.manifest.get("steps_per_s")}
     html += "<h3>Training</h3>" + table(["", "value"], [
-        (k.replace("_", " "), total.get(k)) for k in (
+        (k.replace("_", " "), numbers.get(k)) for k in (
             "steps", "steps_this_run", "steps_per_s", "final_loss", "draft_layers",
             "target_layers", "drafter_parameters", "mask_token_id", "online")])
     history = ev.get("history") or []

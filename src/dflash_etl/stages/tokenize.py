@@ -429,7 +429,8 @@ def _save_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int,
         "vocab_size": vocab_size, "supervised_tokens": sum(freq.values()),
         "distinct_tokens": len(freq), "frequencies": {str(t): n for t, n in ranked},
     })
-    save_plain_dict(dict(freq), out / "token_freq.pt")  # what torch.load gives the trainers
+    # what torch.load gives the trainers; in token order, whatever order the chunks were counted in
+    save_plain_dict(dict(sorted(freq.items())), out / "token_freq.pt")
     d2t, t2d, coverage = draft_vocab(freq, draft_vocab_size, vocab_size)
     np.save(out / "d2t.npy", d2t)
     np.save(out / "t2d.npy", t2d)

@@ -599,8 +599,10 @@ class TrainStage(Stage):
                           extracted["layers"] if extracted else None, ctx.partial, ctx.rank,
                           ctx.world)
         try:
-            return _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
-                          ctx.rank, ctx.progress)
+            doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
+                                 ctx.rank, ctx.progress)
+            ctx.timings.update(timing)
+            return doc
         finally:
             trainer.states.close()
 
@@ -621,7 +623,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
            per_source: dict[str, Stats], partial: Path, rank: int,
-           progress: bool | None) -> dict[str, Any]:
+           progress: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train; returns the stats document (stats.json) and the timings, which go to the manifest
+    only: the data files of two runs of the same inputs are byte-identical."""
     from dflash_etl.models.acceptance import acceptance_length, eos_token_ids
     from dflash_etl.models.drafter import parameter_count
 
@@ -678,7 +682,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
             bar.advance(1)
     seconds = timer.seconds
     if rank:
-        return {}
+        return {}, {}
     if not history or history[-1]["step"] != settings.steps:
         evaluate(settings.steps)
     trainer.drafter.save(partial / "drafter")
@@ -693,7 +697,6 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     trained = settings.steps - start
     doc["total"].update({
         "steps": settings.steps, "steps_this_run": trained,
-        "steps_per_s": round(trained / seconds, 3) if seconds and trained else None,
         "final_loss": round(last["loss"], 4) if last else None,
         "tau_untrained": evaluation["tau_untrained"], "tau_final": evaluation["tau_final"],
         "eval_prompts": len(prompts), "draft_layers": settings.draft_layers,
@@ -707,7 +710,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         raise ContractError("the train contract failed:\n  - " + "\n  - ".join(problems),
                             {"problems": problems})
     write_json_atomic(partial / "stats.json", doc)
-    return doc
+    return doc, {"steps_per_s": round(trained / seconds, 3) if seconds and trained else None}
 
 
 def main(argv: list[str] | None = None) -> int:
