@@ -11,6 +11,7 @@ retry tasks); items write their files atomically, done marker last, so a retry i
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ def import_ray() -> Any:
 def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
     """Connect to the cluster at `address` ("auto", "HOST:PORT"), or start a local one; a Ray
     this process already joined is used as it is."""
+    import os
+
+    if not address:  # a Ray of this machine alone: its processes talk over loopback only
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray = import_ray()
     if ray.is_initialized():
         return ray
@@ -105,7 +111,8 @@ class RayExecutor:
                                                      else None) or None)
         from ray.data import DataContext
 
-        DataContext.get_current().enable_progress_bars = False
+        DataContext.get_current().enable_progress_bars = False  # ours is drawn instead
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per dataset, per stage
         actors = ctx.workers or (ctx.config.run.workers if ctx.config else 0) or max(
             1, int(ray.cluster_resources().get("CPU", 1)))
         actors = max(1, min(actors, len(todo)))
@@ -113,7 +120,8 @@ class RayExecutor:
         dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
         mapped = dataset.map_batches(
             _Actor, fn_constructor_args=(type(stage), stage.worker_args(ctx), str(work_dir)),
-            batch_size=1, concurrency=actors, num_cpus=1, batch_format="numpy")
+            batch_size=1, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1,
+            batch_format="numpy")
         try:
             for row in mapped.iter_rows():
                 yield json.loads(row["result"])
