@@ -50,6 +50,7 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
         else:
             reentered = False
     if reentered:
+        set_lock_stage(root, stage)  # the holder record names the stage now running
         try:
             yield None
         finally:

@@ -46,13 +46,15 @@ class LocalExecutor:
                 # set up once here: forked workers inherit the loaded tokenizer or model
                 _WORKER["stage"] = type(stage)
                 _WORKER["worker"] = type(stage).setup(*stage.worker_args(ctx))
-            if n_workers == 1:
-                for item in todo:
-                    results[item.index] = _work(item, str(work_dir))
-                    bar.advance(1)
-            elif todo:
-                self._pool(todo, str(work_dir), n_workers, results, bar, ctx)
-        _WORKER.clear()
+            try:
+                if n_workers == 1:
+                    for item in todo:
+                        results[item.index] = _work(item, str(work_dir))
+                        bar.advance(1)
+                elif todo:
+                    self._pool(todo, str(work_dir), n_workers, results, bar, ctx)
+            finally:
+                _WORKER.clear()
         return [results[k] for k in sorted(results)]
 
     @staticmethod
