@@ -22,32 +22,15 @@ import datetime as dt
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_regenerate import start_server  # noqa: E402  (the same dev-server launcher)
+
 COMMAND = "python benchmarks/bench_regenerate_fleet.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_etl.models.devserver",
-                             "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:  # "serving NAME at URL" once it listens
-        if line.startswith("serving"):
-            return proc, f"http://127.0.0.1:{port}/v1"
-    proc.kill()
-    raise SystemExit("the dev server did not start")
 
 
 def measure(urls: list[str], concurrency: int, n: int, latency_ms: float) -> dict:

@@ -159,6 +159,20 @@ def done_result(work_dir: Path, index: int) -> dict[str, Any] | None:
         return None
 
 
+def split_done(items: list[WorkItem], work_dir: Path
+               ) -> tuple[dict[int, dict[str, Any]], list[WorkItem]]:
+    """(results of the items finished before, by index; the items still to do): resume."""
+    results: dict[int, dict[str, Any]] = {}
+    todo = []
+    for item in items:
+        done = done_result(work_dir, item.index)
+        if done is not None:
+            results[item.index] = done
+        else:
+            todo.append(item)
+    return results, todo
+
+
 def run_item(stage: type[BatchStage], worker: Any, item: WorkItem, work_dir: Path
              ) -> dict[str, Any]:
     """Load, process and write one item (in whatever worker runs it). Files are renamed into

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.stage import BatchStage, StageContext, WorkItem, done_result, run_item
+from dflash_etl.core.stage import (
+    BatchStage,
+    StageContext,
+    WorkItem,
+    run_item,
+    split_done,
+)
 
 _WORKER: dict[str, Any] = {}
 IN_FLIGHT_PER_WORKER = 4  # items submitted ahead: workers never wait, the parent holds few
@@ -31,14 +37,7 @@ def _work(item: WorkItem, work_dir: str) -> dict[str, Any]:
 class LocalExecutor:
     def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
             work_dir: Path) -> list[dict[str, Any]]:
-        results: dict[int, dict[str, Any]] = {}
-        todo = []
-        for item in items:
-            done = done_result(work_dir, item.index)
-            if done is not None:  # resume: finished before an interruption
-                results[item.index] = done
-            else:
-                todo.append(item)
+        results, todo = split_done(items, work_dir)
         n_workers = max(1, min(ctx.n_workers(), len(todo)))
         with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
             bar.advance(len(results))

@@ -18,7 +18,14 @@ from typing import Any
 
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.stage import BatchStage, StageContext, WorkItem, done_result, run_item
+from dflash_etl.core.stage import (
+    BatchStage,
+    StageContext,
+    WorkItem,
+    done_result,
+    run_item,
+    split_done,
+)
 
 INSTALL_HINT = "pip install 'dflash-etl[ray]'"
 
@@ -89,14 +96,7 @@ class RayExecutor:
 
     def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
             work_dir: Path) -> list[dict[str, Any]]:
-        results: dict[int, dict[str, Any]] = {}
-        todo = []
-        for item in items:
-            done = done_result(work_dir, item.index)
-            if done is not None:
-                results[item.index] = done
-            else:
-                todo.append(item)
+        results, todo = split_done(items, work_dir)
         with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
             bar.advance(len(results))
             if todo:
