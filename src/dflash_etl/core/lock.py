@@ -3,11 +3,15 @@
 `<run>/.lock` is held with flock(2) for as long as a stage runs: the kernel releases it when the
 holder dies however it dies (SIGKILL, OOM), so a stale lock is never mistaken for a live one. The
 file also says who holds it (pid, host, stage), so the second process can name the holder.
-Locks are re-entrant within a process: `dflash-etl run` holds it across its stages.
+Locks are re-entrant within a process: `dflash-etl run` holds it across its stages. Forked children
+(the local executor's workers) close their copy of the descriptor, so they never keep the lock
+after the holder died. The record is padded to RESERVE_BYTES: on a full disk the holder gives
+that space back (`free_reserve`) so the failure can still be written to the manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -21,7 +25,25 @@ from typing import Any
 from dflash_etl.core.errors import StageError
 
 _HELD: dict[str, tuple[int, int]] = {}  # resolved path -> (fd, depth)
+_STALE: dict[str, dict[str, Any]] = {}  # resolved path -> the dead holder's record taken over
 _GUARD = threading.Lock()
+RESERVE_BYTES = 64 * 1024
+
+
+def _forget_in_child() -> None:
+    """A forked child closes its copies of the held descriptors: the parent's lock stays (flock
+    belongs to the open file, released once every descriptor of it is closed), and a worker
+    that outlives a killed parent does not keep the run locked."""
+    global _GUARD
+    for fd, _ in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+    _STALE.clear()
+    _GUARD = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class RunLocked(StageError):
@@ -49,10 +71,9 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
             reentered = True
         else:
             reentered = False
-    if reentered:
-        set_lock_stage(root, stage)  # the holder record names the stage now running
+    if reentered:  # the outer holder (e.g. `dflash-etl run`) took over any dead holder's record
         try:
-            yield None
+            yield _STALE.get(key)
         finally:
             with _GUARD:
                 fd, depth = _HELD[key]
@@ -71,20 +92,52 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
             "run directory would mix their outputs"
         ) from None
     stale = _holder(path) or None  # a record left by a holder that died
-    from dflash_etl.core.rundir import now
-
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": now()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    _write_record(fd, stage)
     with _GUARD:
         _HELD[key] = (fd, 1)
+        if stale:
+            _STALE[key] = stale
     try:
         yield stale
     finally:
         with _GUARD:
             _HELD.pop(key, None)
-        os.ftruncate(fd, 0)  # an empty file: nobody holds it
-        os.close(fd)
+            _STALE.pop(key, None)
+        try:
+            os.ftruncate(fd, 0)  # an empty file: nobody holds it
+        except OSError:  # a disk gone read-only: the record stays (and reads as stale)
+            pass
+        finally:
+            os.close(fd)  # the lock is let go however the record fared
+
+
+def _write_record(fd: int, stage: str) -> None:
+    """Who holds the lock, padded with whitespace (still JSON) to RESERVE_BYTES; written in
+    place, so an update needs no new space. On a disk too full for the padding, the record
+    alone; too full for that, none (the refusal then names no holder)."""
+    from dflash_etl.core.rundir import now
+
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
+                         "since": now()}).encode()
+    try:
+        os.pwrite(fd, record.ljust(RESERVE_BYTES), 0)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+
+
+def free_reserve(run_root: str | Path) -> None:
+    """Give the lock file's padding back to a full disk (the record stays): room to write the
+    manifest saying the stage failed. Only in the process holding the lock."""
+    key = str((Path(run_root) / ".lock").resolve())
+    with _GUARD:
+        held = _HELD.get(key)
+    if held is None:
+        return
+    fd = held[0]
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, len(os.pread(fd, RESERVE_BYTES, 0).rstrip()))
 
 
 def set_lock_stage(run_root: str | Path, stage: str) -> None:
@@ -94,9 +147,4 @@ def set_lock_stage(run_root: str | Path, stage: str) -> None:
         held = _HELD.get(key)
     if held is None:
         return
-    fd = held[0]
-    from dflash_etl.core.rundir import now
-
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage, "since": now()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    _write_record(held[0], stage)

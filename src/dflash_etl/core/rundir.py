@@ -103,6 +103,16 @@ class RunDir:
     def partial_dir(self, stage: str) -> Path:
         return self.root / f".{stage}.partial"
 
+    def old_dir(self, stage: str) -> Path:
+        return self.root / f".{stage}.old"
+
+    def recover(self, stage: str) -> None:
+        """A commit cut short between its two renames (a crash, a failed rename) left the old
+        output at `.<stage>.old` and none at `<stage>/`: put it back."""
+        old, final = self.old_dir(stage), self.stage_dir(stage)
+        if old.is_dir() and not final.exists():
+            os.replace(old, final)
+
     def is_complete(self, stage: str, fingerprint: str) -> bool:
         info = self.manifest().get("stages", {}).get(stage, {})
         return (
@@ -148,12 +158,17 @@ class RunDir:
         (partial / "FINGERPRINT").unlink(missing_ok=True)
         listing = list_files(partial)
         write_json_atomic(partial / FILES_JSON, listing)
-        old = self.root / f".{stage}.old"
+        old = self.old_dir(stage)
+        self.recover(stage)
         if old.exists():
             shutil.rmtree(old)
         if final.exists():
             os.replace(final, old)
-        os.replace(partial, final)
+        try:
+            os.replace(partial, final)
+        except BaseException:
+            self.recover(stage)  # the old output back in place, never neither
+            raise
         self.update_stage(
             stage, status="complete", finished_at=now(), seconds=round(seconds, 3), **timings,
             counts=summary,

@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.lock import run_lock
+from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
 from dflash_etl.core.stage import Stage, StageContext
 
@@ -56,11 +56,15 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     )
     lock = run_lock(run.root, stage.name) if rank == 0 else contextlib.nullcontext()
     with lock as stale:
+        if rank == 0:
+            set_lock_stage(run.root, stage.name)  # `dflash-etl run` holds it across stages
         if stale and stale.get("stage"):
             _mark_interrupted(run, stale)
         timer = Timer()
         begun = False
         try:
+            if rank == 0:
+                run.recover(stage.name)  # a commit cut between its renames: the old output back
             ctx.settings = stage.make_settings(config, run.root, overrides)
             ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
             if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
@@ -73,6 +77,9 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             begun = True
             stage.begin(ctx)
             doc = stage.execute(ctx)
+            if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
+                stage.cleanup(ctx)
+                run.commit(stage.name, doc["total"], timer.seconds, **ctx.timings)
         except BaseException as exc:
             error = exc if isinstance(exc, StageError) else describe_error(exc, stage.name)
             if rank == 0 and run.root.is_dir():
@@ -81,8 +88,6 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
                 raise
             raise error from exc
         if rank == 0:
-            stage.cleanup(ctx)
-            run.commit(stage.name, doc["total"], timer.seconds, **ctx.timings)
             _publish_docs(run)
         stage.end(ctx)
         return doc
@@ -93,8 +98,13 @@ def _record_failure(run: RunDir, stage: str, error: BaseException, begun: bool) 
     message = str(error) or type(error).__name__
     if isinstance(error, KeyboardInterrupt):
         message = "interrupted: completed work is kept in the partial directory; rerun to resume"
-    with contextlib.suppress(OSError):
+    try:
         run.fail(stage, message)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:  # the lock's reserve makes room for the manifest
+            free_reserve(run.root)
+            with contextlib.suppress(OSError):
+                run.fail(stage, message)
     if begun:
         _publish_docs(run)
 
@@ -110,9 +120,10 @@ def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
     stage = stale["stage"]
     info = run.manifest().get("stages", {}).get(stage, {})
     if info.get("status") == "running":
-        run.fail(stage, f"the process running it (pid {stale.get('pid')} on "
-                        f"{stale.get('host')}) died before it finished; its completed work is "
-                        "kept and a rerun resumes it")
+        message = (f"the process running it (pid {stale.get('pid')} on {stale.get('host')}) "
+                   "died before it finished; its completed work is kept and a rerun resumes it")
+        run.fail(stage, message)
+        _say(f"{stage}: {message}")
 
 
 def describe_error(exc: BaseException, stage: str) -> StageError | BaseException:

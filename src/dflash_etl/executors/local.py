@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import signal
+import sys
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -24,10 +26,30 @@ _WORKER: dict[str, Any] = {}
 IN_FLIGHT_PER_WORKER = 4  # items submitted ahead: workers never wait, the parent holds few
 
 
+def _init_worker(parent: int) -> None:
+    _one_thread_per_worker()
+    _die_with(parent)
+
+
 def _one_thread_per_worker() -> None:
     """The workers already use every core: libraries' own thread pools (the tokenizer's batch
     encode) run serially in each, instead of competing with the other workers."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _die_with(parent: int) -> None:
+    """A worker whose parent was killed (SIGKILL, the OOM killer) would wait on its queue
+    forever, or finish its item into a partial directory the next run may be rewriting: on
+    Linux the kernel kills it with its parent (PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the request above
+        os._exit(1)
 
 
 def _work(item: WorkItem, work_dir: str) -> dict[str, Any]:
@@ -64,7 +86,8 @@ class LocalExecutor:
         gc.freeze()
         try:
             with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork"),
-                                     initializer=_one_thread_per_worker) as pool:
+                                     initializer=_init_worker,
+                                     initargs=(os.getpid(),)) as pool:
                 in_flight: deque[Future[dict[str, Any]]] = deque()
                 for k, item in enumerate(todo):
                     in_flight.append(pool.submit(_work, item, work_dir))

@@ -1,0 +1,615 @@
+"""The lifecycle's guards (core/runner.py, lock.py, rundir.py), each tested by breaking things for
+real where this machine allows it: a second process, a SIGKILL, a killed worker, a read-only or
+full tmpfs, corrupt inputs, damaged outputs, a commit cut between its renames.
+
+After every failure: one paragraph on stderr (no traceback without --debug), exit code 1, the
+manifest says `failed` with that message (never `running`), and a plain rerun, the problem fixed,
+gives the output of a clean run. The great_expectations gate is stood in for (see
+tests/test_ingest_stage.py): it is not what these tests are about, and it costs 10-20 s a run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tomli_w
+
+from dflash_etl.cli.main import main
+from dflash_etl.core import lock as lock_module
+from dflash_etl.core import rundir as rundir_module
+from dflash_etl.core.lock import run_lock
+from dflash_etl.stages import ingest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ENV = {**os.environ, "PYTHONPATH": str(SRC), "DFLASH_ETL_SUITE_HELPER": "0"}
+
+
+@pytest.fixture(autouse=True)
+def no_suite_gate(monkeypatch) -> None:
+    """No great_expectations gate (nor its helper process): see the module docstring."""
+    from dflash_etl.validation import suites
+
+    monkeypatch.setenv("DFLASH_ETL_SUITE_HELPER", "0")
+    monkeypatch.setattr(suites, "gate", lambda *args, **kwargs: {"passed": True})
+
+
+# ---------------------------------------------------------------- helpers
+def _chat(k: int, text: str = "") -> dict:
+    return {"messages": [{"role": "user", "content": f"question {k}"},
+                         {"role": "assistant", "content": f"answer {k} {text}"}]}
+
+
+def _write_units(base: Path, units: int = 4, rows: int = 10, start: int = 0) -> None:
+    for u in range(units):
+        lines = [json.dumps(_chat(start + 100 * u + j)) for j in range(rows)]
+        (base / f"part{u}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _setup(base: Path, units: int = 4, rows: int = 10, **run) -> str:
+    """`units` source files (one work item each) and a pipeline.toml reading them."""
+    base.mkdir(parents=True, exist_ok=True)
+    _write_units(base, units, rows)
+    config = {"run": {"workers": 1, "shard_rows": 10, **run},
+              "sources": [{"name": "parts", "path": "part*.jsonl"}]}
+    (base / "pipeline.toml").write_text(tomli_w.dumps(config))
+    return str(base / "pipeline.toml")
+
+
+def _cli(capsys, *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _ingest(capsys, config: str, run: Path, *more: object) -> tuple[int, str, str]:
+    return _cli(capsys, "ingest", "--config", config, "--run", run, *more)
+
+
+def _error(code: int, err: str) -> str:
+    """The one paragraph an error ends with (asserting there is exactly that)."""
+    assert code == 1, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert err.rstrip().endswith(lines[0]), err  # the last word is the error's
+    return lines[0].removeprefix("error: ")
+
+
+def _stage(run: Path, stage: str = "ingest") -> dict:
+    return json.loads((run / "manifest.json").read_text())["stages"].get(stage, {})
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _clean(capsys, config: str, base: Path) -> dict[str, bytes]:
+    """The ingest output of a clean run of `config` into a fresh directory."""
+    run = base / f"clean-{time.monotonic_ns()}"
+    code, _, err = _ingest(capsys, config, run)
+    assert code == 0, err
+    return _files(run / "ingest")
+
+
+def _assert_usable(run: Path, expected: dict[str, bytes]) -> None:
+    """A rerun finished: the output of a clean run, nothing half-made left beside it."""
+    assert _files(run / "ingest") == expected
+    assert _stage(run)["status"] == "complete" and _stage(run)["error"] is None
+    assert not (run / ".ingest.partial").exists() and not (run / ".ingest.old").exists()
+
+
+def _lines(stream, into: queue.Queue) -> None:
+    for line in stream:
+        into.put(line)
+
+
+def _wait_for(lines: queue.Queue, proc: subprocess.Popen, prefix: str, count: int = 1,
+              timeout: float = 120.0) -> list[str]:
+    """The first `count` stdout lines of `proc` starting with `prefix`."""
+    found: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(found) < count:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            pytest.fail(f"no {prefix!r} line from the process in {timeout} s: {found}")
+        if line.startswith(prefix):
+            found.append(line.strip())
+    return found
+
+
+def _start(code: str, *args: object) -> tuple[subprocess.Popen, queue.Queue]:
+    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    return proc, lines
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, only not reaped (no init in a container)
+
+
+# ---------------------------------------------------------------- 1. one process per run
+HOLD = """
+import sys
+from dflash_etl.core.lock import run_lock
+with run_lock(sys.argv[1], sys.argv[2]):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes stdin
+"""
+
+
+def test_second_process_is_refused_at_once_naming_the_holder(tmp_path, capsys):
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    before, manifest = _files(run / "ingest"), (run / "manifest.json").read_bytes()
+    holder, lines = _start(HOLD, run, "tokenize")
+    try:
+        _wait_for(lines, holder, "held")
+        started = time.monotonic()
+        code, _, err = _ingest(capsys, config, run, "--force")
+        waited = time.monotonic() - started
+        message = _error(code, err)
+        assert waited < 1.0, f"waited {waited:.2f} s for the lock instead of refusing"
+        assert f"pid {holder.pid} on {socket.gethostname()}, stage tokenize" in message
+        assert str(run) in message and "in use by another dflash-etl process" in message
+        # `dflash-etl run` takes the same lock before its first stage
+        message = _error(*_cli(capsys, "run", "--config", config, "--run", run)[::2])
+        assert f"pid {holder.pid}" in message
+        assert _files(run / "ingest") == before  # the holder's outputs are untouched
+        assert (run / "manifest.json").read_bytes() == manifest
+        assert not (run / ".ingest.partial").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert holder.returncode == 0
+    assert ingest.run(ingest_config(config), run).get("skipped") is True  # free again
+
+
+def ingest_config(path: str):
+    from dflash_etl.core.config import load_config
+
+    return load_config(path)
+
+
+# The process that dies: `dflash-etl <command>` whose work items after the first stall, so it
+# is killed mid-stage with one item done and two in its (two) workers.
+DYING = """
+import os, sys, time
+from dflash_etl.stages import ingest
+from dflash_etl.validation import suites
+
+real = ingest.IngestStage.process_batch
+
+def stall(worker, batch, item):
+    if item.index == 0:
+        return real(worker, batch, item)
+    print(f"working {item.index} {os.getpid()}", flush=True)
+    time.sleep(600)
+
+ingest.IngestStage.process_batch = staticmethod(stall)
+suites.gate = lambda *args, **kwargs: {"passed": True}
+from dflash_etl.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["ingest", "run"])
+def test_a_killed_holder_is_taken_over_and_its_stage_marked_failed(tmp_path, capsys,
+                                                                   monkeypatch, command):
+    config = _setup(tmp_path, units=4)
+    run = tmp_path / "run"
+    proc, lines = _start(DYING, command, "--config", config, "--run", run, "--workers", "2")
+    workers: list[int] = []
+    try:
+        working = _wait_for(lines, proc, "working", count=2)
+        workers = [int(line.split()[2]) for line in working]
+        assert _stage(run)["status"] == "running"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # its workers die with it: they would otherwise hold the lock (and write into the
+        # partial directory) for as long as they live
+        deadline = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), "the killed process's workers outlived it"
+        assert _stage(run)["status"] == "running"  # what SIGKILL leaves
+
+        seen: dict = {}
+        processed: list[int] = []
+        real_prepare, real_batch = ingest.IngestStage.prepare, ingest.IngestStage.process_batch
+
+        def spy_prepare(self, ctx):  # the manifest as the new holder found it
+            seen.update(ctx.run.manifest()["stages"]["ingest"])
+            return real_prepare(self, ctx)
+
+        def spy_batch(worker, batch, item):
+            processed.append(item.index)
+            return real_batch(worker, batch, item)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(ingest.IngestStage, "prepare", spy_prepare)
+            patch.setattr(ingest.IngestStage, "process_batch", staticmethod(spy_batch))
+            started = time.monotonic()
+            code, _, err = _cli(capsys, command, "--config", config, "--run", run,
+                                "--workers", "1")
+        assert code == 0, err
+        assert time.monotonic() - started < 60
+    finally:
+        for pid in workers:  # only if the guard failed
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert seen["status"] == "failed", seen
+    assert f"pid {proc.pid} on {socket.gethostname()}" in seen["error"]
+    assert "died before it finished" in seen["error"]
+    assert "died before it finished" in err  # ... and the user is told
+    assert processed == [1, 2, 3]  # item 0, finished before the kill, was kept
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+TAKE = """
+import sys
+from dflash_etl.core.lock import run_lock
+with run_lock(sys.argv[1], "ingest"):
+    print("took")
+"""
+
+
+def test_a_forked_worker_does_not_keep_the_run_locked(tmp_path):
+    run = tmp_path / "run"
+    with run_lock(run, "ingest"):
+        child = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()
+    try:
+        result = subprocess.run([sys.executable, "-c", TAKE, str(run)], env=ENV,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == "took"
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_a_release_that_cannot_clear_the_record_still_frees_the_lock(tmp_path, monkeypatch):
+    """The disk went read-only under the stage: the lock is let go all the same, so this
+    process (a test session, `dflash-etl run`) can take it again."""
+    run = tmp_path / "run"
+
+    def read_only(fd, length):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as patch, run_lock(run, "ingest"):
+        patch.setattr(lock_module.os, "ftruncate", read_only)  # the release meets EROFS
+    with run_lock(run, "tokenize") as stale:
+        assert stale is not None and stale["stage"] == "ingest"  # the record it could not clear
+
+
+def test_the_lock_keeps_room_to_record_a_failure(tmp_path):
+    run = tmp_path / "run"
+    with run_lock(run, "ingest"):
+        size = (run / ".lock").stat().st_size
+        assert size >= 16 * 1024  # the reserve a full disk gives back for the manifest
+        assert json.loads((run / ".lock").read_text())["stage"] == "ingest"
+        lock_module.free_reserve(run)
+        assert (run / ".lock").stat().st_size < 1024
+        assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+    assert (run / ".lock").stat().st_size == 0  # released: nobody holds it
+
+
+# ---------------------------------------------------------------- 2. errors: one paragraph
+def test_a_worker_killed_by_the_os(tmp_path, capsys, monkeypatch):
+    config = _setup(tmp_path, units=4)
+    run = tmp_path / "run"
+    parent = os.getpid()
+    real = ingest.IngestStage.process_batch
+
+    def oom_killed(worker, batch, item):
+        if item.index == 2 and os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(worker, batch, item)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.IngestStage, "process_batch", staticmethod(oom_killed))
+        message = _error(*_ingest(capsys, config, run, "--workers", "2")[::2])
+    assert "a worker process died" in message and "--workers" in message
+    assert _stage(run) == {**_stage(run), "status": "failed", "error": message}
+    code, _, err = _ingest(capsys, config, run, "--workers", "2")
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+@pytest.fixture
+def tmpfs():
+    """mount(path, options): a tmpfs there (the test skips where this machine cannot mount);
+    unmounted at the end."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a real read-only or full disk needs root and mount(8) (tmpfs)")
+    mounted: list[Path] = []
+
+    def mount(path: Path, options: str = "size=64m") -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _remount(path: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(path)], check=True)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_run_directory(tmp_path, capsys, tmpfs):
+    config = _setup(tmp_path)
+    mnt = tmpfs(tmp_path / "mnt")
+    run = mnt / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    before, manifest = _files(run / "ingest"), (run / "manifest.json").read_bytes()
+    _remount(mnt, "ro")
+    message = _error(*_ingest(capsys, config, run, "--force")[::2])
+    assert "Read-only file system" in message and str(run) in message
+    assert "make the run directory writable" in message
+    # nothing could be written: the manifest still says what it said (complete, not running)
+    assert (run / "manifest.json").read_bytes() == manifest
+    assert _files(run / "ingest") == before
+    _remount(mnt, "rw")
+    code, _, err = _ingest(capsys, config, run, "--force")
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+def test_a_directory_going_read_only_mid_stage(tmp_path, capsys, monkeypatch, tmpfs):
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    units = run / ".ingest.partial" / "units"
+    real = ingest.IngestStage.process_batch
+
+    def goes_read_only(worker, batch, item):
+        if item.index == 1:
+            tmpfs(units, "ro")  # from here on, the stage's writes there fail with EROFS
+        return real(worker, batch, item)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.IngestStage, "process_batch", staticmethod(goes_read_only))
+        message = _error(*_ingest(capsys, config, run)[::2])
+    assert "Read-only file system" in message
+    assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message
+    _umount(units)
+    code, _, err = _ingest(capsys, config, run)
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+def _big_source(base: Path) -> str:
+    """~2.5 MB of incompressible conversations."""
+    base.mkdir(parents=True, exist_ok=True)
+    rows = [json.dumps(_chat(k, os.urandom(400).hex())) for k in range(3000)]
+    (base / "part0.jsonl").write_text("\n".join(rows) + "\n")
+    config = {"run": {"workers": 1},
+              "sources": [{"name": "parts", "path": "part*.jsonl"}]}
+    (base / "pipeline.toml").write_text(tomli_w.dumps(config))
+    return str(base / "pipeline.toml")
+
+
+def test_a_disk_too_small_for_the_output(tmp_path, capsys, tmpfs):
+    config = _big_source(tmp_path)
+    mnt = tmpfs(tmp_path / "mnt", "size=1m")
+    run = mnt / "run"
+    message = _error(*_ingest(capsys, config, run)[::2])
+    assert "the disk is full" in message and "free space and rerun" in message
+    assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message
+    _remount(mnt, "size=64m")
+    code, _, err = _ingest(capsys, config, run)
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+def _fill(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_filled_by_someone_else_mid_stage(tmp_path, capsys, monkeypatch, tmpfs):
+    """Not one byte left when the stage fails: the failure still reaches the manifest."""
+    config = _setup(tmp_path)
+    mnt = tmpfs(tmp_path / "mnt", "size=4m")
+    run = mnt / "run"
+    real = ingest.IngestStage.process_batch
+
+    def disk_fills(worker, batch, item):
+        if item.index == 1:
+            _fill(mnt / "filler")
+        return real(worker, batch, item)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest.IngestStage, "process_batch", staticmethod(disk_fills))
+        message = _error(*_ingest(capsys, config, run)[::2])
+    assert "the disk is full" in message
+    assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message
+    (mnt / "filler").unlink()
+    code, _, err = _ingest(capsys, config, run)
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+def test_a_config_that_is_not_utf8(tmp_path, capsys):
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    before = _files(run)
+    good = Path(config).read_bytes()
+    Path(config).write_bytes(b"# caf\xe9\n" + good)
+    message = _error(*_ingest(capsys, config, run)[::2])
+    assert message.startswith(f"{config}: not UTF-8") and "line 1" in message
+    assert _files(run) == before  # refused before the run directory is touched
+    Path(config).write_bytes(good)
+    code, out, err = _ingest(capsys, config, run)
+    assert code == 0 and "already complete, skipped" in out, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+def test_a_corrupt_parquet_source(tmp_path, capsys):
+    config = _setup(tmp_path, units=2)
+    table = pa.Table.from_pylist([_chat(1000 + k) for k in range(20)])
+    source = tmp_path / "part9.parquet"
+    pq.write_table(table, source)
+    good = source.read_bytes()
+    text = Path(config).read_text().replace('"part*.jsonl"', '"part*"')
+    Path(config).write_text(text)
+    run = tmp_path / "run"
+    source.write_bytes(good[: len(good) // 2])  # cut short, as by an interrupted download
+    message = _error(*_ingest(capsys, config, run, "--workers", "2")[::2])
+    assert str(source) in message and "cannot read it as Parquet" in message
+    assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message
+    code, _, err = _ingest(capsys, config, run, "--debug")
+    assert code == 1 and "Traceback" in err and err.rstrip().endswith(message)
+    source.write_bytes(good)
+    code, _, err = _ingest(capsys, config, run, "--workers", "2")
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+# ---------------------------------------------------------------- 3. skip only when intact
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    (_delete, "conversations/part-00001.parquet: missing"),
+    (_flip_a_byte, "conversations/part-00001.parquet: content changed"),
+    (_truncate, "conversations/part-00001.parquet: 100 bytes, published"),
+])
+def test_a_damaged_output_is_redone_not_skipped(tmp_path, capsys, damage, said):
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    before = _files(run / "ingest")
+    code, out, _ = _ingest(capsys, config, run)  # untouched: skipped
+    assert code == 0 and "already complete, skipped" in out
+    assert ingest.run(ingest_config(config), run).get("skipped") is True
+    damage(run / "ingest" / "conversations" / "part-00001.parquet")
+    code, out, err = _ingest(capsys, config, run)
+    assert code == 0, err
+    assert "ingest: the published output changed since it was made" in err
+    assert said in err and "redoing the stage" in err
+    assert "ingest done" in out and "skipped" not in out
+    _assert_usable(run, before)
+    code, out, _ = _ingest(capsys, config, run)
+    assert code == 0 and "already complete, skipped" in out
+
+
+def test_an_edited_file_listing_is_redone(tmp_path, capsys):
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    before = _files(run / "ingest")
+    listing = run / "ingest" / "files.json"
+    listing.write_text(listing.read_text().replace('"size": ', '"size":  '))
+    code, _, err = _ingest(capsys, config, run)
+    assert code == 0 and "files.json was edited" in err
+    _assert_usable(run, before)
+
+
+# ---------------------------------------------------------------- 4. never half published
+@pytest.mark.parametrize("failing", ["old moved away", "new moved in", "manifest written"])
+def test_a_commit_cut_short_leaves_a_whole_output(tmp_path, capsys, monkeypatch, failing):
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    old = _files(run / "ingest")
+    _write_units(tmp_path, start=5000)  # new inputs: the stage is redone into a new output
+    new = _clean(capsys, config, tmp_path)
+    assert new != old
+    final, partial, moved = run / "ingest", run / ".ingest.partial", run / ".ingest.old"
+    real_replace, real_commit = os.replace, rundir_module.RunDir.commit
+    in_commit: list[bool] = []
+
+    def replace(src, dst):
+        src, dst = Path(src), Path(dst)
+        target = {"old moved away": (src == final and dst == moved),
+                  "new moved in": (src == partial and dst == final),
+                  "manifest written": dst == run / "manifest.json"}[failing]
+        if in_commit and target:
+            in_commit.clear()  # once
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return real_replace(src, dst)
+
+    def commit(self, *args, **kwargs):
+        in_commit.append(True)
+        return real_commit(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(rundir_module.os, "replace", replace)
+        patch.setattr(rundir_module.RunDir, "commit", commit)
+        message = _error(*_ingest(capsys, config, run)[::2])
+    assert "Input/output error" in message
+    assert _files(final) in (old, new), sorted(_files(final))  # a whole output, old or new
+    assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message
+    code, _, err = _ingest(capsys, config, run)
+    assert code == 0, err
+    _assert_usable(run, new)
+
+
+def test_a_process_killed_between_the_renames_is_recovered(tmp_path, capsys):
+    """`<stage>/` already renamed away, the new output not yet in: the next run puts the old one
+    back before anything else, and finds it intact."""
+    config = _setup(tmp_path)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    before = _files(run / "ingest")
+    os.replace(run / "ingest", run / ".ingest.old")
+    code, out, err = _ingest(capsys, config, run)
+    assert code == 0 and "already complete, skipped" in out, err
+    _assert_usable(run, before)
