@@ -1,16 +1,17 @@
 """The Ray executor gives what the local one gives: same rows in the same order, same ids, same
 quarantine rows and reasons, same stats.json; an actor killed mid-run is retried and nothing is
-lost or duplicated.
+lost or duplicated; a two-node cluster gives the same again, with the CLI as a user runs it.
 
-A two-node cluster on this machine (`ray start --head` + `ray start --address`) cannot be
-tested here: a Ray node that joins a cluster advertises the machine's network address, not the
-loopback one, and this sandbox refuses connections to it (see the README's Ray section)."""
+The two nodes are started with Ray's own `cluster_utils.Cluster` on loopback: `ray start
+--address` would advertise the machine's network address, which this sandbox refuses to
+connect to (and traffic here stays on loopback)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +79,38 @@ def generated_rows(tmp_path: Path, n_files: int = 4, rows: int = 900) -> Path:
     config.write_text('[run]\nshard_rows = 1000\n[expectations]\nmax_quarantine_rate = 0.05\n'
                       '[[sources]]\nname = "mixed"\npath = "part*.jsonl"\n')
     return config
+
+
+def test_a_two_node_cluster_gives_the_local_result(tmp_path):
+    """Two Ray nodes (one CPU each, their own raylets), and `dflash-etl run --executor ray
+    --ray-address` against them from another process, as a user runs it."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        config = generated_rows(tmp_path, n_files=3, rows=500)
+        with config.open("a") as fh:  # `dflash-etl run` then runs ingest and tokenize
+            fh.write(f'[tokenize]\nmodel = "{DEFAULT_TOKENIZER}"\nseq_length = 512\n')
+        done = subprocess.run(
+            [sys.executable, "-m", "dflash_etl", "run", "--config", str(config), "--run",
+             str(tmp_path / "ray"), "--executor", "ray", "--ray-address", cluster.address],
+            capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        nodes = subprocess.run(
+            [sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], "
+             "log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))",
+             cluster.address], capture_output=True, text=True, timeout=300)
+        assert nodes.stdout.strip().splitlines()[-1] == "2"
+    finally:
+        cluster.shutdown()
+    local = load_config(config)
+    ingest.run(local, tmp_path / "local")
+    tokenize.run(local, tmp_path / "local")
+    for stage in ("ingest", "tokenize"):
+        assert_same_output(tmp_path / "local", tmp_path / "ray", stage)
 
 
 def test_ray_equals_local_on_the_default_and_on_generated_rows(tmp_path, local_ray):
