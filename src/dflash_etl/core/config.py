@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import importlib
 import json
 import math
 import re
@@ -30,9 +29,6 @@ from dflash_etl.core.errors import StageError
 
 FORMATS = ("auto", "openai", "sharegpt", "alpaca", "orca", "prompt", "parts", "glaive")
 FIELD_KEYS = ("messages", "response", "system", "tools", "prompt")
-# The stage modules whose settings dataclasses are the schemas of their sections (imported on
-# the first parse_config: core never imports a stage at import time).
-STAGE_SECTIONS = ("regenerate", "tokenize", "extract", "train")
 
 
 class ConfigError(ValueError):
@@ -111,9 +107,13 @@ def register_section(name: str, settings_cls: type) -> type:
 
 
 def _ensure_registered() -> None:
-    for name in STAGE_SECTIONS:
-        if name not in SECTION_SCHEMAS:
-            importlib.import_module(f"dflash_etl.stages.{name}")
+    """Import the stage modules whose settings dataclasses are the schemas of their sections (on
+    the first parse_config: core never imports a stage at import time)."""
+    from dflash_etl.stages import STAGES
+
+    for spec in STAGES:
+        if spec.section and spec.section not in SECTION_SCHEMAS:
+            spec.module()
 
 
 # ---------------------------------------------------------------- schema checks
