@@ -37,12 +37,19 @@ class ConfigError(ValueError):
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             min: float | None = None, max: float | None = None, above: float | None = None,
-            choices: Iterable[str] | None = None, why: str | None = None) -> Any:
+            choices: Iterable[str] | None = None, why: str | None = None,
+            help: str | None = None, flags: Iterable[str] = (), metavar: str | None = None
+            ) -> Any:
     """A settings dataclass field with the range its value must be in: `min` <= value <= `max`,
     value > `above`, value in `choices` (a choice "x:N" also accepts "x:0", "x:1", ...); `why`
-    is added to the error message. For a dict field the range applies to its values."""
+    is added to the error message. For a dict field the range applies to its values.
+
+    `help` is what the setting does (the CLI flag's help; the default is added to it), `flags`
+    extra names of the flag (`--eot` for include_eot also gives `--no-eot`), `metavar` how its
+    help writes the value."""
     meta = {"min": min, "max": max, "above": above, "why": why,
-            "choices": tuple(choices) if choices is not None else None}
+            "choices": tuple(choices) if choices is not None else None,
+            "help": help, "flags": tuple(flags) or None, "metavar": metavar}
     meta = {k: v for k, v in meta.items() if v is not None}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
@@ -218,13 +225,17 @@ def _fits(value: Any, tp: Any, meta: dict[str, Any]) -> bool:
         if not isinstance(value, str):
             return False
         choices = meta.get("choices")
-        return choices is None or value in choices or any(
-            c.endswith(":N") and re.fullmatch(re.escape(c[:-1]) + r"\d+", value)
-            for c in choices)
+        return choices is None or in_choices(value, choices)
     if typing.get_origin(tp) is dict:
         value_tp = typing.get_args(tp)[1]
         return isinstance(value, dict) and all(_fits(v, value_tp, meta) for v in value.values())
     return True  # an annotation this check does not know: the dataclass takes it as it is
+
+
+def in_choices(value: str, choices: Iterable[str]) -> bool:
+    """Whether `value` is one of `choices` (a choice "x:N" stands for "x:0", "x:1", ...)."""
+    return any(value == c or (c.endswith(":N") and re.fullmatch(re.escape(c[:-1]) + r"\d+", value))
+               for c in choices)
 
 
 def check_value(value: Any, tp: Any, meta: dict[str, Any]) -> str | None:
