@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -355,9 +354,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["extract", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("extract", argv)
 
 
 if __name__ == "__main__":

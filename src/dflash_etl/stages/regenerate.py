@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -932,9 +931,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["regenerate", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("regenerate", argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import shutil
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -461,9 +460,9 @@ def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["tokenize", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("tokenize", argv)
 
 
 if __name__ == "__main__":

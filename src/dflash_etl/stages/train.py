@@ -722,9 +722,9 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["train", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("train", argv)
 
 
 if __name__ == "__main__":
