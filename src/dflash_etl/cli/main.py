@@ -8,11 +8,14 @@ import dataclasses
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.core.config import ConfigError, load_config
+from dflash_etl.cli.flags import add_settings_flags, field_help
+from dflash_etl.core.config import ConfigError, PipelineConfig, load_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.stages import STAGES, StageSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONFIG = REPO_ROOT / "data" / "pipeline.toml"
@@ -46,53 +49,42 @@ def _executor(args: argparse.Namespace) -> dict[str, Any]:
             "ray_address": getattr(args, "ray_address", None)}
 
 
-def _url_list(text: str) -> tuple[str, ...]:
-    """`--endpoints URL,URL` -> a tuple of URLs (the frozen settings keep tuples)."""
-    urls = tuple(u.strip() for u in text.split(",") if u.strip())
-    if not urls:
-        raise argparse.ArgumentTypeError("give at least one URL, e.g. "
-                                         "http://127.0.0.1:8001/v1,http://127.0.0.1:8002/v1")
-    return urls
+def _run_one(spec: StageSpec, args: argparse.Namespace) -> int:
+    """Run one stage with the command line's settings and print what it wrote."""
+    config = load_config(args.config) if args.config else None
+    options: dict[str, Any] = {"force": args.force}
+    if spec.batch:
+        options.update(workers=args.workers, **_executor(args))
+    if spec.settings_class is not None:
+        options.update(_overrides(args, spec.settings_class))
+    doc = spec.module().run(config, args.run, **options)
+    return SUMMARIES.get(spec.name, _summary)(spec.name, Path(args.run), doc)
 
 
-def cmd_ingest(args: argparse.Namespace) -> int:
-    from dflash_etl.stages import ingest
+def cmd_stage(args: argparse.Namespace) -> int:
+    return _run_one(STAGES[args.command], args)
 
-    config = load_config(args.config)
-    doc = ingest.run(config, args.run, force=args.force, workers=args.workers,
-                     **_executor(args))
-    out = Path(args.run) / "ingest"
-    state = _state(doc)
-    _say(f"ingest {state}: {_counts_line(doc['total'])}")
-    for name, stats in doc["sources"].items():
-        _say(f"  {name}: {_counts_line(stats)}")
+
+def _summary(name: str, run: Path, doc: dict[str, Any]) -> int:
+    _say(f"{name} {_state(doc)}: {_counts_line(doc['total'])}")
+    return 0
+
+
+def _summary_ingest(name: str, run: Path, doc: dict[str, Any]) -> int:
+    out = run / "ingest"
+    _say(f"ingest {_state(doc)}: {_counts_line(doc['total'])}")
+    for source, stats in doc["sources"].items():
+        _say(f"  {source}: {_counts_line(stats)}")
     _say(f"  conversations: {out / 'conversations'}")
     _say(f"  quarantine:    {out / 'quarantine.parquet'}")
     _say(f"  stats:         {out / 'stats.json'}")
     return 0
 
 
-def _tokenize_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("model", "chat_template", "seq_length", "truncation", "min_supervised_tokens",
-             "strategy", "turns", "draft_vocab_size")
-    out = {n: getattr(args, n, None) for n in names}
-    if getattr(args, "no_eot", False):
-        out["include_eot"] = False
-    if getattr(args, "no_reasoning", False):
-        out["supervise_reasoning"] = False
-    return out
-
-
-def cmd_tokenize(args: argparse.Namespace) -> int:
-    from dflash_etl.stages import tokenize
-
-    config = load_config(args.config) if args.config else None
-    doc = tokenize.run(config, args.run, force=args.force, workers=args.workers,
-                       **_executor(args), **_tokenize_overrides(args))
-    out = Path(args.run) / "tokenize"
+def _summary_tokenize(name: str, run: Path, doc: dict[str, Any]) -> int:
+    out = run / "tokenize"
     total = doc["total"]
-    state = _state(doc)
-    _say(f"tokenize {state}: conversations {_counts_line(total)}")
+    _say(f"tokenize {_state(doc)}: conversations {_counts_line(total)}")
     _say(f"  rows written: {total.get('rows_written')}, tokens: {total.get('tokens')}, "
          f"supervised: {total.get('supervised_tokens')}, strategies: {total.get('strategies')}")
     _say(f"  draft vocab: {total.get('draft_vocab')}")
@@ -102,16 +94,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_regenerate(args: argparse.Namespace) -> int:
-    from dflash_etl.stages import regenerate
-
-    config = load_config(args.config) if args.config else None
-    doc = regenerate.run(config, args.run, force=args.force,
-                         **_overrides(args, regenerate.RegenerateSettings))
-    out = Path(args.run) / "regenerate"
+def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
+    out = run / "regenerate"
     total = doc["total"]
-    state = _state(doc)
-    _say(f"regenerate {state}: conversations {_counts_line(total)}")
+    _say(f"regenerate {_state(doc)}: conversations {_counts_line(total)}")
     _say(f"  generated turns: {total.get('generated_turns')}, finish reasons: "
          f"{total.get('finish_reasons')}")
     _say(f"  conversations: {out / 'conversations'}  (tokenize reads these now)")
@@ -120,16 +106,10 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_extract(args: argparse.Namespace) -> int:
-    from dflash_etl.stages import extract
-
-    config = load_config(args.config) if args.config else None
-    doc = extract.run(config, args.run, force=args.force,
-                      **_overrides(args, extract.ExtractSettings))
-    out = Path(args.run) / "extract"
+def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
+    out = run / "extract"
     total = doc["total"]
-    state = _state(doc)
-    _say(f"extract {state}: rows {_counts_line(total)}")
+    _say(f"extract {_state(doc)}: rows {_counts_line(total)}")
     _say(f"  layers {total.get('layers')} of {total.get('n_layers')}, hidden "
          f"{total.get('hidden_size')}, {total.get('dtype')}, {total.get('tokens')} tokens, "
          f"padding {total.get('padding_share')}")
@@ -138,19 +118,15 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from dflash_etl.stages import train
-
-    config = load_config(args.config) if args.config else None
-    doc = train.run(config, args.run, force=args.force, **_overrides(args, train.TrainSettings))
+def _summary_train(name: str, run: Path, doc: dict[str, Any]) -> int:
     if not doc:  # a torchrun rank other than 0: rank 0 reports
         return 0
     from dflash_etl.core.rundir import RunDir
 
-    out = Path(args.run) / "train"
+    out = run / "train"
     total = doc["total"]
     # timings live in the manifest, not in stats.json (whose bytes do not depend on the machine)
-    timing = RunDir(args.run).manifest().get("stages", {}).get("train", {})
+    timing = RunDir(run).manifest().get("stages", {}).get("train", {})
     _say(f"train {_state(doc)}: rows {_counts_line(total)}")
     _say(f"  {total.get('steps')} steps ({total.get('steps_this_run')} this run, "
          f"{timing.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
@@ -163,14 +139,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# what each stage's subcommand prints after it ran (a stage without one: its counts)
+SUMMARIES: dict[str, Callable[[str, Path, dict[str, Any]], int]] = {
+    "ingest": _summary_ingest, "regenerate": _summary_regenerate,
+    "tokenize": _summary_tokenize, "extract": _summary_extract, "train": _summary_train,
+}
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def _has_target(config_path: str, stage: str, key: str = "model") -> bool:
-    """Whether the config gives `stage` a target model (its own section or [target])."""
-    config = load_config(config_path)
-    return bool(config.section(stage).get(key) or config.section("target"))
+def _configured(config: PipelineConfig, spec: StageSpec) -> bool:
+    """Whether the config gives `spec` what `run` needs to run it (its target model or
+    tokenizer: [<stage>] <requires>, or a [target] section where that stands for it)."""
+    if spec.requires is None:
+        return True
+    return bool(config.section(spec.section or spec.name).get(spec.requires)
+                or (spec.target_fallback and config.section("target")))
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -200,27 +186,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_stages(args: argparse.Namespace) -> int:
     _say(f"config: {args.config}\nrun:    {args.run}")
-    code = cmd_ingest(args)
-    if code:
-        return code
-    if _has_target(args.config, "regenerate"):
-        code = cmd_regenerate(args)
+    config = load_config(args.config)
+    ran: set[str] = set()
+    for spec in STAGES:
+        if not set(spec.after) <= ran:
+            continue
+        if not _configured(config, spec):
+            if any(spec.name in later.after for later in STAGES):  # say why those do not run
+                _say(f"{spec.name} skipped: no [{spec.section}] {spec.requires} in the config")
+            continue
+        code = _run_one(spec, args)
         if code:
             return code
-    if load_config(args.config).section("tokenize").get("model"):
-        code = cmd_tokenize(args)
-        if code:
-            return code
-        if _has_target(args.config, "extract"):
-            code = cmd_extract(args)
-            if code:
-                return code
-        if _has_target(args.config, "train", "target"):
-            code = cmd_train(args)
-            if code:
-                return code
-    else:
-        _say("tokenize skipped: no [tokenize] model in the config")
+        ran.add(spec.name)
     _say(f"manifest: {Path(args.run) / 'manifest.json'}")
     _say(f"report:   {_docs(args.run)}")
     return 0
@@ -255,6 +233,32 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _stage_args(p: argparse.ArgumentParser, config_required: bool) -> None:
+    """What every stage subcommand (and `run`) takes, besides its settings."""
+    p.add_argument("--config", required=config_required, help="pipeline.toml")
+    p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="redo a stage that is complete")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: [run] workers, else one per core)")
+    p.add_argument("--executor", choices=["local", "ray"], default=None,
+                   help="where ingest's and tokenize's work items run (default: [run] "
+                        "executor, else local)")
+    p.add_argument("--ray-address", default=None,
+                   help="--executor ray: 'auto' or HOST:PORT of a running cluster "
+                        "(default: start a local Ray)")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error")
+
+
+def _stage_parser(p: argparse.ArgumentParser, spec: StageSpec) -> argparse.ArgumentParser:
+    """One stage's flags: the common ones and one per field of its settings dataclass."""
+    _stage_args(p, config_required=spec.needs_config)
+    settings = spec.settings_class
+    if settings is not None:
+        add_settings_flags(p, settings, spec.section or spec.name)
+    p.set_defaults(func=cmd_stage, command=spec.name)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-etl",
@@ -262,123 +266,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def stage_args(p: argparse.ArgumentParser, config_required: bool) -> None:
-        p.add_argument("--config", required=config_required, help="pipeline.toml")
-        p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
-        p.add_argument("--force", action="store_true", help="redo a stage that is complete")
-        p.add_argument("--workers", type=int, default=None,
-                       help="worker processes (default: [run] workers, else one per core)")
-        p.add_argument("--executor", choices=["local", "ray"], default=None,
-                       help="where ingest's and tokenize's work items run (default: [run] "
-                            "executor, else local)")
-        p.add_argument("--ray-address", default=None,
-                       help="--executor ray: 'auto' or HOST:PORT of a running cluster "
-                            "(default: start a local Ray)")
-        p.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    for spec in STAGES:
+        _stage_parser(sub.add_parser(spec.name, help=spec.help, description=spec.help), spec)
 
-    def tokenize_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="local tokenizer or model directory (offline)")
-        p.add_argument("--chat-template", help="a .jinja file that overrides the tokenizer's")
-        p.add_argument("--seq-length", type=int, help="maximum tokens per row (default 4096)")
-        p.add_argument("--truncation", choices=["right", "drop"], help="over seq-length rows")
-        p.add_argument("--min-supervised-tokens", type=int,
-                       help="consecutive supervised tokens a row needs (default 2)")
-        p.add_argument("--strategy", choices=["auto", "generation", "render_diff", "per_turn"])
-        p.add_argument("--turns", choices=["all", "last"], help="which assistant turns to train")
-        p.add_argument("--draft-vocab-size", type=int, help="size of d2t/t2d (default 32000)")
-        p.add_argument("--no-eot", action="store_true", help="do not supervise end-of-turn")
-        p.add_argument("--no-reasoning", action="store_true", help="do not supervise reasoning")
+    from dflash_etl.stages.tokenize import TokenizeSettings
 
-    p = sub.add_parser("ingest", help="sources -> canonical conversations + quarantine")
-    stage_args(p, config_required=True)
-    p.set_defaults(func=cmd_ingest)
-
-    p = sub.add_parser("tokenize", help="conversations -> input_ids + verified loss masks")
-    stage_args(p, config_required=False)
-    tokenize_args(p)
-    p.set_defaults(func=cmd_tokenize)
-
-    p = sub.add_parser("regenerate", help="the target model writes the assistant turns")
-    stage_args(p, config_required=False)
-    p.add_argument("--model", help="the target model directory (offline)")
-    p.add_argument("--backend", choices=["transformers", "openai", "vllm"],
-                   help="generation backend (default transformers)")
-    p.add_argument("--endpoint", help="openai backend: the server's /v1 URL "
-                                      "(default http://127.0.0.1:8000/v1)")
-    p.add_argument("--endpoints", type=_url_list, metavar="URL,URL",
-                   help="openai backend: several servers of one model, comma-separated; each "
-                        "request goes to the least loaded healthy one (default: --endpoint)")
-    p.add_argument("--served-model", help="openai backend: model name (default: the first the "
-                                          "server lists)")
-    p.add_argument("--concurrency", type=int,
-                   help="openai backend: requests in flight per server (8)")
-    p.add_argument("--cooldown-s", type=float,
-                   help="openai backend, several endpoints: how long a failed server sits out "
-                        "before its probe (10)")
-    p.add_argument("--timeout-s", type=float, help="openai backend: per request (120)")
-    p.add_argument("--retries", type=int, help="openai backend: on timeouts/429/5xx (3)")
-    p.add_argument("--stream", action="store_true", default=None,
-                   help="openai backend: stream the responses")
-    p.add_argument("--mode", choices=["missing", "all"],
-                   help="answer conversations that need a reply (default) or rewrite every turn")
-    p.add_argument("--max-new-tokens", type=int, help="per reply (default 256)")
-    p.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, help="sampling seed (default 0)")
-    p.add_argument("--batch-size", type=int, help="prompts per generate call (default 8)")
-    p.add_argument("--thinking", choices=["on", "off", "keep"],
-                   help="the template's enable_thinking (default keep)")
-    p.add_argument("--keep-truncated", action="store_true", default=None,
-                   help="keep replies cut at --max-new-tokens (default: filter them)")
-    p.set_defaults(func=cmd_regenerate)
-
-    p = sub.add_parser("extract", help="tokenized rows -> the target's hidden states")
-    stage_args(p, config_required=False)
-    p.add_argument("--model", help="the target model directory (offline)")
-    p.add_argument("--layers", help="'auto' (DFlash rule) or decoder layer indices, e.g. 1,16,31")
-    p.add_argument("--draft-layers", type=int, help="K for --layers auto (default 5)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"])
-    p.add_argument("--batch-tokens", type=int, help="padded tokens per forward pass (8192)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--format", choices=["native", "speculators"])
-    p.set_defaults(func=cmd_extract)
-
-    p = sub.add_parser("train", help="hidden states -> a DFlash drafter, with its tau")
-    stage_args(p, config_required=False)
-    p.add_argument("--target", help="the target model directory (offline)")
-    p.add_argument("--draft-layers", type=int, help="decoder layers of the drafter (5)")
-    p.add_argument("--block-size", type=int, help="anchor + tokens predicted per block (16)")
-    p.add_argument("--steps", type=int, help="optimizer steps (1000)")
-    p.add_argument("--lr", type=float, help="peak learning rate (6e-4)")
-    p.add_argument("--batch-rows", type=int, help="rows per step, over all ranks (8)")
-    p.add_argument("--anchors-per-row", type=int, help="blocks sampled per row (64)")
-    p.add_argument("--gamma", type=float, help="loss decay over block offsets (7)")
-    p.add_argument("--online", action="store_true", default=None,
-                   help="compute the hidden states from the target (no extract output needed)")
-    p.add_argument("--layers", help="--online: 'auto' or target layer indices")
-    p.add_argument("--mask-token-id", type=int, help="the blocks' mask token (default: found)")
-    p.add_argument("--eval-prompts", type=int, help="held-out prompts for tau (16)")
-    p.add_argument("--eval-new-tokens", type=int, help="tokens decoded per prompt (48)")
-    p.add_argument("--eval-every", type=int, help="steps between evaluations (0: end only)")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints (200)")
-    p.add_argument("--seed", type=int, help="(0)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], help="the target's dtype")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.set_defaults(func=cmd_train)
-
+    tokenize = {f.name: f for f in dataclasses.fields(TokenizeSettings)}
     p = sub.add_parser("probe-template", help="what a chat template does (nothing written)")
-    p.add_argument("--model", required=True, help="local tokenizer or model directory")
-    p.add_argument("--chat-template", help="a .jinja file that overrides the tokenizer's")
+    p.add_argument("--model", required=True, metavar="DIR", help=field_help(tokenize["model"]))
+    p.add_argument("--chat-template", metavar="FILE",
+                   help=field_help(tokenize["chat_template"]))
     p.add_argument("--json", help="also write the probe as JSON here")
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("run", help="every stage on a config (default: the embedded data/)")
-    stage_args(p, config_required=False)
+    _stage_args(p, config_required=False)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="contracts and suites on a stage output or a whole run "
                                      "(exit 0/1)")
     p.add_argument("path", help="a stage output directory (e.g. runs/x/ingest) or a run directory")
-    p.add_argument("--suite", help="only the outputs of this suite: conversations or tokenized")
+    p.add_argument("--suite", help="only the outputs of this suite: "
+                                   + " or ".join(sorted({s.suite for s in STAGES if s.suite})))
     p.add_argument("--json", help="also write the full report as JSON here")
     p.add_argument("--report", help="also write an HTML report: a directory (index.html inside) "
                                     "or a .html file")
@@ -390,12 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command in ("ingest", "regenerate", "tokenize", "run"):
+def _start_suite_helper(command: str | None, argv: list[str]) -> None:
+    """A gated stage (or `run`) is coming: start the suite helper before anything heavy is
+    imported (building the parser imports the stage modules)."""
+    gated = {s.name for s in STAGES if s.suite} | {"run"}
+    if command in gated and not {"-h", "--help"} & set(argv):
         from dflash_etl.validation import suite_helper
 
-        suite_helper.start()  # before the stage's own imports: see suite_helper
+        suite_helper.start()
+
+
+def _execute(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, StageError) as exc:
@@ -413,6 +327,22 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {describe_error(exc, args.command)}", file=sys.stderr, flush=True)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    _start_suite_helper(command, argv)
+    return _execute(build_parser().parse_args(argv))
+
+
+def stage_main(name: str, argv: list[str] | None = None) -> int:
+    """`python -m dflash_etl.stages.<name>`: the stage's subcommand, with only its parser."""
+    spec = STAGES[name]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _start_suite_helper(name, argv)
+    parser = argparse.ArgumentParser(prog=f"python -m {spec.module_path}", description=spec.help)
+    return _execute(_stage_parser(parser, spec).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import importlib
 import json
 import math
 import re
@@ -30,9 +29,6 @@ from dflash_etl.core.errors import StageError
 
 FORMATS = ("auto", "openai", "sharegpt", "alpaca", "orca", "prompt", "parts", "glaive")
 FIELD_KEYS = ("messages", "response", "system", "tools", "prompt")
-# The stage modules whose settings dataclasses are the schemas of their sections (imported on
-# the first parse_config: core never imports a stage at import time).
-STAGE_SECTIONS = ("regenerate", "tokenize", "extract", "train")
 
 
 class ConfigError(ValueError):
@@ -41,12 +37,19 @@ class ConfigError(ValueError):
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             min: float | None = None, max: float | None = None, above: float | None = None,
-            choices: Iterable[str] | None = None, why: str | None = None) -> Any:
+            choices: Iterable[str] | None = None, why: str | None = None,
+            help: str | None = None, flags: Iterable[str] = (), metavar: str | None = None
+            ) -> Any:
     """A settings dataclass field with the range its value must be in: `min` <= value <= `max`,
     value > `above`, value in `choices` (a choice "x:N" also accepts "x:0", "x:1", ...); `why`
-    is added to the error message. For a dict field the range applies to its values."""
+    is added to the error message. For a dict field the range applies to its values.
+
+    `help` is what the setting does (the CLI flag's help; the default is added to it), `flags`
+    extra names of the flag (`--eot` for include_eot also gives `--no-eot`), `metavar` how its
+    help writes the value."""
     meta = {"min": min, "max": max, "above": above, "why": why,
-            "choices": tuple(choices) if choices is not None else None}
+            "choices": tuple(choices) if choices is not None else None,
+            "help": help, "flags": tuple(flags) or None, "metavar": metavar}
     meta = {k: v for k, v in meta.items() if v is not None}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
@@ -111,9 +114,13 @@ def register_section(name: str, settings_cls: type) -> type:
 
 
 def _ensure_registered() -> None:
-    for name in STAGE_SECTIONS:
-        if name not in SECTION_SCHEMAS:
-            importlib.import_module(f"dflash_etl.stages.{name}")
+    """Import the stage modules whose settings dataclasses are the schemas of their sections (on
+    the first parse_config: core never imports a stage at import time)."""
+    from dflash_etl.stages import STAGES
+
+    for spec in STAGES:
+        if spec.section and spec.section not in SECTION_SCHEMAS:
+            spec.module()
 
 
 # ---------------------------------------------------------------- schema checks
@@ -218,13 +225,17 @@ def _fits(value: Any, tp: Any, meta: dict[str, Any]) -> bool:
         if not isinstance(value, str):
             return False
         choices = meta.get("choices")
-        return choices is None or value in choices or any(
-            c.endswith(":N") and re.fullmatch(re.escape(c[:-1]) + r"\d+", value)
-            for c in choices)
+        return choices is None or in_choices(value, choices)
     if typing.get_origin(tp) is dict:
         value_tp = typing.get_args(tp)[1]
         return isinstance(value, dict) and all(_fits(v, value_tp, meta) for v in value.values())
     return True  # an annotation this check does not know: the dataclass takes it as it is
+
+
+def in_choices(value: str, choices: Iterable[str]) -> bool:
+    """Whether `value` is one of `choices` (a choice "x:N" stands for "x:0", "x:1", ...)."""
+    return any(value == c or (c.endswith(":N") and re.fullmatch(re.escape(c[:-1]) + r"\d+", value))
+               for c in choices)
 
 
 def check_value(value: Any, tp: Any, meta: dict[str, Any]) -> str | None:

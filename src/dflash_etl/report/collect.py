@@ -10,9 +10,9 @@ from typing import Any
 
 import polars as pl
 
+from dflash_etl.stages import STAGES
 from dflash_etl.validation.suites import RESULT_FILE
 
-STAGES = ("ingest", "regenerate", "tokenize", "extract", "train")
 EXAMPLES_PER_REASON = 2
 TOP_REASONS = 10
 
@@ -103,7 +103,8 @@ def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo
 def collect(run_root: Path) -> tuple[dict[str, Any], list[StageInfo]]:
     run_root = Path(run_root)
     manifest = _json(run_root / "manifest.json") or {}
-    stages = [s for s in (stage_info(run_root, n, manifest) for n in STAGES) if s is not None]
+    stages = [s for s in (stage_info(run_root, n, manifest) for n in STAGES.names())
+              if s is not None]
     return manifest, stages
 
 

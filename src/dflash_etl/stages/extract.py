@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,15 +57,20 @@ Q_NON_FINITE = "non_finite_hidden_states"
 class ExtractSettings:
     """[extract] in pipeline.toml; CLI flags override it."""
 
-    model: str = ""
-    layers: str = "auto"  # or "1,16,31": decoder layer indices (0-based)
+    model: str = setting("", metavar="DIR",
+                         help="the target model directory (offline; default: [target] model)")
+    layers: str = setting("auto", metavar="auto|1,16,31",
+                          help="'auto' (the DFlash rule) or decoder layer indices (0-based)")
     # K for `auto`: the DFlash rule spreads K layers from 1 to L-3
-    draft_layers: int = setting(5, min=1)
-    dtype: str = setting("fp32", choices=("fp32", "bf16"))
-    batch_tokens: int = setting(8192, min=1)  # padded tokens per forward pass
-    shard_rows: int = setting(256, min=1)
-    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"))
-    format: str = setting("native", choices=("native", "speculators"))
+    draft_layers: int = setting(5, min=1, help="K for --layers auto (K layers from 1 to L-3)")
+    dtype: str = setting("fp32", choices=("fp32", "bf16"),
+                         help="the target's dtype, and the stored hidden states'")
+    batch_tokens: int = setting(8192, min=1, help="padded tokens per forward pass")
+    shard_rows: int = setting(256, min=1, help="rows per hidden-states shard")
+    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
+                          help="where the target runs")
+    format: str = setting("native", choices=("native", "speculators"),
+                          help="the hidden states' file layout")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -350,9 +354,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["extract", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("extract", argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ passes.
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -314,9 +313,9 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["ingest", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("ingest", argv)
 
 
 if __name__ == "__main__":

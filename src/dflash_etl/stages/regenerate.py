@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -80,29 +79,43 @@ DUMMY_MAX_CHARS = 40
 class RegenerateSettings:
     """[regenerate] in pipeline.toml; CLI flags override it."""
 
-    model: str = ""
-    backend: str = setting("transformers", choices=BACKENDS)
-    mode: str = setting("missing", choices=("missing", "all"))
-    max_new_tokens: int = setting(256, min=1)
-    temperature: float = setting(0.0, min=0)
-    seed: int = setting(0, min=0)
-    batch_size: int = setting(8, min=1)
-    thinking: str = setting("keep", choices=("on", "off", "keep"))  # keep: the template's default
-    keep_truncated: bool = False
+    model: str = setting("", metavar="DIR",
+                         help="the target model directory (offline; default: [target] model)")
+    backend: str = setting("transformers", choices=BACKENDS, help="generation backend")
+    mode: str = setting("missing", choices=("missing", "all"),
+                        help="answer conversations that need a reply, or rewrite every turn")
+    max_new_tokens: int = setting(256, min=1, help="per reply")
+    temperature: float = setting(0.0, min=0, help="0 = greedy")
+    seed: int = setting(0, min=0, help="sampling seed")
+    batch_size: int = setting(8, min=1, help="prompts per generate call")
+    thinking: str = setting("keep", choices=("on", "off", "keep"),
+                            help="the template's enable_thinking (keep: as the template does)")
+    keep_truncated: bool = setting(False, help="keep replies cut at --max-new-tokens "
+                                               "(else they are filtered)")
     # one short reply for this many different prompts is a dummy
-    dummy_min_repeats: int = setting(3, min=2, why="a reply given once is not a dummy")
+    dummy_min_repeats: int = setting(3, min=2, why="a reply given once is not a dummy",
+                                     help="a short reply given to this many different prompts "
+                                          "is a dummy (quarantined)")
     # openai backend
-    endpoint: str = "http://127.0.0.1:8000/v1"
+    endpoint: str = setting("http://127.0.0.1:8000/v1", metavar="URL",
+                            help="openai backend: the server's /v1 URL")
     # several servers of one model (empty: `endpoint` alone); requests go to the least loaded
     # healthy one, a failed server sits out `cooldown_s` and is probed before it comes back
-    endpoints: tuple[str, ...] = ()
-    served_model: str | None = None  # default: the first model the server lists
-    concurrency: int = setting(8, min=1)  # requests in flight PER SERVER
-    timeout_s: float = setting(120.0, above=0)
+    endpoints: tuple[str, ...] = setting((), metavar="URL,URL",
+                                         help="openai backend: several servers of one model, "
+                                              "comma-separated; each request goes to the least "
+                                              "loaded healthy one (default: --endpoint)")
+    served_model: str | None = setting(None, help="openai backend: model name (default: the "
+                                                  "first the server lists)")
+    concurrency: int = setting(8, min=1, help="openai backend: requests in flight per server")
+    timeout_s: float = setting(120.0, above=0, help="openai backend: seconds per request")
     # on timeouts, connection errors, 429 and 5xx, with exponential backoff
-    retries: int = setting(3, min=0)
-    stream: bool = False
-    cooldown_s: float = 10.0  # several endpoints: a failed server's rest before its probe
+    retries: int = setting(3, min=0, help="openai backend: retries on timeouts, connection "
+                                          "errors, 429 and 5xx")
+    stream: bool = setting(False, help="openai backend: stream the responses")
+    # several endpoints: a failed server's rest before its probe
+    cooldown_s: float = setting(10.0, help="openai backend, several endpoints: how long a "
+                                           "failed server sits out before its probe")
 
     def __post_init__(self) -> None:
         endpoints = self.endpoints or ()
@@ -918,9 +931,9 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["regenerate", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("regenerate", argv)
 
 
 if __name__ == "__main__":

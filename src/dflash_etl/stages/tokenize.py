@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import shutil
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,16 +54,21 @@ QUARANTINE = pa.schema(
 class TokenizeSettings:
     """[tokenize] in pipeline.toml; CLI flags override it."""
 
-    model: str = ""
-    chat_template: str | None = None
-    seq_length: int = setting(4096, min=1)
-    truncation: str = setting("right", choices=("right", "drop"))
-    min_supervised_tokens: int = setting(2, min=1)
-    strategy: str = setting("auto", choices=("auto", "generation", "render_diff", "per_turn"))
-    include_eot: bool = True
-    supervise_reasoning: bool = True
-    turns: str = setting("all", choices=("all", "last"))
-    draft_vocab_size: int = setting(32000, min=1)
+    model: str = setting("", metavar="DIR", help="local tokenizer or model directory (offline)")
+    chat_template: str | None = setting(None, metavar="FILE",
+                                        help="a .jinja file that overrides the tokenizer's")
+    seq_length: int = setting(4096, min=1, help="maximum tokens per row")
+    truncation: str = setting("right", choices=("right", "drop"),
+                              help="what happens to rows over --seq-length")
+    min_supervised_tokens: int = setting(2, min=1,
+                                         help="consecutive supervised tokens a row needs")
+    strategy: str = setting("auto", choices=("auto", "generation", "render_diff", "per_turn"),
+                            help="how the loss mask is found")
+    include_eot: bool = setting(True, flags=("--eot",), help="supervise end-of-turn")
+    supervise_reasoning: bool = setting(True, flags=("--reasoning",),
+                                        help="supervise reasoning")
+    turns: str = setting("all", choices=("all", "last"), help="which assistant turns to train")
+    draft_vocab_size: int = setting(32000, min=1, help="size of d2t/t2d")
 
     @classmethod
     def from_sources(
@@ -456,9 +460,9 @@ def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["tokenize", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("tokenize", argv)
 
 
 if __name__ == "__main__":

@@ -58,31 +58,39 @@ F_NO_ANCHOR = "no_anchor"  # no position where the loss mask and its successor a
 class TrainSettings:
     """[train] in pipeline.toml; CLI flags override it."""
 
-    target: str = ""
-    draft_layers: int = setting(5, min=1)
+    target: str = setting("", metavar="DIR",
+                          help="the target model directory (offline; default: [target] model)")
+    draft_layers: int = setting(5, min=1, help="decoder layers of the drafter")
     block_size: int = setting(16, min=2, why="a block needs the anchor and at least one token "
-                              "to predict")
-    steps: int = setting(1000, min=1)
-    lr: float = setting(6e-4, above=0)
-    warmup_steps: int = setting(-1, min=-1)  # -1: 4% of the steps
-    batch_rows: int = setting(8, min=1)
-    anchors_per_row: int = setting(64, min=1)
-    gamma: float = setting(7.0, above=0)
-    grad_clip: float = setting(1.0, above=0)
-    weight_decay: float = setting(0.0, min=0)
-    seed: int = setting(0, min=0)
-    # -1: the tokenizer's mask token, a spare embedding row, or pad
-    mask_token_id: int = setting(-1, min=-1)
-    online: bool = False  # compute hidden states from the target instead of reading extract's
-    layers: str = "auto"  # online only (offline uses the layers extract chose)
-    eval_prompts: int = setting(16, min=0)
-    eval_new_tokens: int = setting(48, min=1)
-    eval_every: int = setting(0, min=0)  # 0: before and after training only
-    save_every: int = setting(200, min=1)
-    keep_checkpoints: int = setting(2, min=1)
-    # the target's dtype (the drafter trains in fp32)
-    dtype: str = setting("fp32", choices=("fp32", "bf16"))
-    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"))
+                              "to predict", help="anchor + tokens predicted per block")
+    steps: int = setting(1000, min=1, help="optimizer steps")
+    lr: float = setting(6e-4, above=0, help="peak learning rate")
+    warmup_steps: int = setting(-1, min=-1, help="learning-rate warmup steps (-1: 4% of the "
+                                                 "steps)")
+    batch_rows: int = setting(8, min=1, help="rows per step, over all ranks")
+    anchors_per_row: int = setting(64, min=1, help="blocks sampled per row")
+    gamma: float = setting(7.0, above=0, help="loss decay over block offsets")
+    grad_clip: float = setting(1.0, above=0, help="gradient norm clip")
+    weight_decay: float = setting(0.0, min=0, help="AdamW weight decay")
+    seed: int = setting(0, min=0, help="seed of the drafter's init, the sampling and the "
+                                       "held-out split")
+    mask_token_id: int = setting(-1, min=-1, help="the blocks' mask token (-1: the tokenizer's "
+                                                  "mask token, a spare embedding row, or pad)")
+    online: bool = setting(False, help="compute the hidden states from the target (no extract "
+                                       "output needed)")
+    layers: str = setting("auto", metavar="auto|1,16,31",
+                          help="--online: 'auto' or target layer indices (offline: the layers "
+                               "extract chose)")
+    eval_prompts: int = setting(16, min=0, help="held-out prompts for tau")
+    eval_new_tokens: int = setting(48, min=1, help="tokens decoded per prompt")
+    eval_every: int = setting(0, min=0, help="steps between evaluations (0: before and after "
+                                             "training only)")
+    save_every: int = setting(200, min=1, help="steps between checkpoints")
+    keep_checkpoints: int = setting(2, min=1, help="checkpoints kept")
+    dtype: str = setting("fp32", choices=("fp32", "bf16"),
+                         help="the target's dtype (the drafter trains in fp32)")
+    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
+                          help="where the target and the drafter run")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -714,9 +722,9 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import main as cli_main
+    from dflash_etl.cli.main import stage_main
 
-    return cli_main(["train", *(argv if argv is not None else sys.argv[1:])])
+    return stage_main("train", argv)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.accounting import AccountingError, Stats
+from dflash_etl.stages import STAGES
 from dflash_etl.validation.contracts import format_failures, load_contract, validate_files
 from dflash_etl.validation.suites import (
     OUTPUT_DIRS,
@@ -17,9 +18,11 @@ from dflash_etl.validation.suites import (
     run_suite,
 )
 
-# A stage output is recognised by what it holds: (subdirectory with shards, contract name);
-# the contract and the suite of a stage share a name.
-LAYOUTS = {stage: (OUTPUT_DIRS[suite], suite) for stage, suite in STAGE_SUITES.items()}
+# A stage output is recognised by what it holds (the registry's `output`): a stage with a suite
+# by its subdirectory of shards (stage -> (subdirectory, contract name)), extract and train by a
+# marker file (stage -> the file); the contract and the suite of a stage share a name.
+LAYOUTS = {s.name: (OUTPUT_DIRS[s.suite], s.contract) for s in STAGES if s.suite}
+MODEL_STAGES = {s.name: s.output for s in STAGES if not s.suite}
 
 
 def _check_stats(stage_dir: Path) -> list[str]:
@@ -59,11 +62,9 @@ def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, An
 def check_model_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
     """extract (hidden states: shape, finite, token ids) or train (the drafter loads, finite
     weights, tau in range): their contracts, and the row accounting."""
-    if kind == "extract":
-        from dflash_etl.stages.extract import check_output
-    else:
-        from dflash_etl.stages.train import check_output
-    contract = "hidden_states" if kind == "extract" else "drafter"
+    spec = STAGES[kind]
+    check_output = spec.module().check_output
+    contract = spec.contract
     accounting = _check_stats(stage_dir)  # says so when stats.json is missing
     rows, shards, problems = (check_output(stage_dir) if (stage_dir / "stats.json").exists()
                               else (0, 0, []))
@@ -73,9 +74,6 @@ def check_model_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
             "failures": [{"check": contract, "column": None, "shard": stage_dir.name,
                           "count": 1, "samples": [p]} for p in problems],
             "passed": not problems and not accounting}
-
-
-MODEL_STAGES = {"extract": "index.parquet", "train": "drafter/config.json"}
 
 
 def _kind(path: Path) -> str | None:

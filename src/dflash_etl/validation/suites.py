@@ -30,14 +30,14 @@ import pyarrow as pa
 from dflash_etl.core.config import ConfigError
 from dflash_etl.core.errors import StageError
 from dflash_etl.formats import roles
+from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper
 from dflash_etl.validation.contracts import read_arrow
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parents[3] / "expectations"
-STAGE_SUITES = {"ingest": "conversations", "regenerate": "conversations",
-                "tokenize": "tokenized"}
+STAGE_SUITES = {s.name: s.suite for s in STAGES if s.suite}
 # Where each suite's stage writes its shards (the contract of the same name checks them).
-OUTPUT_DIRS = {"conversations": "conversations", "tokenized": "dataset"}
+OUTPUT_DIRS = {s.suite: s.output for s in STAGES if s.suite}
 RESULT_FILE = "validation.json"
 SAMPLES = 5  # unexpected values / rows kept per failing expectation
 

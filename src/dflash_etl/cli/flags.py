@@ -1,0 +1,96 @@
+"""A stage's CLI flags, generated from its settings dataclass: one flag per field.
+
+`--field-name` (plus the field's `flags` aliases), its type from the annotation (int, float, str;
+a bool is `--flag/--no-flag`; a tuple takes a comma-separated list), `choices` and the help text
+from the field's metadata (`core.config.setting`), the dataclass default shown in the help. Every
+flag defaults to None: a flag that is not given leaves the setting to the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from dflash_etl.core.config import _flag, _hints, _unoptional, in_choices
+
+
+class Choices(tuple):
+    """argparse choices where a choice "x:N" also accepts "x:0", "x:1", ... (cuda:N)."""
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, str) and in_choices(value, self)
+
+
+def _comma_list(metavar: str) -> Callable[[str], tuple[str, ...]]:
+    def comma_list(text: str) -> tuple[str, ...]:
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"give at least one value, comma-separated: "
+                                             f"{metavar}")
+        return items
+
+    return comma_list
+
+
+def _default(spec: dataclasses.Field[Any]) -> Any:
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def _shown(value: Any) -> str | None:
+    """A default as the help shows it; None for an empty one (the help text says what unset
+    means)."""
+    if value is None or value in ("", ()):
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def field_help(spec: dataclasses.Field[Any]) -> str:
+    """The field's help text with its default, escaped for argparse."""
+    text = spec.metadata.get("help", "")
+    shown = _shown(_default(spec))
+    if shown is not None:
+        text = f"{text} (default: {shown})" if text else f"default: {shown}"
+    return text.replace("%", "%%")
+
+
+def flag_names(spec: dataclasses.Field[Any]) -> list[str]:
+    return [_flag(spec.name), *spec.metadata.get("flags", ())]
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings: type, section: str) -> None:
+    """One flag per field of the settings dataclass `settings` (the schema of [section])."""
+    group = parser.add_argument_group(
+        f"[{section}] settings",
+        f"each flag overrides [{section}] in the config; a setting neither sets takes the "
+        "default shown")
+    hints = _hints(settings)
+    for spec in dataclasses.fields(settings):
+        tp, _ = _unoptional(hints[spec.name])
+        meta = spec.metadata
+        kwargs: dict[str, Any] = {"dest": spec.name, "default": None, "help": field_help(spec)}
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif tp in (int, float):
+            kwargs["type"] = tp
+            kwargs.setdefault("metavar", "N" if tp is int else "NUM")
+        elif tp is str:
+            if meta.get("choices"):
+                kwargs["choices"] = Choices(meta["choices"])
+        elif typing.get_origin(tp) is tuple:
+            kwargs["type"] = _comma_list(meta.get("metavar", "A,B"))
+            kwargs.setdefault("metavar", "A,B")
+        else:
+            raise TypeError(f"{settings.__name__}.{spec.name}: no CLI flag for a {tp} setting; "
+                            "give it a type the CLI knows (int, float, str, bool, tuple[str])")
+        group.add_argument(*flag_names(spec), **kwargs)

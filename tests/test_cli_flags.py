@@ -1,0 +1,246 @@
+"""The stage registry and the CLI flags generated from the settings dataclasses (no stage runs:
+only parsers, settings checks and a `run` whose stages are stubbed)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_etl.cli.main import build_parser, main, stage_main
+from dflash_etl.stages import STAGES
+
+cli = importlib.import_module("dflash_etl.cli.main")  # dflash_etl.cli exports main(), not this
+
+PIPELINE = ("ingest", "regenerate", "tokenize", "extract", "train")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {o: a for a in parser._actions for o in a.option_strings}
+
+
+@pytest.fixture(autouse=True)
+def _no_suite_helper(monkeypatch):
+    """Nothing here reaches a gate: do not start great_expectations' helper process."""
+    monkeypatch.setenv("DFLASH_ETL_SUITE_HELPER", "0")
+
+
+def test_registry_is_the_pipeline_in_order_and_loads_lazily():
+    assert STAGES.names() == PIPELINE
+    for spec in STAGES:
+        assert spec.stage_class.name == spec.name
+        assert spec.module_path == f"dflash_etl.stages.{spec.name}"
+        if spec.settings_class is not None:
+            from dflash_etl.core.config import SECTION_SCHEMAS
+
+            assert SECTION_SCHEMAS[spec.section] is spec.settings_class
+    code = ("import sys, dflash_etl.stages as s; s.STAGES['train']; "
+            "print([m for m in ('pyarrow', 'polars', 'torch', 'transformers', "
+            "'dflash_etl.cli.main', 'dflash_etl.stages.train') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_report_and_check_read_the_registry():
+    from dflash_etl.validation import check, suites
+
+    collect = importlib.import_module("dflash_etl.report.collect")  # report/ exports a collect()
+    assert collect.STAGES is STAGES
+    assert set(suites.STAGE_SUITES) == {s.name for s in STAGES if s.suite}
+    assert set(check.LAYOUTS) | set(check.MODEL_STAGES) == set(PIPELINE)
+    assert check.MODEL_STAGES == {"extract": "index.parquet", "train": "drafter/config.json"}
+
+
+def test_every_settings_field_has_a_flag():
+    parsers = _subparsers(build_parser())
+    for spec in STAGES:
+        parser = parsers[spec.name]
+        assert parser.description == spec.help
+        dests = {a.dest for a in parser._actions}
+        if spec.settings_class is None:
+            continue
+        for field in dataclasses.fields(spec.settings_class):
+            assert field.name in dests, f"{spec.name}: no flag for {field.name}"
+            flag = "--" + field.name.replace("_", "-")
+            action = _flags(parser)[flag]
+            assert action.dest == field.name and action.default is None  # the config decides
+            assert action.help, f"{spec.name} {flag}: no help"
+        # the same flags on `python -m dflash_etl.stages.<name>` (one stage's parser)
+        single = argparse.ArgumentParser()
+        cli._stage_parser(single, spec)
+        assert {a.dest for a in single._actions} == dests
+
+
+def test_flags_of_today_keep_their_names_and_meaning():
+    parse = build_parser().parse_args
+    args = parse(["tokenize", "--no-eot", "--no-reasoning", "--seq-length", "128"])
+    overrides = cli._overrides(args, STAGES["tokenize"].settings_class)
+    assert overrides["include_eot"] is False and overrides["supervise_reasoning"] is False
+    assert overrides["seq_length"] == 128 and overrides["turns"] is None
+    args = parse(["regenerate", "--stream", "--keep-truncated", "--endpoints", "http://a/v1,"
+                  "http://b/v1", "--cooldown-s", "2.5"])
+    assert (args.stream, args.keep_truncated) == (True, True)
+    assert args.endpoints == ("http://a/v1", "http://b/v1") and args.cooldown_s == 2.5
+    args = parse(["train", "--online", "--target", "DIR", "--lr", "1e-3"])
+    assert (args.online, args.target, args.lr) == (True, "DIR", 1e-3)
+    args = parse(["extract", "--workers", "2", "--executor", "ray", "--ray-address", "auto",
+                  "--force", "--debug", "--config", "p.toml", "--run", "r"])
+    assert (args.workers, args.executor, args.ray_address, args.force, args.debug,
+            args.config, args.run) == (2, "ray", "auto", True, True, "p.toml", "r")
+
+
+def test_a_bool_flag_and_its_no_form():
+    parse = build_parser().parse_args
+    assert parse(["tokenize"]).include_eot is None  # not given: the config decides
+    assert parse(["tokenize", "--include-eot"]).include_eot is True
+    assert parse(["tokenize", "--no-include-eot"]).include_eot is False
+    assert parse(["tokenize", "--eot"]).include_eot is True
+    assert parse(["regenerate", "--no-stream"]).stream is False
+    assert parse(["train", "--no-online"]).online is False
+
+
+def test_settings_without_a_flag_before_have_one():
+    parse = build_parser().parse_args
+    assert parse(["regenerate", "--dummy-min-repeats", "4"]).dummy_min_repeats == 4
+    assert parse(["extract", "--shard-rows", "64"]).shard_rows == 64
+    args = parse(["train", "--warmup-steps", "5", "--grad-clip", "0.5", "--weight-decay", "0.1",
+                  "--keep-checkpoints", "3"])
+    assert (args.warmup_steps, args.grad_clip, args.weight_decay, args.keep_checkpoints) == \
+        (5, 0.5, 0.1, 3)
+
+
+def test_choices_are_enforced_with_a_clear_message(capsys):
+    parse = build_parser().parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["tokenize", "--truncation", "middle"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--truncation: invalid choice: 'middle'" in err and "'right', 'drop'" in err
+    assert parse(["extract", "--device", "cuda:1"]).device == "cuda:1"  # a choice "cuda:N"
+    assert parse(["train", "--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit):
+        parse(["train", "--device", "cuda:x"])
+    assert "invalid choice: 'cuda:x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["regenerate", "--endpoints", ","])
+    assert "--endpoints: give at least one value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["tokenize", "--seq-length", "long"])
+    assert "--seq-length: invalid int value: 'long'" in capsys.readouterr().err
+
+
+def test_a_value_out_of_range_exits_1_with_the_key_and_range(tmp_path, capsys):
+    assert main(["tokenize", "--run", str(tmp_path / "r"), "--seq-length", "-5"]) == 1
+    err = capsys.readouterr().err
+    assert "--seq-length -5" in err and "must be an integer >= 1" in err
+    assert main(["regenerate", "--run", str(tmp_path / "r"), "--model", "m",
+                 "--dummy-min-repeats", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "--dummy-min-repeats 1" in err and ">= 2" in err and "given once" in err
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_stage_help_works_and_shows_the_defaults(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: dflash-etl {name}" in out and "--config" in out
+    spec = STAGES[name]
+    if spec.settings_class is not None:
+        assert f"[{spec.section}] settings" in out
+        for field in dataclasses.fields(spec.settings_class):
+            assert "--" + field.name.replace("_", "-") in out
+    with pytest.raises(SystemExit) as exit_info:
+        stage_main(name, ["--help"])  # python -m dflash_etl.stages.<name> --help
+    assert exit_info.value.code == 0
+    assert f"python -m dflash_etl.stages.{name}" in capsys.readouterr().out
+
+
+def test_help_text_lives_with_the_setting(capsys):
+    from dflash_etl.stages.tokenize import TokenizeSettings
+
+    meta = {f.name: f.metadata for f in dataclasses.fields(TokenizeSettings)}
+    assert meta["seq_length"]["help"] == "maximum tokens per row"
+    with pytest.raises(SystemExit):
+        main(["tokenize", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "maximum tokens per row (default: 4096)" in out
+    assert "--include-eot, --no-include-eot, --eot, --no-eot supervise end-of-turn " \
+           "(default: on)" in out
+
+
+def test_stage_modules_do_not_import_the_cli():
+    for spec in STAGES:
+        source = Path(spec.module().__file__).read_text()
+        top_level = [line for line in source.splitlines()
+                     if line.startswith(("import ", "from ")) and "dflash_etl.cli" in line]
+        assert not top_level, spec.name
+        assert f'stage_main("{spec.name}", argv)' in source
+
+
+def test_run_goes_through_the_registry_in_order(tmp_path, monkeypatch, capsys):
+    """`dflash-etl run` runs the registry's stages in its order, each one the config gives what
+    it needs (the stages' own work is stubbed)."""
+    ran = []
+
+    def fake_run_one(spec, args):
+        ran.append(spec.name)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_one", fake_run_one)
+    monkeypatch.setattr(cli, "_docs", lambda run: Path(run) / "docs" / "index.html")
+    config = tmp_path / "pipeline.toml"
+    config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n\n'
+                      '[tokenize]\nmodel = "t"\n')
+    assert main(["run", "--config", str(config), "--run", str(tmp_path / "r")]) == 0
+    assert ran == list(PIPELINE)
+
+    ran.clear()
+    config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n')
+    assert main(["run", "--config", str(config), "--run", str(tmp_path / "r")]) == 0
+    assert ran == ["ingest", "regenerate"]  # no tokenizer: nothing after tokenize runs
+    assert "tokenize skipped: no [tokenize] model in the config" in capsys.readouterr().out
+
+    ran.clear()
+    config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[tokenize]\nmodel = "t"\n\n'
+                      '[train]\ntarget = "t"\n')
+    assert main(["run", "--config", str(config), "--run", str(tmp_path / "r")]) == 0
+    assert ran == ["ingest", "tokenize", "train"]
+
+
+def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
+    calls = {}
+
+    def fake_run(name):
+        def run(config, run_dir, **options):
+            calls[name] = options
+            return {"total": {}, "sources": {}}
+        return run
+
+    for spec in STAGES:
+        monkeypatch.setattr(spec.module(), "run", fake_run(spec.name))
+    monkeypatch.setattr(cli, "SUMMARIES", {})
+    monkeypatch.setattr(cli, "_summary", lambda name, run, doc: 0)
+    monkeypatch.setattr(cli, "_docs", lambda run: Path(run) / "docs" / "index.html")
+    config = tmp_path / "pipeline.toml"
+    config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n\n'
+                      '[tokenize]\nmodel = "t"\n')
+    assert main(["run", "--config", str(config), "--run", str(tmp_path / "r"),
+                 "--workers", "3"]) == 0
+    assert list(calls) == list(PIPELINE)
+    assert calls["ingest"] == {"force": False, "workers": 3, "executor": None,
+                               "ray_address": None}
+    assert calls["tokenize"]["workers"] == 3 and calls["tokenize"]["seq_length"] is None
+    assert "workers" not in calls["extract"] and calls["extract"]["model"] is None
