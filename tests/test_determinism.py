@@ -7,6 +7,8 @@ Not data, and so not compared byte for byte:
 - <stage>/validation.json: the great_expectations result of the stage's suite, which records the
   suite's seconds, great_expectations' own batch load time (batch_markers.ge_load_time) and the
   directory validated. It is compared without those.
+- <stage>/files.json: the list of the published files with their sizes and hashes; it lists
+  validation.json too, so it is compared without that entry.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ def differing_files(a: Path, b: Path) -> list[str]:
         fa, fb = a / name, b / name
         if not (fa.is_file() and fb.is_file()):
             out.append(f"{name} (only in {'the first' if fa.is_file() else 'the second'} run)")
+        elif Path(name).name == "files.json":
+            def listing(path: Path) -> dict:
+                return {k: v for k, v in json.loads(path.read_text()).items()
+                        if Path(k).name not in REPORTS}
+
+            if listing(fa) != listing(fb):
+                out.append(name)
         elif Path(name).name in REPORTS:
             if _without_varying(json.loads(fa.read_text())) != _without_varying(
                     json.loads(fb.read_text())):
