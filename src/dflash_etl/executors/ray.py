@@ -35,7 +35,11 @@ def import_ray() -> Any:
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
     """Connect to the cluster at `address` ("auto", "HOST:PORT"), or start a local one; a Ray
-    this process already joined is used as it is."""
+    this process already joined is used as it is.
+
+    Without an address Ray itself would join the cluster a `ray start` on this machine left in
+    /tmp/ray (someone else's, perhaps, and with num_cpus it refuses to): "local" starts this
+    run's own Ray instead. RAY_ADDRESS, where set (`ray job submit` sets it), is still obeyed."""
     import os
 
     if not address:  # a Ray of this machine alone: its processes talk over loopback only
@@ -48,8 +52,10 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
                               "configure_logging": False}
     if address:
         kwargs["address"] = address
-    elif num_cpus:
-        kwargs["num_cpus"] = num_cpus
+    elif not os.environ.get("RAY_ADDRESS"):  # where it is set, Ray connects there itself
+        kwargs["address"] = "local"
+        if num_cpus:
+            kwargs["num_cpus"] = num_cpus
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
