@@ -98,6 +98,8 @@ def label_of(cmd: str) -> str:
     """A short name: Ray's process title (ray::MapWorker(...)), a binary's or script's name."""
     if not cmd:
         return "?"
+    if "suite_helper" in cmd:
+        return "suite helper"
     first = cmd.split()[0]
     if first.startswith("ray::"):  # ray::Class(args).method -> ray::Class(args)
         return first[:first.rindex(")") + 1] if ")" in first else first.split(".")[0]
@@ -140,6 +142,7 @@ class RunSampler(threading.Thread):
         self.foreign_ray: set[tuple[int, int]] = set()
         self.seen_other: set[tuple[int, int]] = set()
         self.loads: list[float] = []
+        self.series: list[tuple[float, int, int]] = []  # (time, driver RSS, tree RSS)
         self.driver_cmd = ""
 
     def run(self) -> None:
@@ -175,7 +178,7 @@ class RunSampler(threading.Thread):
         if not self.driver_cmd:
             self.driver_cmd = _cmdline(self.driver)
         tree = set(bi._tree(self.driver))
-        rss_sum = pss_sum = 0
+        rss_sum = pss_sum = driver_rss = 0
         by_kind = dict.fromkeys(KINDS, 0)
         for pid, key, cpu in members:
             proc = self.procs.setdefault(key, {"label": "", "seen": 0})
@@ -194,9 +197,11 @@ class RunSampler(threading.Thread):
             pss_sum += pss
             by_kind[proc["kind"]] += rss
             if pid == self.driver:
+                driver_rss = rss
                 self.peak["driver_rss"] = max(self.peak["driver_rss"], rss)
                 self.peak["driver_pss"] = max(self.peak["driver_pss"], pss)
         self.peak["tree_rss"] = max(self.peak["tree_rss"], rss_sum)
+        self.series.append((time.time(), driver_rss, rss_sum))
         self.peak["tree_pss"] = max(self.peak["tree_pss"], pss_sum)
         for kind, value in by_kind.items():
             self.peak_kind[kind] = max(self.peak_kind[kind], value)
@@ -289,14 +294,6 @@ def cli_with_timers(out: str, argv: list[str]) -> int:
             if k == 0:
                 events["first_result"] = time.time()
             yield result
-        start = time.time()
-        try:  # Ray's own object-store counters, before the driver lets Ray go
-            from ray._private.internal_api import memory_summary
-
-            extra["object_store_summary"] = memory_summary(stats_only=True).strip()
-        except Exception as exc:  # a private API: informative only
-            extra["object_store_summary"] = f"unavailable: {type(exc).__name__}"
-        extra["object_store_summary_s"] = time.time() - start  # not counted in the map
 
     ray_ex.RayExecutor._run = first_result
     rc = 1
@@ -325,13 +322,12 @@ def phases(timers: dict[str, Any], t0: float, t_end: float) -> dict[str, float]:
     out["plan"] = plan[1] - plan[0] if plan else 0.0
     init = first("ray_init")
     out["ray_init"] = init[1] - init[0] if init else 0.0
-    out["map"] = mapped[1] - mapped[0] - out["ray_init"] - timers.get("object_store_summary_s", 0)
+    out["map"] = mapped[1] - mapped[0] - out["ray_init"]
     if init and "first_result" in ev:
         out["ray_first_result"] = ev["first_result"] - init[1]  # dataset + actors + 1 item
     out["finish"] = fin[1] - fin[0] if fin else 0.0
     out["after_map"] = stage[1] - mapped[1]  # finish, contract, gates, publishing
     accounted = sum(out[k] for k in ("prepare", "plan", "ray_init", "map", "after_map"))
-    accounted += timers.get("object_store_summary_s", 0)
     out["stage_other"] = (stage[1] - stage[0]) - accounted  # begin, fingerprint, listing
     out["exit"] = t_end - ev["main_end"]  # atexit: Ray's shutdown, the helper's end
     out["after_stage"] = ev["main_end"] - stage[1]  # the CLI's summary lines
@@ -366,10 +362,18 @@ def measure_run(name: str, argv: list[str], log: Path) -> dict[str, Any]:
         raise SystemExit(f"[{name}] failed ({rc}); log {log}:\n"
                          f"{log.read_text(errors='replace')[-3000:]}")
     timers = json.loads(timers_path.read_text())
+    in_map = {"driver": 0, "tree": 0}
+    for start, end in timers["spans"].get("map", []):
+        for t, driver_rss, tree_rss in sampler.series:
+            if start <= t <= end:
+                in_map["driver"] = max(in_map["driver"], driver_rss)
+                in_map["tree"] = max(in_map["tree"], tree_rss)
     result = {"name": name, "argv": argv, "wall_s": round(t_end - t0, 3),
               "loadavg_before": load_before, "loadavg_after": bi._loadavg(),
               "sampler_cpu_s": round(bi._self_cpu() - self_cpu, 2), **sampler.summary(),
               "phases": phases(timers, t0, t_end),
+              "peak_driver_rss_in_map_bytes": in_map["driver"],
+              "peak_tree_rss_in_map_bytes": in_map["tree"],
               **{k: v for k, v in timers.items() if k not in ("events", "spans")}}
     print(f"[{name}] {result['wall_s']:.1f} s, driver {_mib(result['peak_driver_rss_bytes'])}, "
           f"tree {_mib(result['peak_tree_rss_bytes'])}, {result['processes']} processes, "
@@ -410,8 +414,11 @@ def alternate(stage: str, pairs: int, argv_for: Any) -> dict[str, Any]:
             runs.append(r)
     ratios = [runs[2 * k + 1]["wall_s"] / runs[2 * k]["wall_s"] for k in range(pairs)]
     median = statistics.median(ratios)
-    return {"runs": runs, "pair_ratios": [round(x, 3) for x in ratios],
-            "ratio_median": round(median, 3), "overhead": round(median - 1, 3),
+    res = {"runs": runs, "pair_ratios": [round(x, 3) for x in ratios],
+           "ratio_median": round(median, 3), "overhead": round(median - 1, 3)}
+    cpu = cpu_ratios(res)
+    return {**res, "cpu_pair_ratios": [round(x, 3) for x in cpu],
+            "cpu_ratio_median": round(statistics.median(cpu), 3),
             "outputs_identical": len(digests["local"] | digests["ray"]) == 1}
 
 
@@ -480,10 +487,12 @@ print(json.dumps({"import_ingest_stage_s": t1 - t0, "import_tokenize_stage_s": t
 """
 
 
-def noop_probe(executor: str, items: int, workers: int) -> dict[str, Any]:
-    """A no-op batch stage through the executor's `map` (batch_size=1, as the executor runs
-    the items): how long until the first item is done (the workers' start), the time per item
-    in the steady state (completion times, both workers busy), and the tail."""
+def noop_probe(executor: str, items: int, workers: int, per_task: int = 0) -> dict[str, Any]:
+    """A no-op batch stage through the executor's `map`: how long until the first item is
+    done (the workers' start), the time per item in the steady state (completion times, both
+    workers busy), the driver's CPU per item, and the tail. Ray: `per_task` items per Ray task
+    (0: as the executor chooses)."""
+    import resource
     import tempfile
 
     import pyarrow as pa
@@ -506,8 +515,12 @@ def noop_probe(executor: str, items: int, workers: int) -> dict[str, Any]:
     ctx = StageContext(name="noop", run=None, config=None, workers=workers,  # type: ignore
                        executor=executor, progress=False)
     if executor == "ray":
+        from dflash_etl.executors import ray as ray_ex
         from dflash_etl.executors.ray import RayExecutor, init_ray
 
+        if per_task:
+            ray_ex.MAX_ITEMS_PER_TASK, ray_ex.TASKS_PER_ACTOR = per_task, 1
+        out["items_per_task"] = ray_ex.items_per_task(items, workers)
         start = time.time()
         init_ray(None, workers)
         out["ray_init_s"] = round(time.time() - start, 3)
@@ -517,9 +530,13 @@ def noop_probe(executor: str, items: int, workers: int) -> dict[str, Any]:
 
         runner = LocalExecutor()
     work = Path(tempfile.mkdtemp(prefix="bench-noop-"))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     start = time.time()
     results = runner.map(Noop(), ctx, [WorkItem(k, None) for k in range(items)], work)
     end = time.time()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    out["driver_cpu_ms_per_item"] = round(1000 * (after.ru_utime + after.ru_stime
+                                                  - usage.ru_utime - usage.ru_stime) / items, 2)
     done = sorted(r["done_at"] for r in results)
     out["first_item_s"] = round(done[0] - start, 3)
     # the middle 80% of completions: both workers started, none finished
@@ -550,9 +567,10 @@ def probes(repeats: int, noop_items: int, workers: int) -> dict[str, Any]:
         out["startup"].append(run_probe(["-c", PROBE_STARTUP, str(workers)], "ray start-up"))
         out["imports"].append(run_probe(["-c", PROBE_IMPORTS, str(TOKENIZER)],
                                         "a fresh worker's imports and setup"))
-        for executor in EXECUTORS:
-            out["noop"].append(run_probe([me, "--noop-probe", executor, str(noop_items),
-                                          str(workers)], f"no-op items, {executor}"))
+        for executor, per_task in (("local", 0), ("ray", 1), ("ray", 0)):
+            out["noop"].append(run_probe(
+                [me, "--noop-probe", executor, str(noop_items), str(workers), str(per_task)],
+                f"no-op items, {executor}" + (" (1 item per Ray task)" if per_task else "")))
     return out
 
 
@@ -572,29 +590,43 @@ PHASES = [("start_up", "start-up (interpreter, imports, config)"), ("prepare", "
           ("after_stage", "CLI summary"), ("exit", "exit (atexit: Ray's shutdown)")]
 
 
+def cpu_ratios(res: dict[str, Any]) -> list[float]:
+    """Per pair, ray / local CPU seconds (all processes of the run)."""
+    runs = res["runs"]
+    return [runs[k + 1]["cpu_s"] / runs[k]["cpu_s"] for k in range(0, len(runs) - 1, 2)]
+
+
 def stage_section(title: str, res: dict[str, Any]) -> list[str]:
     runs = res["runs"]
+    cpu = cpu_ratios(res)
     lines = [f"## {title}", "",
-             "| run | wall s | in-stage s | driver peak RSS | tree peak RSS | tree peak PSS | "
-             "RSS peak: workers / Ray's own | CPU s: driver / workers / Ray's own / helper | "
-             "processes | load avg (mean, max) |",
+             "| run | wall s | in-stage s | driver peak RSS (during the map) | tree peak RSS | "
+             "tree peak PSS | RSS peak: workers / Ray's own | CPU s: all (driver / workers / "
+             "Ray's own / helper) | processes | load avg (mean, max) |",
              "|---|---:|---:|---:|---:|---:|---|---|---:|---|"]
     for r in runs:
         k, c = r["peak_rss_bytes_by_kind"], r["cpu_s_by_kind"]
         lines.append(
             f"| {r['executor']} #{r['pair']} | {r['wall_s']:.1f} | {r['in_stage_s']:.1f} | "
-            f"{_mib(r['peak_driver_rss_bytes'])} | {_mib(r['peak_tree_rss_bytes'])} | "
+            f"{_mib(r['peak_driver_rss_bytes'])} ({_mib(r.get('peak_driver_rss_in_map_bytes'))})"
+            f" | {_mib(r['peak_tree_rss_bytes'])} | "
             f"{_mib(r['peak_tree_pss_bytes'])} | {_mib(k['workers'])} / "
-            f"{_mib(k['ray system'])} | {c['driver']:.1f} / {c['workers']:.1f} / "
-            f"{c['ray system']:.1f} / {c['suite helper']:.1f} | {r['processes']} | "
+            f"{_mib(k['ray system'])} | {r['cpu_s']:.0f} ({c['driver']:.1f} / {c['workers']:.1f} / "
+            f"{c['ray system']:.1f} / {c['suite helper']:.1f}) | {r['processes']} | "
             f"{r['loadavg_mean']}, {r['loadavg_max']} |")
     worst_driver = max(r["peak_driver_rss_bytes"] for r in runs if r["executor"] == "ray")
+    worst_in_map = max(r.get("peak_driver_rss_in_map_bytes", 0) for r in runs
+                       if r["executor"] == "ray")
     ratios = ", ".join(f"{x:.3f}" for x in res["pair_ratios"])
     lines += ["", f"Per-pair ratios ray / local: {ratios}; median {res['ratio_median']:.3f}: "
               "**Ray's overhead "
               f"{res['overhead']:+.1%}** (goal <= {GOAL_OVERHEAD:.0%}: "
-              f"{'met' if res['overhead'] <= GOAL_OVERHEAD else 'not met'}). Driver peak RSS "
-              f"with Ray: {_mib(worst_driver)} at most (goal <= {GOAL_DRIVER_RSS / 1e9:.1f} GB: "
+              f"{'met' if res['overhead'] <= GOAL_OVERHEAD else 'not met'}). CPU seconds (all "
+              f"processes of the run), per pair ray / local: "
+              f"{', '.join(f'{x:.3f}' for x in cpu)}; median "
+              f"{statistics.median(cpu):.3f}. Driver peak RSS with Ray: "
+              f"{_mib(worst_driver)} at most, {_mib(worst_in_map)} during the map (goal <= "
+              f"{GOAL_DRIVER_RSS / 1e9:.1f} GB: "
               f"{'met' if worst_driver <= GOAL_DRIVER_RSS else 'not met'}). Outputs of the two "
               f"executors identical (sha256 of every data file): "
               f"{'yes' if res['outputs_identical'] else '**no**'}.", ""]
@@ -619,6 +651,32 @@ def stage_section(title: str, res: dict[str, Any]) -> list[str]:
     procs = ray_run["processes_by_label"]
     lines.append(", ".join(f"{name} x{p['count']} {p['cpu_s']:.1f}" for name, p in procs.items()
                            if p["cpu_s"] >= 0.05) + ".")
+    return [*lines, ""]
+
+
+def baseline_section(res: dict[str, Any]) -> list[str]:
+    """This run against an earlier one (--baseline JSON: the executor before a change)."""
+    base = res["baseline"]
+    lines = [f"## Against the baseline ({base['label']})", "",
+             "| stage | wall ray/local (median of pairs): baseline -> now | CPU s ray/local: "
+             "baseline -> now | Ray runs' map s (mean) | Ray runs' driver CPU s (mean) | "
+             "Ray runs' map actors' CPU s (mean) |", "|---|---|---|---|---|---|"]
+
+    def ray_mean(doc: dict[str, Any], get: Any) -> float:
+        return _mean([get(r) for r in doc["runs"] if r["executor"] == "ray"])
+
+    for stage in ("ingest", "tokenize"):
+        if stage not in res or stage not in base:
+            continue
+        a, b = base[stage], res[stage]
+        cells = [f"{a['ratio_median']:.3f} -> {b['ratio_median']:.3f}",
+                 f"{statistics.median(cpu_ratios(a)):.3f} -> "
+                 f"{statistics.median(cpu_ratios(b)):.3f}"]
+        for get in (lambda r: r["phases"].get("map", 0.0),
+                    lambda r: r["cpu_s_by_kind"]["driver"],
+                    lambda r: r["cpu_s_by_kind"]["workers"]):
+            cells.append(f"{ray_mean(a, get):.1f} -> {ray_mean(b, get):.1f}")
+        lines.append(f"| {stage} | {' | '.join(cells)} |")
     return [*lines, ""]
 
 
@@ -648,7 +706,8 @@ def markdown(res: dict[str, Any]) -> str:
                   "| probe | runs (s) |", "|---|---|"]
 
         def row(label: str, rows: list[dict[str, Any]], key: str, unit: str = "s") -> None:
-            lines.append(f"| {label} | {' / '.join(f'{r[key]:.2f}' for r in rows)} {unit} |")
+            values = " / ".join(f"{r[key]:.2f}" for r in rows if key in r) or "-"
+            lines.append(f"| {label} | {values} {unit} |")
 
         row("`import ray, ray.data`", p["startup"], "import_ray_s")
         row("`ray.init` (local, 2 CPUs) alone", p["startup"], "ray_init_s")
@@ -657,15 +716,19 @@ def markdown(res: dict[str, Any]) -> str:
         row("fresh worker: import the ingest stage", p["imports"], "import_ingest_stage_s")
         row("fresh worker: import the tokenize stage", p["imports"], "import_tokenize_stage_s")
         row("fresh worker: load the tokenizer", p["imports"], "load_tokenizer_s")
-        for executor in EXECUTORS:
-            rows = [r for r in p["noop"] if r["executor"] == executor]
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in p["noop"]:
+            name = r["executor"] + (f", {r['items_per_task']} item(s) per Ray task"
+                                    if "items_per_task" in r else "")
+            groups.setdefault(name, []).append(r)
+        for name, rows in groups.items():
             n = rows[0]["items"]
-            row(f"{executor}: {n} no-op items, map called -> first item done (workers' "
-                "start)", rows, "first_item_s")
-            row(f"{executor}: per no-op item, steady state (batch_size=1, 2 workers)", rows,
-                "per_item_ms", "ms")
-            row(f"{executor}: last item done -> map returned", rows, "tail_s")
-            row(f"{executor}: the whole map of {n} items", rows, "map_s")
+            row(f"{name}: {n} no-op items, map called -> first item done (workers' start)",
+                rows, "first_item_s")
+            row(f"{name}: per no-op item, steady state (2 workers)", rows, "per_item_ms", "ms")
+            row(f"{name}: the driver's CPU per item", rows, "driver_cpu_ms_per_item", "ms")
+            row(f"{name}: last item done -> map returned", rows, "tail_s")
+            row(f"{name}: the whole map of {n} items", rows, "map_s")
         lines.append("")
     lines += ["Notes: *driver peak RSS* is the `python -m dflash_etl` process alone. *tree* sums "
               "every process of the run: the driver's session, which Ray's processes inherit "
@@ -675,12 +738,24 @@ def markdown(res: dict[str, Any]) -> str:
               "(fork, Ray's shared-memory object store) once per process; PSS divides them. "
               "*Ray's own*: every Ray process but the map actors. CPU seconds are each "
               "process's user + system time at its last 100 ms sample.", ""]
+    if res.get("baseline"):
+        lines += baseline_section(res)
     if res.get("notes"):
         lines += ["## Interpretation", "", *res["notes"], ""]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ main
+def add_extras(res: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.notes:
+        res["notes"] = Path(args.notes).read_text().strip().splitlines()
+    if args.baseline:
+        label, _, path = args.baseline.rpartition("=")
+        base = json.loads(Path(path).read_text())
+        res["baseline"] = {"label": label or path, "path": path,
+                           **{k: base[k] for k in ("ingest", "tokenize", "probes") if k in base}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=None, help="ingest rows (default 1,000,000)")
@@ -693,8 +768,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-probes", action="store_true", help="skip the Ray cost probes")
     ap.add_argument("--noop-items", type=int, default=None, help="no-op probe items (1000)")
     ap.add_argument("--notes", help="a markdown file appended as the interpretation")
+    ap.add_argument("--baseline", help="an earlier run's JSON to compare with (LABEL=PATH)")
+    ap.add_argument("--render", help="only write the markdown of this results JSON again "
+                    "(with --notes / --baseline)")
     ap.add_argument("--out", help="results path without suffix")
     args = ap.parse_args(argv)
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        add_extras(res, args)
+        Path(args.render).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        Path(args.render).with_suffix(".md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
     rows = args.rows or (20_000 if args.quick else 1_000_000)
     conversations = args.conversations or (2_000 if args.quick else 200_000)
     pairs = args.pairs or (1 if args.quick else 2)
@@ -735,8 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_probes:
         res["probes"] = probes(1 if args.quick else 2, noop_items, workers)
     res["loadavg_end"] = bi._loadavg()
-    if args.notes:
-        res["notes"] = Path(args.notes).read_text().strip().splitlines()
+    add_extras(res, args)
     Path(stem + ".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     md = markdown(res)
     Path(stem + ".md").write_text(md)
@@ -748,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--cli-with-timers":
         raise SystemExit(cli_with_timers(sys.argv[2], sys.argv[4:]))
-    if len(sys.argv) == 5 and sys.argv[1] == "--noop-probe":
-        print(json.dumps(noop_probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--noop-probe":
+        print(json.dumps(noop_probe(sys.argv[2], *map(int, sys.argv[3:]))))
         raise SystemExit(0)
     raise SystemExit(main())
