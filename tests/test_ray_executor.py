@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray of 2 CPUs for the module (starting one takes seconds)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # not a cluster some `ray start` left running here
     yield
     ray.shutdown()
 

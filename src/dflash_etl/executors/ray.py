@@ -28,6 +28,16 @@ from dflash_etl.core.stage import (
 )
 
 INSTALL_HINT = "pip install 'dflash-etl[ray]'"
+# Items per Ray task: each task costs Ray Data ~10 ms of CPU (driver and actor) on top of its
+# items, so many small items (tokenize's chunks) go several to a task, while at least
+# TASKS_PER_ACTOR tasks per actor keep the actors evenly busy to the end and the progress bar
+# moving. Big items (ingest's 32 MB units) stay one to a task.
+MAX_ITEMS_PER_TASK = 8
+TASKS_PER_ACTOR = 16
+
+
+def items_per_task(n_items: int, actors: int) -> int:
+    return max(1, min(MAX_ITEMS_PER_TASK, n_items // (actors * TASKS_PER_ACTOR)))
 
 
 def import_ray() -> Any:
@@ -42,7 +52,11 @@ def import_ray() -> Any:
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
     """Connect to the cluster at `address` ("auto", "HOST:PORT"), or start a local one; a Ray
-    this process already joined is used as it is."""
+    this process already joined is used as it is.
+
+    Without an address Ray itself would join the cluster a `ray start` on this machine left in
+    /tmp/ray (someone else's, perhaps, and with num_cpus it refuses to): "local" starts this
+    run's own Ray instead. RAY_ADDRESS, where set (`ray job submit` sets it), is still obeyed."""
     import os
 
     if not address:  # a Ray of this machine alone: its processes talk over loopback only
@@ -55,8 +69,10 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
                               "configure_logging": False}
     if address:
         kwargs["address"] = address
-    elif num_cpus:
-        kwargs["num_cpus"] = num_cpus
+    elif not os.environ.get("RAY_ADDRESS"):  # where it is set, Ray connects there itself
+        kwargs["address"] = "local"
+        if num_cpus:
+            kwargs["num_cpus"] = num_cpus
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -116,11 +132,12 @@ class RayExecutor:
         actors = ctx.workers or (ctx.config.run.workers if ctx.config else 0) or max(
             1, int(ray.cluster_resources().get("CPU", 1)))
         actors = max(1, min(actors, len(todo)))
+        per_task = items_per_task(len(todo), actors)
         rows = [{"item": pickle.dumps(item)} for item in todo]
-        dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
+        dataset = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // per_task))
         mapped = dataset.map_batches(
             _Actor, fn_constructor_args=(type(stage), stage.worker_args(ctx), str(work_dir)),
-            batch_size=1, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1,
+            batch_size=per_task, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1,
             batch_format="numpy")
         try:
             for row in mapped.iter_rows():
