@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
-from dflash_etl.core.rundir import RunDir, write_json_atomic
+from dflash_etl.core.rundir import RunDir, remove_tree, write_json_atomic
 
 
 @dataclass
@@ -138,9 +138,7 @@ class BatchStage(Stage):
         return self.finish(ctx, results, work_dir)
 
     def cleanup(self, ctx: StageContext) -> None:
-        import shutil
-
-        shutil.rmtree(ctx.partial / "units", ignore_errors=True)
+        remove_tree(ctx.partial / "units")  # a kill meanwhile leaves no done marker without data
 
 
 def item_paths(work_dir: Path, index: int) -> tuple[Path, Path, Path]:
@@ -149,9 +147,10 @@ def item_paths(work_dir: Path, index: int) -> tuple[Path, Path, Path]:
 
 
 def done_result(work_dir: Path, index: int) -> dict[str, Any] | None:
-    """The result of an item finished before (resume), or None."""
-    done = item_paths(work_dir, index)[2]
-    if not done.exists():
+    """The result of an item finished before (resume), or None (also when its files are gone:
+    the item is done again)."""
+    rows, quarantine, done = item_paths(work_dir, index)
+    if not (done.exists() and rows.exists() and quarantine.exists()):
         return None
     try:
         return json.loads(done.read_text())
