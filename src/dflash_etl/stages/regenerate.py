@@ -42,7 +42,7 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic, write_text_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
@@ -734,13 +734,24 @@ class _Cache:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.entries: dict[str, dict[str, Any]] = {}
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a crash: generated again
-                    continue
+        if not path.exists():
+            return
+        text = path.read_bytes()
+        whole = text[:text.rfind(b"\n") + 1]  # a line cut by a kill has no newline yet
+        good = []
+        lines = whole.split(b"\n")[:-1]
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:  # garbled (or not UTF-8): generated again
+                continue
+            if isinstance(entry, dict) and "key" in entry:
                 self.entries[entry["key"]] = entry
+                good.append(line.decode("utf-8") + "\n")
+        if len(whole) != len(text) or len(good) != len(lines):
+            # without the cut or garbled lines: appending after a cut line would glue the next
+            # entry to it (lost on the next read), and the published cache would keep the bytes
+            write_text_atomic(path, "".join(good))
 
     def add(self, entries: list[dict[str, Any]]) -> None:
         with self.path.open("a", encoding="utf-8") as fh:
