@@ -146,8 +146,10 @@ def train_section(stage: StageInfo) -> str:
          f"{ev.get('prompts')} / {ev.get('max_new_tokens')}"),
         ("block size (max tau)", total.get("block_size")),
     ], raw=True)
-    # steps/s is a timing: the manifest's stage entry has it, stats.json does not
-    numbers = {**total, "steps_per_s": stage.manifest.get("steps_per_s")}
+    # steps/s and the steps this run made are the run's record: the manifest's stage entry has
+    # them, stats.json does not
+    numbers = {**total, "steps_per_s": stage.manifest.get("steps_per_s"),
+               "steps_this_run": stage.manifest.get("steps_this_run")}
     html += "<h3>Training</h3>" + table(["", "value"], [
         (k.replace("_", " "), numbers.get(k)) for k in (
             "steps", "steps_this_run", "steps_per_s", "final_loss", "draft_layers",

@@ -42,7 +42,14 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import (
+    RunDir,
+    Timer,
+    remove_tree,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
@@ -373,6 +380,19 @@ def _checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("step-*") if (p / "state.json").exists())
 
 
+def _tidy_checkpoints(directory: Path) -> None:
+    """Remove what a killed run left in checkpoints/: half-written or half-deleted checkpoints
+    (*.tmp) and step directories without their state.json (written last), which would
+    otherwise be published with the output."""
+    for path in directory.iterdir():
+        if path.name.endswith(".tmp") or (path.name.startswith("step-")
+                                          and not (path / "state.json").exists()):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
 def _save_checkpoint(directory: Path, step: int, drafter: Any, optimizer: Any, scheduler: Any,
                      state: dict[str, Any], keep: int) -> None:
     import torch
@@ -384,10 +404,28 @@ def _save_checkpoint(directory: Path, step: int, drafter: Any, optimizer: Any, s
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                tmp / "optimizer.pt")
     write_json_atomic(tmp / "state.json", {**state, "step": step})
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():
+        remove_tree(final)
     os.replace(tmp, final)
     for old in _checkpoints(directory)[:-keep]:
-        shutil.rmtree(old)
+        remove_tree(old)  # never half deleted: one with state.json would be resumed from
+
+
+def _log_through(path: Path, step: int) -> list[dict[str, Any]]:
+    """The training log's entries up to `step`: what a resumed run keeps. A line cut by a kill
+    (the last one) is dropped, and so is what was logged after the checkpoint."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) \
+                and entry["step"] <= step:
+            kept.append(entry)
+    return kept
 
 
 class Trainer:
@@ -472,8 +510,12 @@ class Trainer:
     def resume(self, directory: Path) -> dict[str, Any]:
         """Load the newest checkpoint (if any); returns its state ({} when starting afresh)."""
         torch = self.torch
+        if self.rank == 0:
+            _tidy_checkpoints(directory)
         found = _checkpoints(directory)
         if not found:
+            if self.rank == 0:  # starting afresh: a killed run's log is not this one's
+                self.log_path.unlink(missing_ok=True)
             return {}
         from safetensors.torch import load_file
 
@@ -484,10 +526,9 @@ class Trainer:
         self.optimizer.load_state_dict(opt["optimizer"])
         self.scheduler.load_state_dict(opt["scheduler"])
         state = json.loads((latest / "state.json").read_text())
-        if self.log_path.exists():  # drop what was logged after the checkpoint
-            kept = [line for line in self.log_path.read_text().splitlines()
-                    if json.loads(line)["step"] <= state["step"]]
-            self.log_path.write_text("".join(f"{line}\n" for line in kept))
+        if self.rank == 0 and self.log_path.exists():
+            kept = _log_through(self.log_path, state["step"])
+            write_text_atomic(self.log_path, "".join(f"{json.dumps(e)}\n" for e in kept))
         return state
 
 
@@ -703,9 +744,13 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     write_json_atomic(partial / "eval.json", evaluation)
     doc = stats_document(per_source, STAGE)
     trained = settings.steps - start
+    # the last step's loss as logged: the same whether this run made that step or resumed
+    # after it (stats.json is data: byte-identical however often the run was interrupted)
+    logged = _log_through(trainer.log_path, settings.steps)
+    final_loss = logged[-1].get("loss") if logged else None
     doc["total"].update({
-        "steps": settings.steps, "steps_this_run": trained,
-        "final_loss": round(last["loss"], 4) if last else None,
+        "steps": settings.steps,
+        "final_loss": round(final_loss, 4) if final_loss is not None else None,
         "tau_untrained": evaluation["tau_untrained"], "tau_final": evaluation["tau_final"],
         "eval_prompts": len(prompts), "draft_layers": settings.draft_layers,
         "block_size": settings.block_size, "target_layers": trainer.target.layers,
@@ -718,7 +763,10 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         raise ContractError("the train contract failed:\n  - " + "\n  - ".join(problems),
                             {"problems": problems})
     write_json_atomic(partial / "stats.json", doc)
-    return doc, {"steps_per_s": round(trained / seconds, 3) if seconds and trained else None}
+    # how much of the training this process did is the run's record (the manifest), not data
+    doc["total"]["steps_this_run"] = trained
+    return doc, {"steps_per_s": round(trained / seconds, 3) if seconds and trained else None,
+                 "steps_this_run": trained}
 
 
 def main(argv: list[str] | None = None) -> int:
