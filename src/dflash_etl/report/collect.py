@@ -65,7 +65,10 @@ def quarantine_examples(path: Path) -> list[dict[str, Any]]:
     """The most common quarantine reasons, each with a count and a few example rows."""
     if not path.exists():
         return []
-    frame = pl.read_parquet(path)
+    try:
+        frame = pl.read_parquet(path)
+    except Exception:  # a failed stage's partial file, cut by a kill: nothing to show from it
+        return []
     if frame.height == 0 or "reason" not in frame.columns:
         return []
     counts = frame.group_by("reason").len().sort(["len", "reason"], descending=[True, False])
