@@ -765,12 +765,18 @@ class _Cache:
 
 def _generate_round(pending: list[tuple[str, list[dict[str, Any]], Any]], backend: Backend,
                     cache: _Cache, settings: RegenerateSettings, bar: Any) -> None:
-    """Generate every (key, messages, tools) not in the cache, in batches."""
-    todo = [p for p in pending if p[0] not in cache.entries]
+    """Generate every (key, messages, tools) not in the cache, in batches; a key pending twice
+    (two conversations with the same history so far) is generated once, so the cache holds one
+    line per key however the run was interrupted and resumed."""
+    todo: dict[str, tuple[str, list[dict[str, Any]], Any]] = {}
+    for p in pending:
+        if p[0] not in cache.entries:
+            todo.setdefault(p[0], p)  # the first of each key, in pending order
     bar.advance(len(pending) - len(todo))
     size = getattr(backend, "batch_hint", settings.batch_size)
-    for start in range(0, len(todo), size):
-        batch = todo[start:start + size]
+    work = list(todo.values())
+    for start in range(0, len(work), size):
+        batch = work[start:start + size]
         replies = backend.generate([(messages, tools) for _, messages, tools in batch])
         cache.add([{"key": key, **asdict(reply)}
                    for (key, _, _), reply in zip(batch, replies, strict=True)])
