@@ -65,9 +65,25 @@ def list_files(directory: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, never part of it (a temporary file renamed)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory so that a kill in the middle never leaves part of it under its name:
+    renamed to a hidden name first, then deleted."""
+    if not path.exists():
+        return
+    doomed = path.with_name(f".{path.name}.del.tmp")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 class RunDir:
