@@ -1,15 +1,5 @@
-"""Two runs of the same config give byte-identical data files, wherever the run directory is.
-
-Not data, and so not compared byte for byte:
-- manifest.json: when each stage started and finished, its seconds and train's steps/s, the
-  package versions; the run's record, not its output.
-- docs/: the HTML report, built from the manifest (timings, the run directory's path).
-- <stage>/validation.json: the great_expectations result of the stage's suite, which records the
-  suite's seconds, great_expectations' own batch load time (batch_markers.ge_load_time) and the
-  directory validated. It is compared without those.
-- <stage>/files.json: the list of the published files with their sizes and hashes; it lists
-  validation.json too, so it is compared without that entry.
-"""
+"""Two runs of the same config give byte-identical data files, wherever the run directory is
+(what is not data: see run_compare)."""
 
 from __future__ import annotations
 
@@ -23,50 +13,12 @@ import pytest
 
 from dflash_etl.io.torch_pickle import save_plain_dict
 
+try:
+    from tests.run_compare import differing_files
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from run_compare import differing_files
+
 REPO = Path(__file__).resolve().parents[1]
-
-NOT_DATA = ("manifest.json", "docs/")
-REPORTS = ("validation.json",)
-# what differs between two validations of the same data (see test_suites' VARYING)
-VARYING = {"seconds", "stage_dir", "run_id", "run_time", "validation_time", "batch_id",
-           "active_batch_id", "checkpoint_id", "batch_spec", "batch_markers"}
-
-
-def _files(run: Path) -> set[str]:
-    return {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
-
-
-def _without_varying(value):
-    if isinstance(value, dict):
-        return {k: _without_varying(v) for k, v in value.items() if k not in VARYING}
-    if isinstance(value, list):
-        return [_without_varying(v) for v in value]
-    return value
-
-
-def differing_files(a: Path, b: Path) -> list[str]:
-    """The files under run `a` and run `b` that are not the same (present in one only, or with
-    other bytes; reports without their timings), manifest and docs aside."""
-    names = {n for n in _files(a) | _files(b) if not n.startswith(NOT_DATA)}
-    out = []
-    for name in sorted(names):
-        fa, fb = a / name, b / name
-        if not (fa.is_file() and fb.is_file()):
-            out.append(f"{name} (only in {'the first' if fa.is_file() else 'the second'} run)")
-        elif Path(name).name == "files.json":
-            def listing(path: Path) -> dict:
-                return {k: v for k, v in json.loads(path.read_text()).items()
-                        if Path(k).name not in REPORTS}
-
-            if listing(fa) != listing(fb):
-                out.append(name)
-        elif Path(name).name in REPORTS:
-            if _without_varying(json.loads(fa.read_text())) != _without_varying(
-                    json.loads(fb.read_text())):
-                out.append(name)
-        elif fa.read_bytes() != fb.read_bytes():
-            out.append(name)
-    return out
 
 
 @pytest.mark.slow
