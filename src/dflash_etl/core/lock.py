@@ -3,9 +3,10 @@
 `<run>/.lock` is held with flock(2) for as long as a stage runs: the kernel releases it when the
 holder dies however it dies (SIGKILL, OOM), so a stale lock is never mistaken for a live one. The
 file also says who holds it (pid, host, stage), so the second process can name the holder.
-Locks are re-entrant within a process: `dflash-etl run` holds it across its stages. Forked children
-(the local executor's workers) close their copy of the descriptor, so they never keep the lock
-after the holder died. The record is padded to RESERVE_BYTES: on a full disk the holder gives
+Locks are re-entrant within a process: `dflash-etl run` holds it across its stages, and its first
+stage is told about a holder that died before (the outer taker found its record). Forked
+children (the local executor's workers) close their copy of the descriptor, so they never keep
+the lock after the holder died. The record is padded to RESERVE_BYTES: on a full disk the holder gives
 that space back (`free_reserve`) so the failure can still be written to the manifest.
 """
 
@@ -59,7 +60,8 @@ def _holder(path: Path) -> dict[str, Any]:
 
 @contextmanager
 def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None]:
-    """Hold `<run>/.lock` for the block; yields the stale holder's record it took over, if any."""
+    """Hold `<run>/.lock` for the block; yields the stale holder's record it took over, if any
+    (to the outermost holder in this process, and once more to the first re-entry)."""
     root = Path(run_root)
     root.mkdir(parents=True, exist_ok=True)
     path = root / ".lock"
@@ -71,9 +73,11 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
             reentered = True
         else:
             reentered = False
-    if reentered:  # the outer holder (e.g. `dflash-etl run`) took over any dead holder's record
+    if reentered:  # the first stage inside `dflash-etl run` is told about a dead holder
+        with _GUARD:
+            stale = _STALE.pop(key, None)
         try:
-            yield _STALE.get(key)
+            yield stale
         finally:
             with _GUARD:
                 fd, depth = _HELD[key]
@@ -138,6 +142,17 @@ def free_reserve(run_root: str | Path) -> None:
     fd = held[0]
     with contextlib.suppress(OSError):
         os.ftruncate(fd, len(os.pread(fd, RESERVE_BYTES, 0).rstrip()))
+
+
+def _write_record(fd: int, stage: str) -> None:
+    """Overwrite the holder's record; never empty meanwhile (empty means: nobody holds it, so a
+    kill between a truncate and the write would hide a dead holder from the next one)."""
+    from dflash_etl.core.rundir import now
+
+    data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
+                       "since": now()}).encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
 
 
 def set_lock_stage(run_root: str | Path, stage: str) -> None:

@@ -58,7 +58,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     with lock as stale:
         if rank == 0:
             set_lock_stage(run.root, stage.name)  # `dflash-etl run` holds it across stages
-        if stale and stale.get("stage"):
+        if stale:
             _mark_interrupted(run, stale)
         timer = Timer()
         begun = False
@@ -116,14 +116,15 @@ def _publish_docs(run: RunDir) -> None:
 
 
 def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
-    """A holder that died (SIGKILL, OOM) left its stage `running`: say what happened."""
-    stage = stale["stage"]
-    info = run.manifest().get("stages", {}).get(stage, {})
-    if info.get("status") == "running":
-        message = (f"the process running it (pid {stale.get('pid')} on {stale.get('host')}) "
-                   "died before it finished; its completed work is kept and a rerun resumes it")
-        run.fail(stage, message)
-        _say(f"{stage}: {message}")
+    """A holder that died (SIGKILL, OOM) left its stage `running`: say what happened. Every
+    stage still `running` is its (the record names `run` under `dflash-etl run`, or the stage it
+    was on when it died; we hold the lock now, so no other process runs one)."""
+    for stage, info in run.manifest().get("stages", {}).items():
+        if info.get("status") == "running":
+            message = (f"the process running it (pid {stale.get('pid')} on {stale.get('host')}) "
+                       "died before it finished; its completed work is kept and a rerun resumes it")
+            run.fail(stage, message)
+            _say(f"{stage}: {message}")
 
 
 def describe_error(exc: BaseException, stage: str) -> StageError | BaseException:
