@@ -47,6 +47,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+FINGERPRINT = "FINGERPRINT"  # in a partial directory: the inputs its work is for
 FILES_JSON = "files.json"  # in each published output: every file's size (and sha256 if small)
 HASHED_MAX_BYTES = 16 * 2**20
 
@@ -75,15 +76,30 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+TEMPORARY_SUFFIX = ".tmp"  # a file or folder being written, renamed to its real name when whole
+
+
 def remove_tree(path: Path) -> None:
     """Delete a directory so that a kill in the middle never leaves part of it under its name:
-    renamed to a hidden name first, then deleted."""
+    renamed to a *.tmp name first (which `drop_temporaries` removes), then deleted."""
     if not path.exists():
         return
-    doomed = path.with_name(f".{path.name}.del.tmp")
+    doomed = path.with_name(f".{path.name}.del{TEMPORARY_SUFFIX}")
     shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def drop_temporaries(directory: Path) -> None:
+    """Remove what a killed process left half written below `directory`: every file or folder
+    named *.tmp (the convention of every writer here: write `X.tmp`, rename it to `X`)."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.rglob(f"*{TEMPORARY_SUFFIX}"), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 class RunDir:
@@ -119,16 +135,6 @@ class RunDir:
     def partial_dir(self, stage: str) -> Path:
         return self.root / f".{stage}.partial"
 
-    def old_dir(self, stage: str) -> Path:
-        return self.root / f".{stage}.old"
-
-    def recover(self, stage: str) -> None:
-        """A commit cut short between its two renames (a crash, a failed rename) left the old
-        output at `.<stage>.old` and none at `<stage>/`: put it back."""
-        old, final = self.old_dir(stage), self.stage_dir(stage)
-        if old.is_dir() and not final.exists():
-            os.replace(old, final)
-
     def is_complete(self, stage: str, fingerprint: str) -> bool:
         info = self.manifest().get("stages", {}).get(stage, {})
         return (
@@ -154,13 +160,16 @@ class RunDir:
         return doc
 
     def begin(self, stage: str, fingerprint: str) -> Path:
-        """A partial directory to write into; kept (for resume) when its fingerprint matches."""
+        """A partial directory to write into; kept (for resume) when its fingerprint matches.
+        What a killed writer left half written in it (*.tmp) is removed."""
         partial = self.partial_dir(stage)
-        marker = partial / "FINGERPRINT"
+        marker = partial / FINGERPRINT
         if partial.exists() and (not marker.exists() or marker.read_text() != fingerprint):
             shutil.rmtree(partial)
         partial.mkdir(parents=True, exist_ok=True)
-        marker.write_text(fingerprint)
+        drop_temporaries(partial)
+        if not marker.exists():  # never rewritten in place: a kill then would lose the partial
+            write_text_atomic(marker, fingerprint)
         self.update_stage(stage, status="running", fingerprint=fingerprint, started_at=now())
         return partial
 
@@ -169,30 +178,75 @@ class RunDir:
         """Publish the partial directory as the stage output and mark it complete. The old output
         is renamed away before the new one is renamed in, so `<stage>/` is never half deleted.
         Timings (`seconds`, and e.g. train's `steps_per_s`) are kept here, in the manifest, never
-        in the stage's files: two runs of the same inputs give byte-identical data files."""
+        in the stage's files: two runs of the same inputs give byte-identical data files.
+
+        A kill at any moment leaves a state `recover` finishes: the manifest says `publishing`,
+        with the listing's hash, before anything is renamed, and `complete` after."""
         partial, final = self.partial_dir(stage), self.stage_dir(stage)
-        (partial / "FINGERPRINT").unlink(missing_ok=True)
-        listing = list_files(partial)
+        drop_temporaries(partial)
+        listing = {rel: entry for rel, entry in list_files(partial).items() if rel != FINGERPRINT}
         write_json_atomic(partial / FILES_JSON, listing)
-        old = self.old_dir(stage)
-        self.recover(stage)
-        if old.exists():
-            shutil.rmtree(old)
-        if final.exists():
-            os.replace(final, old)
-        try:
-            os.replace(partial, final)
-        except BaseException:
-            self.recover(stage)  # the old output back in place, never neither
-            raise
         self.update_stage(
-            stage, status="complete", finished_at=now(), seconds=round(seconds, 3), **timings,
+            stage, status="publishing", finished_at=now(), seconds=round(seconds, 3), **timings,
             counts=summary,
             files={"count": len(listing), "bytes": sum(e["size"] for e in listing.values()),
-                   "listing_sha256": sha256_file(final / FILES_JSON)}, error=None,
+                   "listing_sha256": sha256_file(partial / FILES_JSON)}, error=None,
         )
-        shutil.rmtree(old, ignore_errors=True)
+        self._publish(stage)
         return final
+
+    def old_dir(self, stage: str) -> Path:
+        return self.root / f".{stage}.old"
+
+    def _publish(self, stage: str) -> None:
+        """The renames of a commit the manifest records as `publishing`; each step can be
+        repeated after a kill."""
+        partial, final, old = self.partial_dir(stage), self.stage_dir(stage), self.old_dir(stage)
+        if partial.is_dir():  # not yet renamed in
+            (partial / FINGERPRINT).unlink(missing_ok=True)
+            if final.exists():
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(final, old)
+            try:
+                os.replace(partial, final)
+            except BaseException:
+                self._restore_old(stage)  # the old output back in place, never neither
+                raise
+        self.update_stage(stage, status="complete")
+        shutil.rmtree(old, ignore_errors=True)
+
+    def recover(self, stage: str) -> str | None:
+        """Finish what a process killed in `commit` left: a stage the manifest says is
+        `publishing` whose verified listing is in the partial directory (not yet renamed in) or
+        already in `<stage>/` is published and marked complete; otherwise a leftover
+        `.<stage>.old` is put back where no output is, or removed. Returns what was done (for the user), or None."""
+        info = self.manifest().get("stages", {}).get(stage, {})
+        partial, final, old = self.partial_dir(stage), self.stage_dir(stage), self.old_dir(stage)
+        done = None
+        if info.get("status") == "publishing":
+            want = (info.get("files") or {}).get("listing_sha256")
+            for where in (partial, final):
+                listing = where / FILES_JSON
+                if where.is_dir() and listing.is_file() and sha256_file(listing) == want:
+                    self._publish(stage)
+                    done = (f"{stage}: finished publishing the output an interrupted run had "
+                            "completed")
+                    break
+        if old.exists() and self.manifest().get("stages", {}).get(stage, {}).get(
+                "status") != "publishing":
+            if not self._restore_old(stage):
+                shutil.rmtree(old, ignore_errors=True)
+        return done
+
+    def _restore_old(self, stage: str) -> bool:
+        """A commit whose second rename failed left the old output at `.<stage>.old` and none at
+        `<stage>/`: put it back (True when it did)."""
+        old, final = self.old_dir(stage), self.stage_dir(stage)
+        if old.is_dir() and not final.exists():
+            os.replace(old, final)
+            return True
+        return False
 
     def changed_files(self, stage: str) -> list[str]:
         """What differs between the published output and what was published (missing, resized,

@@ -64,7 +64,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         begun = False
         try:
             if rank == 0:
-                run.recover(stage.name)  # a commit cut between its renames: the old output back
+                _recover(run, stage.name)
             ctx.settings = stage.make_settings(config, run.root, overrides)
             ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
             if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
@@ -113,6 +113,16 @@ def _publish_docs(run: RunDir) -> None:
     from dflash_etl.report import publish_docs
 
     publish_docs(run.root)
+
+
+def _recover(run: RunDir, name: str) -> None:
+    """Finish the publishing a killed process left half done: this stage's, and any other's
+    (a later stage reads its inputs' status)."""
+    stages = run.manifest().get("stages", {})
+    for other in [s for s, info in stages.items() if info.get("status") == "publishing"
+                  and s != name] + [name]:
+        if recovered := run.recover(other):
+            _say(recovered)
 
 
 def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
