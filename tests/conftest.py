@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,8 @@ def _start_default_run() -> None:
 
 
 def _uses_default_run(item: pytest.Item) -> bool:
-    return "default_cli_run" in getattr(item, "fixturenames", ())
+    names = getattr(item, "fixturenames", ())
+    return "default_cli_run" in names or "default_run_dir_later" in names
 
 
 def _in_browser_module(item: pytest.Item) -> bool:
@@ -138,6 +140,13 @@ def default_run_dir(default_cli_run) -> Path:
     cwd, result = default_cli_run
     assert result.returncode == 0, result.stderr[-3000:]
     return cwd / "runs" / "default"
+
+
+@pytest.fixture
+def default_run_dir_later(request) -> Callable[[], Path]:
+    """default_run_dir, waited for only when the test calls it: a test with slow work of its own
+    (test_kill_resume's interrupted runs) does it while the background run goes on."""
+    return lambda: request.getfixturevalue("default_run_dir")
 
 
 @pytest.fixture(scope="session")
