@@ -6,8 +6,9 @@ file also says who holds it (pid, host, stage), so the second process can name t
 Locks are re-entrant within a process: `dflash-etl run` holds it across its stages, and its first
 stage is told about a holder that died before (the outer taker found its record). Forked
 children (the local executor's workers) close their copy of the descriptor, so they never keep
-the lock after the holder died. The record is padded to RESERVE_BYTES: on a full disk the holder gives
-that space back (`free_reserve`) so the failure can still be written to the manifest.
+the lock after the holder died. The record is padded to RESERVE_BYTES: on a full disk the
+holder gives that space back (`free_reserve`) so the failure can still be written to the
+manifest.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
 def _write_record(fd: int, stage: str) -> None:
     """Who holds the lock, padded with whitespace (still JSON) to RESERVE_BYTES; written in
     place, so an update needs no new space. On a disk too full for the padding, the record
-    alone; too full for that, none (the refusal then names no holder)."""
+    alone; too full for that, none (the refusal then names no holder). Never empty meanwhile:
+    empty means nobody holds it, so a kill there would hide a dead holder from the next one."""
     from dflash_etl.core.rundir import now
 
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
@@ -127,8 +129,8 @@ def _write_record(fd: int, stage: str) -> None:
         os.pwrite(fd, record.ljust(RESERVE_BYTES), 0)
     except OSError:
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
             os.pwrite(fd, record, 0)
+            os.ftruncate(fd, len(record))
 
 
 def free_reserve(run_root: str | Path) -> None:
@@ -142,17 +144,6 @@ def free_reserve(run_root: str | Path) -> None:
     fd = held[0]
     with contextlib.suppress(OSError):
         os.ftruncate(fd, len(os.pread(fd, RESERVE_BYTES, 0).rstrip()))
-
-
-def _write_record(fd: int, stage: str) -> None:
-    """Overwrite the holder's record; never empty meanwhile (empty means: nobody holds it, so a
-    kill between a truncate and the write would hide a dead holder from the next one)."""
-    from dflash_etl.core.rundir import now
-
-    data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
-                       "since": now()}).encode()
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
 
 
 def set_lock_stage(run_root: str | Path, stage: str) -> None:

@@ -220,7 +220,8 @@ class RunDir:
         """Finish what a process killed in `commit` left: a stage the manifest says is
         `publishing` whose verified listing is in the partial directory (not yet renamed in) or
         already in `<stage>/` is published and marked complete; otherwise a leftover
-        `.<stage>.old` is put back where no output is, or removed. Returns what was done (for the user), or None."""
+        `.<stage>.old` is put back where no output is, or removed. Returns what was done (for
+        the user), or None."""
         info = self.manifest().get("stages", {}).get(stage, {})
         partial, final, old = self.partial_dir(stage), self.stage_dir(stage), self.old_dir(stage)
         done = None
@@ -233,10 +234,9 @@ class RunDir:
                     done = (f"{stage}: finished publishing the output an interrupted run had "
                             "completed")
                     break
-        if old.exists() and self.manifest().get("stages", {}).get(stage, {}).get(
-                "status") != "publishing":
-            if not self._restore_old(stage):
-                shutil.rmtree(old, ignore_errors=True)
+        status = self.manifest().get("stages", {}).get(stage, {}).get("status")
+        if old.exists() and status != "publishing" and not self._restore_old(stage):
+            shutil.rmtree(old, ignore_errors=True)
         return done
 
     def _restore_old(self, stage: str) -> bool:
