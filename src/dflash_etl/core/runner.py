@@ -69,7 +69,10 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
             if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
                                                           say=_say)):
-                return done
+                why = stage.redo_complete(ctx, done)
+                if why is None:
+                    return done
+                _say(f"{stage.name}: {why}")
             if rank == 0:
                 ctx.partial = run.begin(stage.name, ctx.fingerprint)
             else:

@@ -63,6 +63,11 @@ class Stage:
         covers (settings, input hashes, model identity)."""
         raise NotImplementedError
 
+    def redo_complete(self, ctx: StageContext, done: dict[str, Any]) -> str | None:
+        """Why a stage already complete for these inputs (`done`: its stats) runs again, or
+        None (it is skipped): e.g. rows whose generation failed on a server, worth retrying."""
+        return None
+
     def begin(self, ctx: StageContext) -> None:
         """The partial directory exists (and may hold an interrupted run's work)."""
 

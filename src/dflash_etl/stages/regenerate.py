@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -58,6 +59,7 @@ Q_EMPTY_RESPONSE = "empty_response"
 Q_DUMMY_REPLY = "dummy_reply"
 Q_REASONING_LEAK = "reasoning_in_content"
 Q_GENERATION_FAILED = "generation_failed"  # the template refused, or the server failed
+Q_DEGENERATE = "degenerate_repetition"  # a reply stuck in a loop (greedy decoding's failure)
 F_TRUNCATED = "truncated_response"
 F_TOOL_CALLS = "tool_call_turns"  # mode=all cannot re-run tools, so those rows keep nothing
 
@@ -69,10 +71,17 @@ GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
 # where and how the openai backend reaches its servers: not what it generates, so changing them
 # (another fleet, more concurrency) keeps a run's fingerprint, and an interrupted run's cache
 TRANSPORT_SETTINGS = ("endpoint", "endpoints", "concurrency", "timeout_s", "retries",
-                      "cooldown_s")
+                      "cooldown_s", "request_deadline_s", "retry_failed")
 
 THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
 DUMMY_MAX_CHARS = 40
+NGRAM_N = 4  # word n-grams of the repetition check
+NGRAM_MIN_WORDS = 40  # shorter replies are not judged by their n-grams
+# the openai backend reads at most this much of one reply: a server that sends more is broken
+REPLY_BYTES_PER_TOKEN = 256  # a JSON body: content and reasoning, escaped, with margin
+STREAM_BYTES_PER_CHUNK = 2048  # an SSE chunk carries about one token, plus its JSON envelope
+REPLY_BYTES_BASE = 65536
+EXCERPT_CHARS = 300  # of a server's text in an error message
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,13 @@ class RegenerateSettings:
     served_model: str | None = setting(None, help="openai backend: model name (default: the "
                                                   "first the server lists)")
     concurrency: int = setting(8, min=1, help="openai backend: requests in flight per server")
-    timeout_s: float = setting(120.0, above=0, help="openai backend: seconds per request")
+    timeout_s: float = setting(120.0, above=0, help="openai backend: seconds each read (and "
+                                                    "the connect) may wait")
+    # bounds a trickling (slow-loris) or endless reply, which per-read timeouts never end
+    request_deadline_s: float = setting(600.0, above=0,
+                                        help="openai backend: seconds one attempt may take in "
+                                             "all (connect, first byte and the whole reply); "
+                                             "past it the attempt is cut and retried")
     # on timeouts, connection errors, 429 and 5xx, with exponential backoff
     retries: int = setting(3, min=0, help="openai backend: retries on timeouts, connection "
                                           "errors, 429 and 5xx")
@@ -116,6 +131,19 @@ class RegenerateSettings:
     # several endpoints: a failed server's rest before its probe
     cooldown_s: float = setting(10.0, help="openai backend, several endpoints: how long a "
                                            "failed server sits out before its probe")
+    retry_failed: bool = setting(True, help="openai backend: a rerun of a complete stage that "
+                                            "has generation_failed rows retries them (the "
+                                            "cached replies are reused); off: it is skipped")
+    # degenerate repetition: a reply whose tail is one short cycle, or mostly repeated n-grams
+    repeat_tail_chars: int = setting(100, min=0,
+                                     help="a reply whose last this many characters repeat one "
+                                          "cycle of at most --repeat-max-cycle characters is "
+                                          "degenerate_repetition (0: off)")
+    repeat_max_cycle: int = setting(16, min=1, help="the longest cycle the tail check looks for")
+    ngram_repeat_max: float = setting(0.6, min=0, max=1,
+                                      help=f"a reply of {NGRAM_MIN_WORDS}+ words whose "
+                                           f"{NGRAM_N}-word sequences are repeats at more than "
+                                           "this fraction is degenerate_repetition (1: off)")
 
     def __post_init__(self) -> None:
         endpoints = self.endpoints or ()
@@ -189,11 +217,40 @@ def reply_parts(reply: Reply) -> tuple[str, str | None]:
     return content, reply.reasoning.strip() if reply.reasoning else reasoning
 
 
+def repetition(text: str, settings: RegenerateSettings) -> str | None:
+    """Why `text` is stuck in a loop, or None: its tail repeats one short cycle
+    (`linlinlin`), or most of its word n-grams are repeats (a sentence said over and over)."""
+    text = text.rstrip()
+    size = settings.repeat_tail_chars
+    if size and len(text) >= size:
+        tail = text[-size:]
+        for p in range(1, min(settings.repeat_max_cycle, size // 2) + 1):
+            if tail[p:] == tail[:-p]:  # periodic with period p
+                return (f"degenerate repetition: its last {size} characters repeat the "
+                        f"{p}-character cycle {tail[-p:]!r}: ...{tail[-60:]!r}")
+    words = text.split()
+    if settings.ngram_repeat_max < 1 and len(words) >= NGRAM_MIN_WORDS:
+        grams = Counter(tuple(words[k:k + NGRAM_N]) for k in range(len(words) - NGRAM_N + 1))
+        total = sum(grams.values())
+        repeated = 1 - len(grams) / total
+        if repeated > settings.ngram_repeat_max:
+            top = " ".join(grams.most_common(1)[0][0])
+            return (f"degenerate repetition: {repeated:.0%} of its {total} {NGRAM_N}-word "
+                    f"sequences are repeats (ngram_repeat_max={settings.ngram_repeat_max:g}); "
+                    f"most common {top!r}: {text[:80]!r}...")
+    return None
+
+
 def check_reply(reply: Reply, settings: RegenerateSettings) -> tuple[str, str, str] | None:
-    """(kind, code, message) when a reply must not be kept; kind is quarantine or filter."""
+    """(kind, code, message) when a reply must not be kept; kind is quarantine or filter. A loop
+    is told before truncation: a looping reply usually runs to max_new_tokens, and the loop is
+    the news."""
     if reply.error:
         return ("quarantine", Q_GENERATION_FAILED, reply.error)
     content, reasoning = reply_parts(reply)
+    for part in (content, reasoning or ""):
+        if loop := repetition(part, settings):
+            return ("quarantine", Q_DEGENERATE, loop)
     if reply.finish_reason == "length" and not settings.keep_truncated:
         return ("filter", F_TRUNCATED,
                 f"stopped at max_new_tokens={settings.max_new_tokens} before the end of turn")
@@ -503,7 +560,11 @@ class OpenAIBackend:
 
             async def one(request: Request) -> Reply:
                 async with gate:
-                    return await self._dispatch(client, changed, self.payload(*request))
+                    try:
+                        return await self._dispatch(client, changed, self.payload(*request))
+                    except Exception as exc:  # one request never takes its batch down
+                        return Reply("", "", 0, error=f"the openai client failed on this "
+                                     f"request: {type(exc).__name__}: {exc}")
 
             try:
                 return list(await asyncio.gather(*(one(r) for r in requests)))
@@ -641,71 +702,177 @@ class OpenAIBackend:
     async def _request(self, client: Any, base: str,
                        body: dict[str, Any]) -> tuple[Reply | None, str]:
         """(reply, "") — a reply, or the request's own error (HTTP 4xx: no other server would
-        take it) — or (None, problem) when the server failed it after its retries. In a fleet a
-        refused connection fails over at once: nothing listens there."""
+        take it) — or (None, problem) when the server failed it after its retries: timeouts,
+        connection errors, 429 and 5xx, a reply past `request_deadline_s` or past the size
+        derived from max_new_tokens, and malformed replies (not JSON, no choices, a broken
+        stream). In a fleet a refused connection fails over at once: nothing listens there."""
         import asyncio
 
         url = f"{base}/chat/completions"
+        deadline = self.settings.request_deadline_s
         problem = ""
         for attempt in range(self.settings.retries + 1):
             if attempt:
                 self.retried += 1
                 await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
             try:
-                if body["stream"]:
-                    return await self._streamed(client, url, body), ""
-                response = await client.post(url, json=body)
-                if response.status_code == 429 or response.status_code >= 500:
-                    problem = f"HTTP {response.status_code}: {response.text[:300]}"
-                    continue
-                if response.status_code >= 400:  # the request itself is wrong: no retry
-                    return Reply("", "", 0, error=f"{url} refused the request: HTTP "
-                                 f"{response.status_code}: {response.text[:500]}"), ""
-                return _reply_from_completion(response.json()), ""
+                async with asyncio.timeout(deadline):
+                    return await self._attempt(client, url, body), ""
             except _Retry as exc:
                 problem = str(exc)
+            except TimeoutError:
+                problem = (f"no complete reply within request_deadline_s={deadline:g} s "
+                           "(connect, first byte and the whole reply)")
             except (self.httpx.TimeoutException, self.httpx.TransportError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
                 if self.fleet and isinstance(exc, self.httpx.ConnectError):
                     return None, f"{url}: {problem}"
+            except self.httpx.HTTPError as exc:  # decoding, protocol: the reply is unusable
+                problem = f"{type(exc).__name__}: {exc}"
         return None, (f"{url} failed after {self.settings.retries + 1} attempts; "
                       f"last: {problem}")
 
-    async def _streamed(self, client: Any, url: str, body: dict[str, Any]) -> Reply:
-        content, reasoning, finish, chunks = [], [], "", 0
+    async def _attempt(self, client: Any, url: str, body: dict[str, Any]) -> Reply:
+        """One request; raises _Retry for a failure worth retrying."""
         async with client.stream("POST", url, json=body) as response:
-            if response.status_code == 429 or response.status_code >= 500:
-                raise _Retry(f"HTTP {response.status_code}")
-            if response.status_code >= 400:
-                await response.aread()
-                return Reply("", "", 0, error=f"{url} refused the request: HTTP "
-                             f"{response.status_code}: {response.text[:500]}")
-            async for line in response.aiter_lines():
+            status = response.status_code
+            if status == 200 and body["stream"]:
+                return await self._streamed(response)
+            text = (await _read_capped(response, self._byte_cap(False), self.settings)
+                    ).decode("utf-8", "replace")
+        if status == 429 or status >= 500:
+            raise _Retry(f"HTTP {status}: {_excerpt(text)}")
+        if status >= 400:  # the request itself is wrong: no retry
+            return Reply("", "", 0, error=f"{url} refused the request: HTTP {status}: "
+                         f"{_excerpt(text, 500)}")
+        if status != 200:
+            raise _Retry(f"HTTP {status} is not a reply: {_excerpt(text)}")
+        return _reply_from_completion(text)
+
+    def _byte_cap(self, stream: bool) -> int:
+        per = STREAM_BYTES_PER_CHUNK if stream else REPLY_BYTES_PER_TOKEN
+        return REPLY_BYTES_BASE + per * self._chunk_cap()
+
+    def _chunk_cap(self) -> int:
+        return 2 * self.settings.max_new_tokens + 16
+
+    async def _streamed(self, response: Any) -> Reply:
+        """An SSE stream read to its [DONE] (or finish_reason), within caps on its chunks and
+        bytes; anything else (a chunk that is not JSON, an error event, a stream that stops
+        early or never) raises _Retry with what the server sent."""
+        content, reasoning, finish, chunks, done = [], [], "", 0, False
+        other: list[str] = []  # lines that are not events (an HTML page), for the message
+        cap, chunk_cap, size, buffer = self._byte_cap(True), self._chunk_cap(), 0, b""
+        async for piece in response.aiter_bytes():
+            size += len(piece)
+            if size > cap:
+                raise _Retry(f"the stream passed {cap} bytes without ending (the cap from "
+                             f"max_new_tokens={self.settings.max_new_tokens}, with margin)")
+            *lines, buffer = (buffer + piece).split(b"\n")
+            for raw in lines:
+                line = raw.decode("utf-8", "replace").strip()
                 if not line.startswith("data:"):
+                    if line and sum(map(len, other)) < EXCERPT_CHARS:
+                        other.append(line)
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
-                choice = json.loads(data)["choices"][0]
+                choice = _stream_choice(data)
+                if choice is None:  # a chunk without choices (usage): nothing to add
+                    continue
                 delta = choice.get("delta") or {}
-                content.append(delta.get("content") or "")
-                reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
-                finish = choice.get("finish_reason") or finish
+                if not isinstance(delta, dict):
+                    raise _Retry(f"a broken stream chunk (delta is not an object): "
+                                 f"{_excerpt(data)}")
+                content.append(_text(delta.get("content"), data))
+                reasoning.append(_text(delta.get("reasoning_content")
+                                       or delta.get("reasoning"), data))
+                finish = _text(choice.get("finish_reason"), data) or finish
                 chunks += 1
+                if chunks > chunk_cap:
+                    raise _Retry(f"the stream passed {chunk_cap} chunks without ending (the cap "
+                                 f"from max_new_tokens={self.settings.max_new_tokens}, with "
+                                 "margin)")
+            if done:
+                break
+        if not done and not finish:
+            sent = " ".join([*other, buffer.decode("utf-8", "replace")]).strip()
+            raise _Retry("the stream ended before [DONE] or a finish_reason after "
+                         f"{chunks} chunks" + (f"; the server sent: {_excerpt(sent)}"
+                                              if sent else ""))
         return Reply("".join(content), finish or "stop", chunks, "".join(reasoning) or None)
 
 
 class _Retry(Exception):
-    """A streamed response that failed in a way worth retrying."""
+    """A reply that failed in a way worth retrying (the message says how)."""
 
 
-def _reply_from_completion(data: dict[str, Any]) -> Reply:
-    choice = data["choices"][0]
-    message = choice.get("message") or {}
-    usage = data.get("usage") or {}
-    return Reply(message.get("content") or "", choice.get("finish_reason") or "stop",
-                 int(usage.get("completion_tokens") or 0),
-                 message.get("reasoning_content") or message.get("reasoning"))
+async def _read_capped(response: Any, cap: int, settings: RegenerateSettings) -> bytes:
+    """A response body, or _Retry when it runs past `cap` bytes (an endless body)."""
+    parts, size = [], 0
+    async for piece in response.aiter_bytes():
+        size += len(piece)
+        if size > cap:
+            raise _Retry(f"the reply passed {cap} bytes without ending (the cap from "
+                         f"max_new_tokens={settings.max_new_tokens}, with margin)")
+        parts.append(piece)
+    return b"".join(parts)
+
+
+def _excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """A server's text for a message: whitespace collapsed, cut at `limit`."""
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= limit else flat[:limit] + f"... ({len(text)} chars)")
+
+
+def _text(value: Any, data: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _Retry(f"a malformed reply (text that is not a string): {_excerpt(data)}")
+    return value
+
+
+def _stream_choice(data: str) -> dict[str, Any] | None:
+    """The first choice of one SSE chunk; None for a chunk without choices (a usage chunk)."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise _Retry(f"a broken stream chunk (not JSON): {_excerpt(data)}") from None
+    if not isinstance(chunk, dict):
+        raise _Retry(f"a broken stream chunk (not an object): {_excerpt(data)}")
+    if "error" in chunk:
+        raise _Retry(f"the server reported an error mid-stream: {_excerpt(data)}")
+    choices = chunk.get("choices")
+    if not choices:
+        return None
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        raise _Retry(f"a broken stream chunk (choices): {_excerpt(data)}")
+    return choices[0]
+
+
+def _reply_from_completion(text: str) -> Reply:
+    """A chat-completion body; anything malformed raises _Retry with the body's excerpt."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise _Retry(f"a malformed reply (HTTP 200, not JSON): {_excerpt(text)}") from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise _Retry(f"a malformed reply (HTTP 200, no choices): {_excerpt(text)}")
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict | None):
+        raise _Retry(f"a malformed reply (HTTP 200, choices[0].message): {_excerpt(text)}")
+    message = message or {}
+    usage = data.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return Reply(_text(message.get("content"), text), _text(choice.get("finish_reason"), text)
+                 or "stop", tokens if isinstance(tokens, int) else 0,
+                 _text(message.get("reasoning_content") or message.get("reasoning"), text)
+                 or None)
 
 
 # ---------------------------------------------------------------- shell
@@ -888,7 +1055,21 @@ class RegenerateStage(Stage):
                 "model": backend.model_id,
                 "inputs": [sha256_file(f) for f in files]}
 
+    def redo_complete(self, ctx: StageContext, done: dict[str, Any]) -> str | None:
+        """A complete stage with rows the servers failed runs again (retry_failed): the replies
+        it cached are reused, so only the failed rows are requested."""
+        settings: RegenerateSettings = ctx.settings
+        failed = done["total"].get("quarantine_reasons", {}).get(Q_GENERATION_FAILED, 0)
+        if not (settings.retry_failed and settings.backend == "openai" and failed):
+            return None
+        ctx.state["reuse"] = ctx.run.stage_dir(STAGE) / "generations.jsonl"
+        return (f"{failed} rows failed to generate last time: retrying them (the cached "
+                "replies are reused; retry_failed = false skips a complete stage)")
+
     def begin(self, ctx: StageContext) -> None:
+        cache, reuse = ctx.partial / "generations.jsonl", ctx.state.get("reuse")
+        if reuse and reuse.exists() and not cache.exists():
+            shutil.copyfile(reuse, cache)
         ingest_fingerprint = ctx.run.manifest().get("stages", {}).get("ingest", {}).get(
             "fingerprint")
         ctx.run.update_stage(STAGE, settings=asdict(ctx.settings),
