@@ -302,3 +302,35 @@ def test_vllm_adapter_passes_rendered_token_ids_and_reads_outputs(tiny_model, in
     reply = out[ids["p1"]]["messages"][-1]
     assert (reply["content"], reply["reasoning"]) == ("A real answer.", "plan")
     assert doc["total"]["finish_reasons"] == {"stop": 3}
+
+
+# ---------------------------------------------------------------- [target] tiny
+def test_a_target_directory_the_project_did_not_make_is_never_replaced(tmp_path):
+    """[target] tiny builds `<run>/target/`; a directory there without the project's marker
+    (someone's own model, say) is refused with a clear error and left as it was."""
+    pytest.importorskip("torch")
+    (tmp_path / "rows.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    (tmp_path / "pipeline.toml").write_text(
+        '[[sources]]\npath = "rows.jsonl"\n\n[target]\ntiny = { hidden_size = 16, layers = 1, '
+        "heads = 2, kv_heads = 1 }\n")
+    config = load_config(tmp_path / "pipeline.toml")
+    run_dir = tmp_path / "run"
+    mine = run_dir / "target"
+    mine.mkdir(parents=True)
+    (mine / "model.safetensors").write_bytes(b"my own weights")
+    with pytest.raises(StageError, match=r"was not made by dflash-etl.*\[target\] model"):
+        regenerate.run(config, run_dir, progress=False)
+    assert sorted(p.name for p in mine.iterdir()) == ["model.safetensors"]
+    assert (mine / "model.safetensors").read_bytes() == b"my own weights"
+
+    mine.rename(tmp_path / "moved")  # moved away: the project builds its own, marked as its own
+    from dflash_etl.models.tiny_model import CREATED_MARKER, configured_target
+
+    built = Path(configured_target(config, run_dir))
+    assert built == mine and (built / CREATED_MARKER).is_file()
+    assert (built / "config.json").is_file()
+    # its own directory it may replace (a changed spec rebuilds it)
+    (tmp_path / "pipeline.toml").write_text(
+        (tmp_path / "pipeline.toml").read_text().replace("hidden_size = 16", "hidden_size = 8"))
+    rebuilt = Path(configured_target(load_config(tmp_path / "pipeline.toml"), run_dir))
+    assert json.loads((rebuilt / "config.json").read_text())["hidden_size"] == 8

@@ -12,6 +12,7 @@ from typing import Any
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.errors import StageError
 
+CREATED_MARKER = ".dflash_etl_target"  # in a target directory the project made (and may replace)
 PROJECT_TOKENIZER = Path(__file__).resolve().parents[3] / "data" / "tokenizer"
 
 
@@ -72,9 +73,23 @@ def _tiny_target(out: Path, spec: dict[str, Any]) -> Path:
                          f"{sorted(allowed)}")
     marker = out / "tiny_spec.json"
     wanted = json.dumps(spec, sort_keys=True)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise StageError(f"[target] tiny builds the run's tiny target in {out}, which is "
+                         f"{'a link' if out.is_symlink() else 'a file'}: remove it, or name "
+                         "the model to use with [target] model = \"DIR\"")
     if out.exists() and (not marker.exists() or marker.read_text() != wanted):
+        # only a directory the project made is replaced (an older version left the spec alone)
+        if not (out / CREATED_MARKER).exists() and not marker.exists() and any(out.iterdir()):
+            raise StageError(
+                f"[target] tiny builds the run's tiny target in {out}, but that directory exists "
+                f"and was not made by dflash-etl (no {CREATED_MARKER} in it), so it is not "
+                "replaced: move it away, or use it as the target with [target] model = "
+                f"\"{out}\" instead of tiny")
         shutil.rmtree(out)
     if not marker.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CREATED_MARKER).write_text("made by dflash-etl ([target] tiny); it replaces this "
+                                          "directory when the spec changes\n")
         build_tiny_qwen2(out, **spec)
         marker.write_text(wanted)
     return out

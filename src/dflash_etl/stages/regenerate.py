@@ -478,7 +478,7 @@ class OpenAIBackend:
                 listed = httpx.get(f"{self.base}/models", timeout=settings.timeout_s)
                 listed.raise_for_status()
                 name = listed.json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
                 raise StageError(f"cannot list the models of {self.base}/models ({exc}): is the "
                                  "server running? Pass --served-model to skip the lookup") from exc
         self.served_model = name
