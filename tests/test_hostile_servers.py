@@ -46,6 +46,7 @@ class Hostile:
         self.seen: Counter[str] = Counter()
         self.broken = False
         self.fixed: set[str] = set()
+        self.models_mode = "ok"  # GET /v1/models: ok, or slow_loris
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.httpd = _Server(("127.0.0.1", 0), _handler(self))
@@ -75,6 +76,10 @@ def _handler(server: Hostile) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def do_GET(self) -> None:
+            if server.models_mode == "slow_loris":
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.mode_slow_loris("", False)
+                return
             self._send(200, json.dumps({"data": [{"id": "hostile"}]}).encode())
 
         def do_POST(self) -> None:
@@ -209,17 +214,30 @@ def _settings(server: Hostile, **extra: Any) -> RegenerateSettings:
                                  "max_new_tokens": 32, "dummy_min_repeats": 99, **FAST, **extra})
 
 
-def _generate(backend: OpenAIBackend, prompts: list[str], budget_s: float) -> list:
-    """backend.generate in a thread: a hang fails the test instead of hanging it."""
+def _within(budget_s: float, fn: Any) -> Any:
+    """fn() in a thread, within `budget_s`: a hang fails the test instead of hanging it."""
     done: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: done.setdefault("r", backend.generate(
-        [([{"role": "user", "content": p}], None) for p in prompts])), daemon=True)
+
+    def call() -> None:
+        try:
+            done["r"] = fn()
+        except BaseException as exc:
+            done["e"] = exc
+
+    worker = threading.Thread(target=call, daemon=True)
     start = time.monotonic()
     worker.start()
     worker.join(budget_s + 10)
-    assert "r" in done, f"generate hung (> {budget_s + 10:.0f} s)"
+    assert done, f"hung (> {budget_s + 10:.0f} s)"
     assert time.monotonic() - start < budget_s
+    if "e" in done:
+        raise done["e"]
     return done["r"]
+
+
+def _generate(backend: OpenAIBackend, prompts: list[str], budget_s: float) -> list:
+    return _within(budget_s, lambda: backend.generate(
+        [([{"role": "user", "content": p}], None) for p in prompts]))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -273,6 +291,32 @@ def test_malformed_replies_are_row_errors_with_the_servers_text(hostile, stream)
         assert "before [DONE]" in errors["cut_stream"]
     for reply in replies[len(MALFORMED):]:  # the same failure once: the retry answers
         assert not reply.error and reply.text.startswith("A fine answer"), reply
+
+
+def test_a_model_listing_that_trickles_cannot_hang_the_start(hostile):
+    from dflash_etl.models.devserver import DevServer
+
+    hostile.models_mode = "slow_loris"
+    with pytest.raises(StageError, match="cannot list the models"):  # one server: it names
+        _within(4.0, lambda: OpenAIBackend(_settings(hostile)))  # the model
+    with DevServer(None, instant=True, name="hostile") as good:  # a fleet: it starts out
+        backend = _within(4.0, lambda: OpenAIBackend(_settings(
+            hostile, endpoints=(hostile.url, good.url))))
+        assert not backend.servers[0].healthy and backend.servers[1].healthy
+
+
+def test_a_fleet_server_that_answers_garbage_is_taken_out(hostile):
+    """In a fleet, a server whose replies are malformed after its retries is taken out and
+    its requests go to the others: no row is lost to it."""
+    from dflash_etl.models.devserver import DevServer
+
+    with DevServer(None, instant=True, name="hostile") as good:
+        backend = OpenAIBackend(_settings(hostile, endpoints=(hostile.url, good.url),
+                                          retries=0, cooldown_s=30.0))
+        replies = _generate(backend, [f"mode=html {k}" for k in range(12)], budget_s=5.0)
+        assert not [r.error for r in replies if r.error]
+        assert not backend.servers[0].healthy and "502 Bad Gateway" in backend.servers[0].problem
+        assert backend.failovers >= 1 and good.requests == 12
 
 
 # ---------------------------------------------------------------- the stage

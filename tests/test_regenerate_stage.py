@@ -164,6 +164,26 @@ def test_reply_checks():
     assert split_reasoning("plain") == ("plain", None)
 
 
+def test_replies_stuck_in_a_loop_are_degenerate():
+    s = RegenerateSettings(model="m", max_new_tokens=64)
+    loop = Reply("The word is lin" + "lin" * 60, "length", 64)
+    kind, code, message = check_reply(loop, s)  # told before the truncation
+    assert (kind, code) == ("quarantine", "degenerate_repetition") and "'lin'" in message
+    said_again = Reply("We went to the market and bought some bread. " * 10, "stop", 90)
+    assert check_reply(said_again, s)[1] == "degenerate_repetition"
+    thinking_loop = Reply("<think>" + "hmm, wait. " * 30 + "</think>Fine.", "stop", 64)
+    assert check_reply(thinking_loop, s)[1] == "degenerate_repetition"
+    prose = Reply(" ".join(f"Point {k}: the {w} differs from the others in its own way."
+                           for k, w in enumerate(["river", "tree", "stone", "cloud", "road",
+                                                  "bridge", "field", "house"])), "stop", 90)
+    assert check_reply(prose, s) is None
+    code_reply = Reply("def f(x):\n    return x * 2\n\n" + "-" * 20 + "\nDone.", "stop", 20)
+    assert check_reply(code_reply, s) is None
+    off = RegenerateSettings(model="m", repeat_tail_chars=0, ngram_repeat_max=1.0,
+                             keep_truncated=True)
+    assert check_reply(loop, off) is None and check_reply(said_again, off) is None
+
+
 def test_dummy_replies_are_found_across_prompts():
     replies = {"a": "OK.", "b": " ok. ", "c": "OK.", "d": "A long and specific answer about x.",
                "e": "Sure!", "f": "Sure!"}

@@ -475,9 +475,8 @@ class OpenAIBackend:
             name = self._check_fleet(name)
         elif name is None:
             try:
-                listed = httpx.get(f"{self.base}/models", timeout=settings.timeout_s)
-                listed.raise_for_status()
-                name = listed.json()["data"][0]["id"]
+                name = _list_models(httpx, self.base, settings.timeout_s,
+                                    settings.request_deadline_s)[0]
             except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
                 raise StageError(f"cannot list the models of {self.base}/models ({exc}): is the "
                                  "server running? Pass --served-model to skip the lookup") from exc
@@ -492,9 +491,8 @@ class OpenAIBackend:
 
     # ------------------------------------------------------------ the fleet's models
     def _models(self, url: str) -> list[str]:
-        response = self.httpx.get(f"{url}/models", timeout=self.probe_timeout_s)
-        response.raise_for_status()
-        return [m["id"] for m in response.json()["data"]]
+        return _list_models(self.httpx, url, self.probe_timeout_s,
+                            min(self.settings.request_deadline_s, self.probe_timeout_s + 1.0))
 
     def _check_fleet(self, name: str | None) -> str:
         """Every server that answers must list the same models; those that do not answer yet
@@ -678,14 +676,18 @@ class OpenAIBackend:
 
     async def _probe(self, client: Any, changed: Any, server: _Server) -> None:
         """GET /models: the server comes back when it answers with the fleet's models."""
+        import asyncio
+
         problem = ""
         try:
-            response = await client.get(f"{server.url}/models", timeout=self.probe_timeout_s)
+            async with asyncio.timeout(self.probe_timeout_s + 1.0):  # a trickle ends too
+                response = await client.get(f"{server.url}/models",
+                                            timeout=self.probe_timeout_s)
             response.raise_for_status()
             ids = sorted(m["id"] for m in response.json()["data"])
             if ids != self.listed:
                 problem = f"now lists {ids}, not the fleet's {self.listed}"
-        except (self.httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+        except (self.httpx.HTTPError, KeyError, TypeError, ValueError, TimeoutError) as exc:
             problem = f"probe failed: {type(exc).__name__}: {exc}"
         finally:
             server.probing = False  # also when cancelled: the next batch probes it again
@@ -803,6 +805,23 @@ class OpenAIBackend:
                          f"{chunks} chunks" + (f"; the server sent: {_excerpt(sent)}"
                                               if sent else ""))
         return Reply("".join(content), finish or "stop", chunks, "".join(reasoning) or None)
+
+
+def _list_models(httpx: Any, url: str, timeout: float, deadline: float) -> list[str]:
+    """The model ids `url`/models lists, within `deadline` s in all (a server that trickles its
+    answer cannot hang the start); raises httpx's errors, KeyError, TypeError, ValueError."""
+    import asyncio
+
+    async def get() -> Any:
+        async with asyncio.timeout(deadline), httpx.AsyncClient(timeout=timeout) as client:
+            return await client.get(f"{url}/models")
+
+    try:
+        response = asyncio.run(get())
+    except TimeoutError:
+        raise httpx.TimeoutException(f"no complete answer within {deadline:g} s") from None
+    response.raise_for_status()
+    return [m["id"] for m in response.json()["data"]]
 
 
 class _Retry(Exception):
