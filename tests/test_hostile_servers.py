@@ -188,6 +188,23 @@ def _handler(server: Hostile) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(b'data: {"choices": [{"delta": {"content": \n\n')
             self.wfile.write(b"data: [DONE]\n\n")
 
+        def mode_bad_choice(self, prompt: str, stream: bool) -> None:
+            if not stream:
+                self._send(200, b'{"choices": ["not an object"]}')
+                return
+            self._stream_head()
+            self.wfile.write(b'data: {"choices": ["not an object"]}\n\n')
+
+        def mode_open_after_finish(self, prompt: str, stream: bool) -> None:
+            """The reply, then neither [DONE] nor a close (a proxy that keeps it open)."""
+            if not stream:
+                self.mode_ok(prompt, stream)
+                return
+            self._stream_head()
+            self._chunk({"choices": [{"delta": {"content": "Done it."}}]})
+            self._chunk({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+            server.stop_event.wait(30)
+
         def mode_cut_stream(self, prompt: str, stream: bool) -> None:
             """A stream that stops (connection closed) before [DONE] or a finish_reason."""
             if not stream:
@@ -246,7 +263,7 @@ def test_slow_loris_and_endless_replies_are_cut_and_retried(hostile, stream):
                "mode=ok"]
     backend = OpenAIBackend(_settings(hostile, stream=stream))
     # each failing attempt ends at its deadline (1 s); two attempts plus a 0.25 s backoff
-    replies = _generate(backend, prompts, budget_s=6.0)
+    replies = _generate(backend, prompts, budget_s=8.0)
     loris, endless, loris_once, endless_once, ok = replies
     assert "request_deadline_s=1" in loris.error and "after 2 attempts" in loris.error
     assert ("request_deadline_s=1" in endless.error  # whichever comes first: deadline or cap
@@ -269,7 +286,14 @@ def test_an_endless_stream_is_capped_from_max_new_tokens(hostile):
     assert "without ending" in reply.error and "bytes" in reply.error
 
 
-MALFORMED = ["invalid_json", "html", "no_choices", "empty_choices", "broken_sse", "cut_stream"]
+def test_a_stream_left_open_after_its_finish_reason_is_a_reply(hostile):
+    backend = OpenAIBackend(_settings(hostile, stream=True, request_deadline_s=5.0))
+    reply, = _generate(backend, ["mode=open_after_finish"], budget_s=2.0)
+    assert (reply.error, reply.text, reply.finish_reason) == (None, "Done it.", "stop")
+
+
+MALFORMED = ["invalid_json", "html", "no_choices", "empty_choices", "broken_sse", "cut_stream",
+             "bad_choice"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -283,6 +307,7 @@ def test_malformed_replies_are_row_errors_with_the_servers_text(hostile, stream)
         assert "after 2 attempts" in error and len(error) < 1200, (mode, error)
         assert hostile.seen[f"mode={mode}"] == 2
     assert "502 Bad Gateway" in errors["html"]  # the server's own text, truncated
+    assert "not an object" in errors["bad_choice"]
     if not stream:
         assert '"content": "cut' in errors["invalid_json"]
         assert "no choices" in errors["no_choices"] and "no choices" in errors["empty_choices"]
@@ -341,8 +366,11 @@ def hostile_run(tmp_path) -> tuple[Path, Any]:
 
 
 def _stage_kw(server: Hostile, **extra: Any) -> dict[str, Any]:
+    """A stage run: deadlines short enough for a fast test, long enough that a loaded machine
+    answers every well-behaved request in time."""
     return {"model": "hostile", "backend": "openai", "endpoint": server.url,
-            "max_new_tokens": 32, "dummy_min_repeats": 99, "progress": False, **FAST, **extra}
+            "max_new_tokens": 32, "dummy_min_repeats": 99, "progress": False,
+            **FAST, "timeout_s": 3.0, "request_deadline_s": 2.0, **extra}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -350,7 +378,7 @@ def test_the_stage_finishes_and_accounts_for_every_row(hostile, hostile_run, str
     run_dir, config = hostile_run
     start = time.monotonic()
     doc = regenerate.run(config, run_dir, **_stage_kw(hostile, stream=stream))
-    assert time.monotonic() - start < 15.0  # the slow ones end at their deadlines, in parallel
+    assert time.monotonic() - start < 30.0  # the slow ones end at their deadlines, in parallel
     total = doc["total"]
     n_in = N_OK + len(HOSTILE_MODES)
     assert total["rows_in"] == n_in == total["rows_out"] + total["rows_quarantined"] + sum(

@@ -124,9 +124,10 @@ class RegenerateSettings:
                                         help="openai backend: seconds one attempt may take in "
                                              "all (connect, first byte and the whole reply); "
                                              "past it the attempt is cut and retried")
-    # on timeouts, connection errors, 429 and 5xx, with exponential backoff
+    # with exponential backoff
     retries: int = setting(3, min=0, help="openai backend: retries on timeouts, connection "
-                                          "errors, 429 and 5xx")
+                                          "errors, 429, 5xx, replies past request_deadline_s "
+                                          "or their size cap, and malformed replies")
     stream: bool = setting(False, help="openai backend: stream the responses")
     # several endpoints: a failed server's rest before its probe
     cooldown_s: float = setting(10.0, help="openai backend, several endpoints: how long a "
@@ -793,13 +794,16 @@ class OpenAIBackend:
                                        or delta.get("reasoning"), data))
                 finish = _text(choice.get("finish_reason"), data) or finish
                 chunks += 1
+                if finish:  # choice 0's last chunk: what may follow (usage, [DONE]) adds nothing
+                    done = True
+                    break
                 if chunks > chunk_cap:
                     raise _Retry(f"the stream passed {chunk_cap} chunks without ending (the cap "
                                  f"from max_new_tokens={self.settings.max_new_tokens}, with "
                                  "margin)")
             if done:
                 break
-        if not done and not finish:
+        if not done:
             sent = " ".join([*other, buffer.decode("utf-8", "replace")]).strip()
             raise _Retry("the stream ended before [DONE] or a finish_reason after "
                          f"{chunks} chunks" + (f"; the server sent: {_excerpt(sent)}"
@@ -883,7 +887,7 @@ def _reply_from_completion(text: str) -> Reply:
         raise _Retry(f"a malformed reply (HTTP 200, no choices): {_excerpt(text)}")
     choice = choices[0]
     message = choice.get("message") if isinstance(choice, dict) else None
-    if not isinstance(message, dict | None):
+    if not isinstance(choice, dict) or not isinstance(message, dict | None):
         raise _Retry(f"a malformed reply (HTTP 200, choices[0].message): {_excerpt(text)}")
     message = message or {}
     usage = data.get("usage")
