@@ -396,7 +396,7 @@ def test_the_stage_finishes_and_accounts_for_every_row(hostile, hostile_run, str
     report = (run_dir / "docs" / "index.html").read_text()
     pages = "".join(p.read_text() for p in (run_dir / "docs").rglob("*.html"))
     assert "regenerate" in report and "degenerate_repetition" in pages
-    assert "lin" in pages  # the example shows the cycle
+    assert "3-character cycle" in pages and "linlinlin" in pages  # the example shows the loop
 
 
 def test_a_rerun_retries_only_the_rows_that_failed(hostile, hostile_run):
