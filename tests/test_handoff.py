@@ -1,4 +1,5 @@
-"""`dflash-etl export`: the run as speculators and SpecForge read it, checked with their own code.
+"""`dflash-etl export`: the run as speculators and SpecForge read it, checked with their own code
+(speculators' trainer runs a few steps on the export, on CPU).
 
 speculators 0.9 is installed `--no-deps` by `make setup` (see the Makefile); SpecForge's package
 is ../shared/fixtures/specforge (not on the registry), put on sys.path here. Each test skips
@@ -50,6 +51,11 @@ def native_run(tmp_path_factory) -> Path:
 
     base = tmp_path_factory.mktemp("handoff")
     target = build_tiny_qwen2(base / "target")
+    config_path = target / "config.json"  # speculators reads head_dim, as real checkpoints have
+    target_config = json.loads(config_path.read_text())
+    target_config["head_dim"] = target_config["hidden_size"] // target_config[
+        "num_attention_heads"]
+    config_path.write_text(json.dumps(target_config))
     run = base / "run"
     config = load_config(REPO / "data" / "pipeline.toml")
     ingest.run(config, run, progress=False)
@@ -168,6 +174,34 @@ def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators
     assert verifier["vocab_size"] > tokenizer_rows  # the tiny target pads its embedding
     assert d2t.shape == (size,) and t2d.shape == (verifier["vocab_size"],)  # what it checks
     assert "padded" in doc["t2d"]
+
+
+def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run, tmp_path,
+                                                                 monkeypatch):
+    """speculators' own CLI entry, on the export, with the printed command: only device
+    placement is patched (it puts the model on accelerator 0) plus CPU-only switches."""
+    pytest.importorskip("speculators.train.cli", reason=SPECULATORS_HINT)
+    import speculators.train.trainer as trainer_module
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    doc = export(speculators_run, "speculators", tmp_path / "speculators")
+    saved = tmp_path / "drafter"
+    argv = [*shlex.split(doc["command"])[3:],
+            "--save-path", str(saved), "--max-steps", "3", "--epochs", "1", "--num-workers", "0",
+            "--logger", "", "--draft-attn-impl", "sdpa",  # no flex attention / Triton on CPU
+            "--loss-implementation", "eager"]
+    monkeypatch.setattr(trainer_module, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    cli.main(TrainConfig.resolve(argv))
+    checkpoint = saved / "0"
+    assert json.loads((checkpoint / "training_state.json").read_text())["global_step"] == 3
+    val_loss = json.loads((checkpoint / "val_metrics.json").read_text())["loss_epoch"]
+    assert np.isfinite(val_loss) and val_loss > 0
+    config = json.loads((checkpoint / "config.json").read_text())
+    # its drafter captures the layers we extracted, in the serving convention (ours + 1)
+    assert config["aux_hidden_state_layer_ids"] == doc["layers_embedding_offset"]
+    assert config["draft_vocab_size"] == doc["draft_vocab_size"]
 
 
 def test_speculators_export_refuses_the_native_format_with_the_fix(native_run, tmp_path):

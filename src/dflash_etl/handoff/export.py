@@ -79,12 +79,17 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
             f"{run.root}: extract wrote the native format; speculators reads one file per row "
             "with the target's last layer after the chosen ones. Rerun: dflash-etl extract "
             f"--run {run.root} --format speculators --force")
+    target = settings.get("model") or ""
+    if not Path(target, "config.json").is_file():
+        raise StageError(f"extract's target model {target!r} has no config.json any more: the "
+                         "export needs its vocabulary size and shape; restore it, or rerun "
+                         "extract with --model DIR")
     train = stages.get("train", {})
     trained = train.get("status") == "complete"
     drafter = run.stage_dir("train") / "drafter" / "config.json"
     return {
         "run": run, "tokenize": tokenize_dir, "extract": extract_dir, "extracted": extracted,
-        "target": settings.get("model") or "",
+        "target": target,
         "tokenize_settings": stages["tokenize"].get("settings", {}),
         "train_settings": train.get("settings", {}) if trained else {},
         "drafter_config": json.loads(drafter.read_text()) if trained and drafter.is_file()
@@ -177,7 +182,7 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         block_size=int(train.get("block_size", 16)),
         seq_length=int(inputs["tokenize_settings"].get("seq_length", 8192)),
         mask_token_id=(drafter.get("dflash_config") or {}).get("mask_token_id"),
-        rows_without_states=missing)
+        rows_without_states=missing, states_dtype=extracted.get("dtype", "fp32"))
     return {
         "rows_in": n_rows, "rows_out": n_rows - missing,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
@@ -197,7 +202,7 @@ def _t2d_for_target(source: Path, dest: Path, target: str, link: str, used: set[
     from dflash_etl.models.tokenizer import model_vocab_size
 
     t2d = np.load(source)
-    want, where = model_vocab_size(target, len(t2d)) if target else (len(t2d), "tokenize")
+    want, where = model_vocab_size(target, len(t2d))
     if want == len(t2d):
         used.add(_link(source, dest, link))
         return f"{len(t2d)} entries, the target's vocabulary ({where})"

@@ -33,6 +33,7 @@ class SpeculatorsTraining:
     seq_length: int
     mask_token_id: int | None
     rows_without_states: int
+    states_dtype: str  # extract's: fp32 or bf16
 
     def argv(self) -> list[str]:
         args = ["python", "-m", "speculators.train",
@@ -44,7 +45,10 @@ class SpeculatorsTraining:
                 "--draft-vocab-size", str(self.draft_vocab_size),
                 "--num-layers", str(self.draft_layers),
                 "--block-size", str(self.block_size),
-                "--total-seq-len", str(self.seq_length)]
+                "--total-seq-len", str(self.seq_length),
+                # its loader casts the states to this; it defaults to bf16 whatever was stored
+                "--hidden-states-dtype",
+                "bfloat16" if self.states_dtype == "bf16" else "float32"]
         if self.mask_token_id is not None:
             args += ["--mask-token-id", str(self.mask_token_id)]
         if self.rows_without_states:  # rows extract quarantined have no hs_<i> file
