@@ -30,6 +30,7 @@ from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkIte
 from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
 from dflash_etl.validation import suites
+from dflash_etl.validation.on_policy import on_policy_report
 
 STAGE = "tokenize"
 CHUNK = 256  # conversations per work item
@@ -69,6 +70,9 @@ class TokenizeSettings:
                                         help="supervise reasoning")
     turns: str = setting("all", choices=("all", "last"), help="which assistant turns to train")
     draft_vocab_size: int = setting(32000, min=1, help="size of d2t/t2d")
+    max_off_policy_share: float = setting(
+        0.01, min=0, max=1, help="rows rendered in another thinking mode than regenerate "
+        "generated with, as a share of rows, before the on-policy check fails the stage")
 
     @classmethod
     def from_sources(
@@ -127,7 +131,8 @@ def tokenize_rows(
         if stats is None:
             stats = per_source[conv["source"]] = Stats(extra={
                 "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
-                "strategies": Counter(), "normalizations": Counter()})
+                "strategies": Counter(), "normalizations": Counter(),
+                "generation_prompt_kwargs": Counter()})
         stats.rows_in += 1
         if isinstance(made, MaskRefused):
             if made.is_filter:
@@ -151,6 +156,9 @@ def tokenize_rows(
             extra["rows_truncated"] += int(row.truncated)
             extra["strategies"][row.strategy] += 1
             extra["normalizations"].update(n.split(":")[0] for n in row.normalizations)
+            extra["generation_prompt_kwargs"].update(
+                n.split(":", 1)[1] for n in row.normalizations
+                if n.startswith("generation_prompt_kwargs:"))
     lengths = np.fromiter(map(len, ids_lists), np.int64, len(ids_lists))
     offsets = np.zeros(len(ids_lists) + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -315,8 +323,31 @@ class TokenizeStage(BatchStage):
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
-        return _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
-                       ctx.state["probe_doc"], ctx.fingerprint)
+        doc = _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
+                      ctx.state["probe_doc"], ctx.fingerprint)
+        _check_on_policy(ctx.run.manifest(), ctx.settings, doc, ctx.partial)
+        return doc
+
+
+def _check_on_policy(manifest: dict[str, Any], settings: TokenizeSettings, doc: dict[str, Any],
+                     partial: Path) -> None:
+    """Rows rendered in another thinking mode than the replies were generated in fail the stage,
+    naming both (see validation/on_policy.py); the report is kept in stats.json either way."""
+    regenerate = manifest.get("stages", {}).get("regenerate", {})
+    generated = regenerate.get("settings") if regenerate.get("status") == "complete" else None
+    if generated:
+        generated = {k: generated.get(k) for k in ("backend", "thinking", "temperature",
+                                                  "max_new_tokens", "served_model", "mode")}
+    total = doc["total"]
+    report = on_policy_report(generated, settings.supervise_reasoning, total["rows_written"],
+                              total.get("generation_prompt_kwargs") or {},
+                              settings.max_off_policy_share)
+    doc["on_policy"] = report
+    write_json_atomic(partial / "stats.json", doc)
+    if report["problems"]:
+        raise StageError("on-policy check: " + "; ".join(report["problems"]) + ". Tokenize with "
+                         "the thinking mode the replies were generated in (or regenerate in the "
+                         "mode you will serve), or raise [tokenize] max_off_policy_share")
 
 
 def tokenizer_identity(model: str) -> list[str]:
