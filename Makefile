@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup browser run test lint bench clean
+.PHONY: setup setup-existing browser run test lint bench clean
 
 # Set-up time dominated CI on a slow 2-core machine: pip resolves and unpacks on one core and
 # byte-compiles every file it installs (measured here: 24 min for the dev set even without
@@ -25,7 +25,22 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --no-compile uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python \
 		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) "torch==2.13.0+cpu" -e ".[dev]"
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(CONSUMERS)
 	touch $@
+
+# The trainers the hand-off tests run (tests/test_handoff.py), without their dependencies: a
+# plain install would replace torch with a CUDA build (their other dependencies are in `dev`).
+CONSUMERS := speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
+
+# A GPU machine: install into an environment that already has its CUDA torch, which is kept
+# (torch is not a dependency of this package; nothing here installs or replaces it):
+#   make setup-existing PY=/path/to/env/bin/python [EXTRAS=tokenize,regenerate,ray]
+EXTRAS ?= tokenize,regenerate
+setup-existing:
+	@test -n "$(PY)" || { echo "usage: make setup-existing PY=/path/to/env/bin/python"; exit 2; }
+	$(PY) -c "import torch; print('keeping torch', torch.__version__, 'CUDA', torch.version.cuda)"
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	$(PY) -c "import torch; print('torch still', torch.__version__)"
 
 run: setup
 	$(BIN)/dflash-etl run

@@ -126,8 +126,9 @@ def test_accounting_token_freq_and_draft_vocab(run_dir):
     assert _load_torch_dict(out / "token_freq.pt") == counted
     assert json.loads((out / "token_freq.json").read_text())["supervised_tokens"] == sum(
         counted.values())
-    d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
+    d2t, t2d = np.load(out / "d2t-64.npy"), np.load(out / "t2d-64.npy")  # speculators' names
     assert d2t.shape == (64,) and t2d.dtype == bool and t2d.sum() == 64
+    assert t2d.shape == (len(load_tokenizer(str(DEFAULT_TOKENIZER))),)  # no config.json there
     assert t2d[np.arange(64) + d2t].all()  # target = draft index + offset
     top = sorted(counted, key=lambda t: (-counted[t], t))[:64]
     assert set(top) <= set(np.flatnonzero(t2d).tolist())
@@ -161,6 +162,44 @@ def test_missing_ingest_and_missing_model_are_clear_errors(tmp_path):
         tokenize.run(None, tmp_path / "nothing", model=str(DEFAULT_TOKENIZER))
     with pytest.raises(StageError, match="--model"):
         tokenize.run(None, tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("layout", ["text", "vision_language"])
+def test_t2d_spans_the_models_padded_vocabulary(run_dir, tmp_path, layout):
+    """A checkpoint pads its embedding beyond the tokenizer; t2d is sized to the model (what
+    speculators checks it against), and draft tokens stay real tokens."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_TOKENIZER, model)
+    real = len(load_tokenizer(str(DEFAULT_TOKENIZER)))
+    padded = real + 11
+    config = ({"model_type": "qwen3", "vocab_size": padded} if layout == "text" else
+              {"model_type": "qwen3_5", "text_config": {"vocab_size": padded}})
+    (model / "config.json").write_text(json.dumps(config))
+    shutil.copytree(run_dir / "ingest", tmp_path / "run" / "ingest")
+    size = real - 3  # more than the supervised tokens: filled up with unused ids
+    doc = tokenize.run(None, tmp_path / "run", workers=1, model=str(model),
+                       draft_vocab_size=size, seq_length=512)
+    out = tmp_path / "run" / "tokenize"
+    d2t, t2d = np.load(out / f"d2t-{size}.npy"), np.load(out / f"t2d-{size}.npy")
+    assert t2d.shape == (padded,) and doc["total"]["model_vocab_size"] == padded
+    assert doc["total"]["vocab_size"] == real
+    assert t2d.sum() == size and not t2d[real:].any()  # padding rows are never draft tokens
+    assert np.flatnonzero(t2d).tolist() == (np.arange(size) + d2t).tolist()
+    draft = json.loads((out / "draft_vocab.json").read_text())
+    assert draft["t2d_length"] == padded and "vocab_size" in draft["t2d_length_from"]
+
+
+def test_a_model_vocab_smaller_than_the_tokenizer_is_refused(run_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_TOKENIZER, model)
+    (model / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    shutil.copytree(run_dir / "ingest", tmp_path / "run" / "ingest")
+    with pytest.raises(StageError, match="do not belong together"):
+        tokenize.run(None, tmp_path / "run", workers=1, model=str(model), seq_length=512)
 
 
 @pytest.mark.skipif(not QWEN.is_dir(), reason="../shared/fixtures/qwen36-tokenizer is absent")

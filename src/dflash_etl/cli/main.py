@@ -293,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or a .html file")
     p.set_defaults(func=cmd_check)
 
+    from dflash_etl.handoff import export
+
+    p = sub.add_parser("export", help="a finished run as speculators or SpecForge read it, "
+                       "and the command that trains on it")
+    export.add_arguments(p).set_defaults(func=export.run_from_args)
+
     p = sub.add_parser("docs", help="rebuild a run's HTML report (runs/<name>/docs/index.html)")
     p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
     p.set_defaults(func=cmd_docs)
@@ -309,7 +315,8 @@ def _start_suite_helper(command: str | None, argv: list[str]) -> None:
         suite_helper.start()
 
 
-def _execute(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
+    """Run a parsed command: a user error is one line and exit 1, never a traceback."""
     try:
         return int(args.func(args) or 0)
     except (ConfigError, StageError) as exc:
@@ -333,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     _start_suite_helper(command, argv)
-    return _execute(build_parser().parse_args(argv))
+    return execute(build_parser().parse_args(argv))
 
 
 def stage_main(name: str, argv: list[str] | None = None) -> int:
@@ -342,7 +349,7 @@ def stage_main(name: str, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _start_suite_helper(name, argv)
     parser = argparse.ArgumentParser(prog=f"python -m {spec.module_path}", description=spec.help)
-    return _execute(_stage_parser(parser, spec).parse_args(argv))
+    return execute(_stage_parser(parser, spec).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,32 @@ def _load_tokenizer(model: str, signature: tuple[Any, ...]) -> Any:
                                              trust_remote_code=False)
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot load a tokenizer from {model}: {exc}") from exc
+
+
+def model_vocab_size(model: str, tokenizer_size: int) -> tuple[int, str]:
+    """The target's vocabulary size (its embedding and LM head rows) and where it was read.
+
+    Checkpoints pad it beyond the tokenizer (Qwen: 151936 rows for 151669 tokens), and the
+    trainers size their vocab maps to it (speculators refuses a t2d of the tokenizer's length).
+    Vision-language checkpoints keep it in `text_config`. A tokenizer-only directory (no
+    config.json) falls back to the tokenizer's size."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return tokenizer_size, "the tokenizer (no config.json beside it)"
+    except (OSError, ValueError) as exc:
+        raise StageError(f"{path}: not readable JSON ({exc}); fix or remove it") from exc
+    for where, section in (("text_config.vocab_size", config.get("text_config")),
+                           ("vocab_size", config)):
+        size = section.get("vocab_size") if isinstance(section, dict) else None
+        if isinstance(size, int) and size > 0:
+            if size < tokenizer_size:
+                raise StageError(
+                    f"{path}: {where} = {size} is smaller than the tokenizer ({tokenizer_size} "
+                    "tokens): the tokenizer and the model do not belong together")
+            return size, f"config.json {where}"
+    return tokenizer_size, "the tokenizer (config.json names no vocab_size)"
 
 
 def read_template(path: str | None) -> str | None:

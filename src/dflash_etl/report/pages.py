@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ def tokenize_section(stage: StageInfo) -> str:
     if strategies:
         html += "<h3>Rows per mask strategy</h3>" + table(
             ["strategy", "rows"], sorted(strategies.items()))
+    policy = (stage.stats or {}).get("on_policy")
+    if policy:
+        html += on_policy_section(policy)
     if stage.draft_vocab or stage.token_freq:
         dv, tf = stage.draft_vocab or {}, stage.token_freq or {}
         coverage = dv.get("coverage")
@@ -119,6 +123,21 @@ def tokenize_section(stage: StageInfo) -> str:
                      + "<figcaption>share of supervised tokens covered by the k most frequent "
                        "tokens</figcaption></figure>")
     return html
+
+
+def on_policy_section(policy: dict[str, Any]) -> str:
+    """How the replies were generated, how the rows were rendered, and the serving settings the
+    drafter must be used with (a mismatch fails tokenize; its problems are listed)."""
+    def shown(value: Any) -> str:
+        return json.dumps(value, sort_keys=True) if value is not None else "unknown"
+
+    serve = policy.get("serve_with")
+    rows = [("replies generated with", shown(policy.get("generated_with"))),
+            ("rows rendered with", shown(policy.get("rendered_with"))),
+            ("serve the drafter with", shown(serve) if serve else
+             "the settings the source data was generated with (not regenerated here)")]
+    rows += [("mismatch", problem) for problem in policy.get("problems", [])]
+    return "<h3>On-policy check</h3>" + table(["", "value"], rows)
 
 
 def extract_section(stage: StageInfo) -> str:

@@ -28,8 +28,9 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
-from dflash_etl.models.tokenizer import load_tokenizer, read_template
+from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
 from dflash_etl.validation import suites
+from dflash_etl.validation.on_policy import on_policy_report
 
 STAGE = "tokenize"
 CHUNK = 256  # conversations per work item
@@ -69,6 +70,9 @@ class TokenizeSettings:
                                         help="supervise reasoning")
     turns: str = setting("all", choices=("all", "last"), help="which assistant turns to train")
     draft_vocab_size: int = setting(32000, min=1, help="size of d2t/t2d")
+    max_off_policy_share: float = setting(
+        0.01, min=0, max=1, help="rows rendered in another thinking mode than regenerate "
+        "generated with, as a share of rows, before the on-policy check fails the stage")
 
     @classmethod
     def from_sources(
@@ -127,7 +131,8 @@ def tokenize_rows(
         if stats is None:
             stats = per_source[conv["source"]] = Stats(extra={
                 "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
-                "strategies": Counter(), "normalizations": Counter()})
+                "strategies": Counter(), "normalizations": Counter(),
+                "generation_prompt_kwargs": Counter()})
         stats.rows_in += 1
         if isinstance(made, MaskRefused):
             if made.is_filter:
@@ -151,6 +156,9 @@ def tokenize_rows(
             extra["rows_truncated"] += int(row.truncated)
             extra["strategies"][row.strategy] += 1
             extra["normalizations"].update(n.split(":")[0] for n in row.normalizations)
+            extra["generation_prompt_kwargs"].update(
+                n.split(":", 1)[1] for n in row.normalizations
+                if n.startswith("generation_prompt_kwargs:"))
     lengths = np.fromiter(map(len, ids_lists), np.int64, len(ids_lists))
     offsets = np.zeros(len(ids_lists) + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -175,21 +183,30 @@ def tokenize_rows(
     return rows, quarantine, per_source, freq
 
 
-def draft_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int):
-    """speculators' d2t (offsets) / t2d (bool mask): the most frequent supervised tokens."""
-    size = min(draft_vocab_size, vocab_size)
+def draft_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
+                model_vocab_size: int):
+    """speculators' d2t (offsets) / t2d (bool mask): the most frequent supervised tokens.
+
+    Draft tokens are real tokens (below the tokenizer's size); t2d spans the model's padded
+    vocabulary, the length the trainers check it against."""
+    size = min(draft_vocab_size, tokenizer_size)
     ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = [t for t, _ in ranked[:size]]
     if len(chosen) < size:  # pad with the lowest unused ids, as speculators does
         taken = set(chosen)
-        chosen += [t for t in range(vocab_size) if t not in taken][: size - len(chosen)]
+        chosen += [t for t in range(tokenizer_size) if t not in taken][: size - len(chosen)]
     chosen.sort()
     d2t = np.asarray(chosen, dtype=np.int64) - np.arange(size, dtype=np.int64)
-    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d = np.zeros(model_vocab_size, dtype=bool)
     t2d[chosen] = True
     total = sum(freq.values())
     covered = sum(freq.get(t, 0) for t in chosen)
     return d2t, t2d, (covered / total if total else 0.0)
+
+
+def vocab_map_names(size: int) -> tuple[str, str]:
+    """d2t-<N>.npy / t2d-<N>.npy: the names speculators looks for (N = the draft vocab size)."""
+    return f"d2t-{size}.npy", f"t2d-{size}.npy"
 
 
 # ---------------------------------------------------------------- shell
@@ -306,8 +323,31 @@ class TokenizeStage(BatchStage):
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
-        return _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
-                       ctx.state["probe_doc"], ctx.fingerprint)
+        doc = _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
+                      ctx.state["probe_doc"], ctx.fingerprint)
+        _check_on_policy(ctx.run.manifest(), ctx.settings, doc, ctx.partial)
+        return doc
+
+
+def _check_on_policy(manifest: dict[str, Any], settings: TokenizeSettings, doc: dict[str, Any],
+                     partial: Path) -> None:
+    """Rows rendered in another thinking mode than the replies were generated in fail the stage,
+    naming both (see validation/on_policy.py); the report is kept in stats.json either way."""
+    regenerate = manifest.get("stages", {}).get("regenerate", {})
+    generated = regenerate.get("settings") if regenerate.get("status") == "complete" else None
+    if generated:
+        generated = {k: generated.get(k) for k in ("backend", "thinking", "temperature",
+                                                  "max_new_tokens", "served_model", "mode")}
+    total = doc["total"]
+    report = on_policy_report(generated, settings.supervise_reasoning, total["rows_written"],
+                              total.get("generation_prompt_kwargs") or {},
+                              settings.max_off_policy_share)
+    doc["on_policy"] = report
+    write_json_atomic(partial / "stats.json", doc)
+    if report["problems"]:
+        raise StageError("on-policy check: " + "; ".join(report["problems"]) + ". Tokenize with "
+                         "the thinking mode the replies were generated in (or regenerate in the "
+                         "mode you will serve), or raise [tokenize] max_off_policy_share")
 
 
 def tokenizer_identity(model: str) -> list[str]:
@@ -358,12 +398,15 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
             "'needs_response' means the conversations have no reply yet (run regenerate)."
         )
     _save_dataset(row_files, partial / "dataset", fingerprint)
-    draft = _save_vocab(freq, settings.draft_vocab_size, vocab_size, partial)
+    model_vocab, model_vocab_from = model_vocab_size(settings.model, vocab_size)
+    draft = _save_vocab(freq, settings.draft_vocab_size, vocab_size, model_vocab,
+                        model_vocab_from, partial)
     # the limits the contract and the suite check against (the suite reads this file)
     write_json_atomic(partial / "settings.json",
                       {**asdict(settings), **_contract_params(vocab_size, settings)})
     doc = stats_document(per_source, "tokenize")
     doc["total"]["vocab_size"] = vocab_size
+    doc["total"]["model_vocab_size"] = model_vocab
     doc["total"]["draft_vocab"] = draft
     return doc
 
@@ -426,19 +469,22 @@ def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
     })
 
 
-def _save_vocab(freq: Counter[int], draft_vocab_size: int, vocab_size: int,
-                out: Path) -> dict[str, Any]:
+def _save_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
+                model_vocab: int, model_vocab_from: str, out: Path) -> dict[str, Any]:
     ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
     write_json_atomic(out / "token_freq.json", {
-        "vocab_size": vocab_size, "supervised_tokens": sum(freq.values()),
+        "vocab_size": tokenizer_size, "supervised_tokens": sum(freq.values()),
         "distinct_tokens": len(freq), "frequencies": {str(t): n for t, n in ranked},
     })
     # what torch.load gives the trainers; in token order, whatever order the chunks were counted in
     save_plain_dict(dict(sorted(freq.items())), out / "token_freq.pt")
-    d2t, t2d, coverage = draft_vocab(freq, draft_vocab_size, vocab_size)
-    np.save(out / "d2t.npy", d2t)
-    np.save(out / "t2d.npy", t2d)
-    draft = {"size": int(d2t.shape[0]), "coverage": round(coverage, 6)}
+    d2t, t2d, coverage = draft_vocab(freq, draft_vocab_size, tokenizer_size, model_vocab)
+    d2t_name, t2d_name = vocab_map_names(int(d2t.shape[0]))
+    np.save(out / d2t_name, d2t)
+    np.save(out / t2d_name, t2d)
+    draft = {"size": int(d2t.shape[0]), "coverage": round(coverage, 6), "d2t": d2t_name,
+             "t2d": t2d_name, "t2d_length": int(t2d.shape[0]),
+             "t2d_length_from": model_vocab_from}
     write_json_atomic(out / "draft_vocab.json", draft)
     return draft
 

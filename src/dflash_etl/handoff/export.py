@@ -1,0 +1,383 @@
+"""export: a finished run as the trainer the user deploys with reads it, and the command to run.
+
+    dflash-etl export --run R --to speculators|specforge [--out DIR] [--link hard|symlink|copy]
+    python -m dflash_etl.handoff.export --run R --to ...
+
+speculators: one `--data-path` directory whose big files are hard links to the run's (no second
+copy of the hidden states unless `--link copy`); needs extract's speculators format (one file
+per row, with the last layer its loader wants). specforge: the `.ckpt` records its offline
+reader takes, written shard by shard, plus its draft-model config and a run config.
+Written to `<out>.partial`, checked (every row accounted, lengths, the layer count) and renamed
+into place; `<out>/export.json` records what was exported and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.lock import run_lock
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import RunDir, now, remove_tree, write_json_atomic
+from dflash_etl.handoff import specforge, speculators
+
+TARGETS = ("speculators", "specforge")
+LINKS = ("hard", "symlink", "copy")
+RECORD = "export.json"  # also the marker: an --out directory without it is never replaced
+
+
+def export(run_dir: str | Path, to: str, out: str | Path | None = None, link: str = "hard",
+           progress: bool | None = None) -> dict[str, Any]:
+    """Export the run for `to`; returns export.json's document (with the command to run)."""
+    if to not in TARGETS:
+        raise StageError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
+    if link not in LINKS:
+        raise StageError(f"--link {link!r}: choose one of {', '.join(LINKS)}")
+    run = RunDir(Path(run_dir))
+    if not run.manifest_path.exists():
+        raise StageError(f"{run.root} is not a run directory (no manifest.json): give the --run "
+                         "directory a `dflash-etl run` or stage wrote")
+    final = Path(out) if out else run.root / "export" / to
+    with run_lock(run.root, f"export {to}"):
+        inputs = _inputs(run, to)
+        if final.exists() and not (final / RECORD).is_file():
+            raise StageError(f"{final} exists and is not an export this tool wrote (no {RECORD}"
+                             "): give another --out, or remove it yourself")
+        partial = final.with_name(f".{final.name}.partial")
+        remove_tree(partial)
+        partial.mkdir(parents=True)
+        writer = _speculators if to == "speculators" else _specforge
+        doc = writer(inputs, partial, final, link, progress)
+        doc.update({"to": to, "run": str(run.root.resolve()), "created_at": now()})
+        _account(doc)
+        write_json_atomic(partial / RECORD, doc)
+        remove_tree(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(partial, final)
+    return doc
+
+
+# ---------------------------------------------------------------- the run's outputs
+def _inputs(run: RunDir, to: str) -> dict[str, Any]:
+    stages = run.manifest().get("stages", {})
+    for needed in ("tokenize", "extract"):
+        if stages.get(needed, {}).get("status") != "complete":
+            raise StageError(f"{run.root}: the {needed} stage is not complete "
+                             f"({stages.get(needed, {}).get('status', 'never run')}); run "
+                             f"`dflash-etl {needed} --run {run.root}` first")
+    tokenize_dir, extract_dir = run.stage_dir("tokenize"), run.stage_dir("extract")
+    extracted = json.loads((extract_dir / "stats.json").read_text())["total"]
+    settings = stages["extract"].get("settings", {})
+    if to == "speculators" and extracted.get("format") != "speculators":
+        raise StageError(
+            f"{run.root}: extract wrote the native format; speculators reads one file per row "
+            "with the target's last layer after the chosen ones. Rerun: dflash-etl extract "
+            f"--run {run.root} --format speculators --force")
+    target = settings.get("model") or ""
+    if not Path(target, "config.json").is_file():
+        raise StageError(f"extract's target model {target!r} has no config.json any more: the "
+                         "export needs its vocabulary size and shape; restore it, or rerun "
+                         "extract with --model DIR")
+    train = stages.get("train", {})
+    trained = train.get("status") == "complete"
+    drafter = run.stage_dir("train") / "drafter" / "config.json"
+    return {
+        "run": run, "tokenize": tokenize_dir, "extract": extract_dir, "extracted": extracted,
+        "target": target,
+        "tokenize_settings": stages["tokenize"].get("settings", {}),
+        "train_settings": train.get("settings", {}) if trained else {},
+        "drafter_config": json.loads(drafter.read_text()) if trained and drafter.is_file()
+        else None,
+        "draft_vocab": json.loads((tokenize_dir / "draft_vocab.json").read_text()),
+    }
+
+
+def _dataset_files(tokenize_dir: Path) -> list[Path]:
+    dataset = tokenize_dir / "dataset"
+    state = json.loads((dataset / "state.json").read_text())
+    return [dataset / f["filename"] for f in state["_data_files"]]
+
+
+def _dataset(tokenize_dir: Path) -> Any:
+    """The tokenized rows as one memory-mapped Arrow table (row i = the dataset's row i)."""
+    import pyarrow as pa
+
+    tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all()
+              for p in _dataset_files(tokenize_dir)]
+    return pa.concat_tables(tables).select(["input_ids", "loss_mask"])
+
+
+def _link(source: Path, dest: Path, how: str) -> str:
+    """`dest` as a hard link, symlink or copy of `source`; a hard link across file systems
+    falls back to a symlink (said in export.json)."""
+    if how == "hard":
+        try:
+            os.link(source, dest)
+            return "hard"
+        except OSError as exc:
+            if exc.errno not in (18, 1, 95):  # EXDEV, EPERM, EOPNOTSUPP
+                raise
+            how = "symlink"
+    if how == "symlink":
+        dest.symlink_to(source.resolve())
+        return "symlink"
+    shutil.copy2(source, dest)
+    return "copy"
+
+
+# ---------------------------------------------------------------- speculators
+def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
+                 progress: bool | None) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    tok, ext, extracted = inputs["tokenize"], inputs["extract"], inputs["extracted"]
+    draft = inputs["draft_vocab"]
+    d2t, t2d = draft.get("d2t"), draft.get("t2d")
+    if not d2t or not (tok / d2t).is_file():
+        raise StageError(f"{tok}: no size-keyed vocab maps (d2t-<N>.npy); this run was "
+                         f"tokenized by an older version: rerun `dflash-etl tokenize --run "
+                         f"{inputs['run'].root} --force`")
+    used: set[str] = set()
+    dataset_dir = tok / "dataset"
+    for path in sorted(dataset_dir.iterdir()):
+        if path.is_file():
+            used.add(_link(path, partial / path.name, link))
+    for name in ("token_freq.pt", d2t):
+        used.add(_link(tok / name, partial / name, link))
+    t2d_note = _t2d_for_target(tok / t2d, partial / t2d, inputs["target"], link, used)
+    (partial / "hidden_states").mkdir()
+    table = _dataset(tok)
+    n_rows = table.num_rows
+    layers, stored = extracted["layers"], extracted.get("stored_layers") or extracted["layers"]
+    hidden = extracted["hidden_size"]
+    missing, problems = 0, []
+    with progress_bar("export speculators", n_rows, progress) as bar:
+        for row in range(n_rows):
+            source = ext / "hidden_states" / f"hs_{row}.safetensors"
+            bar.advance()
+            if not source.is_file():
+                missing += 1
+                continue
+            with safe_open(str(source), framework="pt") as f:
+                shape = f.get_slice("hidden_states").get_shape()
+            seq = len(table.column("input_ids")[row])
+            if list(shape) != [seq, len(stored), hidden] and len(problems) < 5:
+                problems.append(f"hs_{row}.safetensors: shape {list(shape)}, expected "
+                                f"[{seq}, {len(stored)}, {hidden}]")
+            used.add(_link(source, partial / "hidden_states" / source.name, link))
+    if problems:
+        raise ContractError("the speculators export breaks its contract: " + "; ".join(problems))
+    train = inputs["train_settings"]
+    drafter = inputs["drafter_config"] or {}
+    training = speculators.SpeculatorsTraining(
+        target=inputs["target"], data_path=str(final.resolve()),
+        save_path=str((final.parent / "speculators-drafter").resolve()), layers=layers,
+        draft_vocab_size=int(draft["size"]), draft_layers=int(train.get("draft_layers", 5)),
+        block_size=int(train.get("block_size", 16)),
+        seq_length=int(inputs["tokenize_settings"].get("seq_length", 8192)),
+        mask_token_id=(drafter.get("dflash_config") or {}).get("mask_token_id"),
+        rows_without_states=missing, states_dtype=extracted.get("dtype", "fp32"))
+    return {
+        "rows_in": n_rows, "rows_out": n_rows - missing,
+        "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
+        "rows_filtered": {},
+        "layers": layers, "layers_embedding_offset": speculators.embedding_offset_ids(layers),
+        "stored_layers": stored, "hidden_size": hidden, "draft_vocab_size": draft["size"],
+        "t2d": t2d_note, "links": sorted(used),
+        "command": training.command(), "argv": training.argv(),
+    }
+
+
+def _t2d_for_target(source: Path, dest: Path, target: str, link: str, used: set[str]) -> str:
+    """t2d must span the target's (padded) vocabulary, which speculators checks; tokenize sized
+    it to its own model directory, which may be a tokenizer without config.json: pad it here."""
+    import numpy as np
+
+    from dflash_etl.models.tokenizer import model_vocab_size
+
+    t2d = np.load(source)
+    want, where = model_vocab_size(target, len(t2d))
+    if want == len(t2d):
+        used.add(_link(source, dest, link))
+        return f"{len(t2d)} entries, the target's vocabulary ({where})"
+    padded = np.zeros(want, dtype=bool)
+    padded[: len(t2d)] = t2d
+    np.save(dest, padded)
+    return f"padded from {len(t2d)} (tokenize's) to {want}, the target's {where}"
+
+
+def _extract_reasons(inputs: dict[str, Any], missing: int) -> dict[str, int]:
+    reasons = dict(inputs["extracted"].get("quarantine_reasons") or {})
+    if sum(reasons.values()) != missing:
+        raise ContractError(
+            f"{missing} tokenized rows have no hidden states, but extract accounts for "
+            f"{sum(reasons.values())} ({reasons}): the extract output is incomplete; rerun "
+            f"`dflash-etl extract --run {inputs['run'].root} --force`")
+    return reasons
+
+
+# ---------------------------------------------------------------- specforge
+def _states_by_row(ext: Path, extracted: dict[str, Any]) -> Any:
+    """(row, states [seq, K, H], token_ids) for every extracted row, one shard at a time."""
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    k = len(extracted["layers"])
+    if extracted.get("format") == "speculators":
+        for path in sorted((ext / "hidden_states").glob("hs_*.safetensors"),
+                           key=lambda p: int(p.stem[3:])):
+            data = load_file(str(path))
+            yield int(path.stem[3:]), data["hidden_states"][:, :k], data["token_ids"]
+        return
+    index = pq.read_table(ext / "index.parquet").to_pylist()
+    by_shard: dict[str, list[dict[str, Any]]] = {}
+    for entry in index:
+        by_shard.setdefault(entry["shard"], []).append(entry)
+    for shard in sorted(by_shard):
+        data = load_file(str(ext / "hidden_states" / shard))
+        for e in by_shard[shard]:
+            span = slice(e["offset"], e["offset"] + e["length"])
+            yield e["row"], data["hidden_states"][span], data["token_ids"][span]
+
+
+def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
+               progress: bool | None) -> dict[str, Any]:
+    import torch
+
+    tok, ext, extracted = inputs["tokenize"], inputs["extract"], inputs["extracted"]
+    table = _dataset(tok)
+    n_rows = table.num_rows
+    layers, hidden = extracted["layers"], extracted["hidden_size"]
+    features = partial / "features"
+    written, filtered, problems = 0, 0, []
+    seen: set[int] = set()
+    with progress_bar("export specforge", n_rows, progress) as bar:
+        for row, states, token_ids in _states_by_row(ext, extracted):
+            bar.advance()
+            seen.add(row)
+            ids = table.column("input_ids")[row].as_py()
+            mask = table.column("loss_mask")[row].as_py()
+            if token_ids.tolist() != ids or tuple(states.shape) != (len(ids), len(layers),
+                                                                    hidden):
+                if len(problems) < 5:
+                    problems.append(f"row {row}: hidden states {tuple(states.shape)} for "
+                                    f"{len(ids)} tokens, or other token ids than tokenize's")
+                continue
+            if not specforge.has_consecutive_supervised(mask):
+                filtered += 1
+                continue
+            path = features / specforge.record_name(row)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(specforge.record(ids, mask, states), path)
+            written += 1
+    if problems:
+        raise ContractError("the specforge export breaks its contract: " + "; ".join(problems))
+    missing = n_rows - len(seen)
+    draft_config = _draft_config(inputs)
+    write_json_atomic(partial / "dflash_draft_config.json", draft_config)
+    train = inputs["train_settings"]
+    config = specforge.run_config(
+        target=inputs["target"], draft_config=str((final / "dflash_draft_config.json").resolve()),
+        features=str((final / "features").resolve()),
+        seq_length=int(inputs["tokenize_settings"].get("seq_length", 8192)),
+        output_dir=str((final.parent / "specforge-drafter").resolve()),
+        draft_layers=int(draft_config["num_hidden_layers"]),
+        block_size=int(draft_config["block_size"]), gamma=train.get("gamma"))
+    write_json_atomic(partial / "specforge_run.json", config)
+    return {
+        "rows_in": n_rows, "rows_out": written, "rows_quarantined": missing,
+        "quarantine_reasons": _extract_reasons(inputs, missing),
+        "rows_filtered": {specforge.Q_NO_PAIR: filtered} if filtered else {},
+        "layers": layers, "layers_embedding_offset": speculators.embedding_offset_ids(layers),
+        "hidden_size": hidden, "dtype": extracted.get("dtype"),
+        "command": specforge.train_command(str((final / "specforge_run.json").resolve())),
+    }
+
+
+def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The drafter SpecForge trains: the one this run trained when there is one (same layers,
+    mask token, block), else one shaped from the target's config as train would make it."""
+    layers = inputs["extracted"]["layers"]
+    config = inputs["drafter_config"]
+    if config is None:
+        from transformers import AutoConfig
+
+        from dflash_etl.models.drafter import DrafterConfig
+        from dflash_etl.stages.train import TrainSettings, resolve_mask_token
+
+        target = inputs["target"]
+        target_config = AutoConfig.from_pretrained(target, trust_remote_code=False)
+        target_config = getattr(target_config, "text_config", None) or target_config
+        defaults = TrainSettings()
+        mask, _ = resolve_mask_token(target, target_config.vocab_size, defaults.mask_token_id)
+        config = DrafterConfig.from_target(
+            target_config, draft_layers=defaults.draft_layers, target_layer_ids=layers,
+            mask_token_id=mask, block_size=defaults.block_size).to_json()
+    config = dict(config)
+    if config["dflash_config"]["target_layer_ids"] != layers:
+        raise StageError(f"the trained drafter reads layers {config['dflash_config']} but "
+                         f"extract stored {layers}: rerun train on this extract")
+    config.setdefault("layer_types", ["full_attention"] * config["num_hidden_layers"])
+    config.setdefault("hidden_act", "silu")
+    config.setdefault("attention_bias", False)
+    config.setdefault("tie_word_embeddings", False)
+    return config
+
+
+def _account(doc: dict[str, Any]) -> None:
+    """Every tokenized row is exported, quarantined upstream or filtered here; none exported is
+    an error that says why."""
+    accounted = doc["rows_out"] + doc["rows_quarantined"] + sum(doc["rows_filtered"].values())
+    if accounted != doc["rows_in"]:
+        raise ContractError(f"the export accounts for {accounted} of {doc['rows_in']} rows")
+    if not doc["rows_out"]:
+        raise StageError(f"the export holds no rows: of {doc['rows_in']} tokenized rows "
+                         f"{doc['rows_quarantined']} have no hidden states and "
+                         f"{doc['rows_filtered']} were filtered (SpecForge needs two "
+                         "consecutive supervised tokens per row)")
+
+
+# ---------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
+    p.add_argument("--to", required=True, choices=TARGETS, help="the trainer that reads it")
+    p.add_argument("--out", default=None, help="where (default: <run>/export/<to>)")
+    p.add_argument("--link", default="hard", choices=LINKS,
+                   help="how the big files get there (speculators; default: hard links, "
+                        "a symlink across file systems)")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    return p
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    doc = export(args.run, args.to, args.out, args.link)
+    out = Path(args.out) if args.out else Path(args.run) / "export" / args.to
+    print(f"export {args.to}: {doc['rows_out']} of {doc['rows_in']} rows -> {out}", flush=True)
+    if doc["rows_quarantined"] or doc["rows_filtered"]:
+        print(f"  not exported: {doc['quarantine_reasons']} upstream, {doc['rows_filtered']} "
+              "filtered", flush=True)
+    print(f"  layers: {doc['layers']} (decoder layers, 0-based: SpecForge, z-lab, vLLM's "
+          f"dflash_config) = {doc['layers_embedding_offset']} (embedding = 0: speculators)",
+          flush=True)
+    print(f"train with:\n  {doc['command']}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_etl.cli.main import execute
+
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m dflash_etl.handoff.export",
+                                                   description=__doc__.splitlines()[0]))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.func, args.command = run_from_args, "export"
+    return execute(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""What SpecForge's offline DFlash trainer reads, and the config that trains on it.
+
+Its offline reader walks a directory of `torch.save` records (any depth, sorted by name); its
+normalizer wants `input_ids [seq]`, `loss_mask [seq]` and `hidden_states [1, seq, K*H]` (the K
+chosen layers concatenated on the last axis, in layer order) and raises on a row without two
+consecutive supervised tokens, so such rows are filtered here, with a reason. SpecForge's
+`dflash_config.target_layer_ids` are 0-based decoder layers, like ours.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+from typing import Any
+
+GROUP_ROWS = 2000  # SpecForge's own prepare script: rows_{g}-{g+2000}/data_{i}.ckpt
+Q_NO_PAIR = "no_consecutive_supervised_tokens"
+
+
+def record_name(row: int) -> str:
+    group = row - row % GROUP_ROWS
+    return f"rows_{group}-{group + GROUP_ROWS}/data_{row}.ckpt"
+
+
+def has_consecutive_supervised(loss_mask: list[int]) -> bool:
+    """What SpecForge's normalizer requires of a row (a DFlash block needs an anchor and a
+    supervised token after it)."""
+    return any(a and b for a, b in itertools.pairwise(loss_mask))
+
+
+def record(input_ids: list[int], loss_mask: list[int], states: Any) -> dict[str, Any]:
+    """One row's record; `states` is [seq, K, H] (dtype kept: bf16 stays bf16)."""
+    import torch
+
+    seq = len(input_ids)
+    return {"input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
+            "hidden_states": states.reshape(1, seq, -1).contiguous()}
+
+
+def run_config(*, target: str, draft_config: str, features: str, seq_length: int,
+               output_dir: str, draft_layers: int, block_size: int,
+               gamma: float | None) -> dict[str, Any]:
+    """A SpecForge run config (its `Config` schema) for offline DFlash training on the export."""
+    training: dict[str, Any] = {"strategy": "dflash", "attention_backend": "sdpa"}
+    if gamma is not None:
+        training["loss_decay_gamma"] = gamma
+    return {
+        "model": {"target_model_path": target, "draft_model_config": draft_config,
+                  "draft_num_hidden_layers": draft_layers, "draft_block_size": block_size},
+        "data": {"hidden_states_path": features, "max_length": seq_length},
+        "training": training,
+        "output_dir": output_dir,
+    }
+
+
+def train_command(config_path: str, gpus: int = 8) -> str:
+    return shlex.join(["torchrun", "--nproc-per-node", str(gpus), "-m", "specforge.cli",
+                       "train", "--config", config_path])

@@ -1,0 +1,59 @@
+"""What speculators (0.9) reads, and the command that trains on it.
+
+Its `--data-path` is one directory: the tokenized dataset as `datasets.load_from_disk` reads it,
+`token_freq.pt`, the size-keyed vocab maps `d2t-<N>.npy` / `t2d-<N>.npy` and `hidden_states/
+hs_<i>.safetensors` (row i's chosen layers, then the last layer, which its loader splits off as
+the verifier's). Its layer ids count the embedding output as layer 0: ours + 1.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+
+def embedding_offset_ids(layers: list[int]) -> list[int]:
+    """Decoder-layer indices (ours, SpecForge's, z-lab's `dflash_config.target_layer_ids`) in
+    the convention that counts the embedding output as 0 (speculators' `--target-layer-ids`,
+    HF `output_hidden_states` indices)."""
+    return [layer + 1 for layer in layers]
+
+
+@dataclass(frozen=True)
+class SpeculatorsTraining:
+    """What the printed command says; every value comes from the run."""
+
+    target: str
+    data_path: str
+    save_path: str
+    layers: list[int]  # ours (0-based decoder layers)
+    draft_vocab_size: int
+    draft_layers: int
+    block_size: int
+    seq_length: int
+    mask_token_id: int | None
+    rows_without_states: int
+    states_dtype: str  # extract's: fp32 or bf16
+
+    def argv(self) -> list[str]:
+        args = ["python", "-m", "speculators.train",
+                "--speculator-type", "dflash",
+                "--verifier-name-or-path", self.target,
+                "--data-path", self.data_path,
+                "--save-path", self.save_path,
+                "--target-layer-ids", *map(str, embedding_offset_ids(self.layers)),
+                "--draft-vocab-size", str(self.draft_vocab_size),
+                "--num-layers", str(self.draft_layers),
+                "--block-size", str(self.block_size),
+                "--total-seq-len", str(self.seq_length),
+                # its loader casts the states to this; it defaults to bf16 whatever was stored
+                "--hidden-states-dtype",
+                "bfloat16" if self.states_dtype == "bf16" else "float32"]
+        if self.mask_token_id is not None:
+            args += ["--mask-token-id", str(self.mask_token_id)]
+        if self.rows_without_states:  # rows extract quarantined have no hs_<i> file
+            args += ["--on-missing", "skip"]
+        return args
+
+    def command(self) -> str:
+        return shlex.join(self.argv())

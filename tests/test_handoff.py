@@ -1,0 +1,225 @@
+"""`dflash-etl export`: the run as speculators and SpecForge read it, checked with their own code
+(speculators' trainer runs a few steps on the export, on CPU).
+
+speculators 0.9 is installed `--no-deps` by `make setup` (see the Makefile); SpecForge's package
+is ../shared/fixtures/specforge (not on the registry), put on sys.path here. Each test skips
+with the install step when its consumer is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_etl.core.errors import StageError
+from dflash_etl.handoff.export import export
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+SPECFORGE = REPO.parent / "shared" / "fixtures" / "specforge"
+SPECULATORS_HINT = ("speculators is not installed: make setup (it runs uv pip install --no-deps "
+                    "speculators==0.9.0 hs-connectors==0.9.0)")
+
+
+def _tokenized(run: Path) -> list[dict]:
+    import datasets
+
+    return list(datasets.load_from_disk(str(run / "tokenize" / "dataset")).with_format(None))
+
+
+def _specforge() -> None:
+    if not SPECFORGE.is_dir():
+        pytest.skip(f"{SPECFORGE} is absent (SpecForge's package, from ../shared/fixtures)")
+    if str(SPECFORGE) not in sys.path:
+        sys.path.insert(0, str(SPECFORGE))
+
+
+@pytest.fixture(scope="module")
+def native_run(tmp_path_factory) -> Path:
+    """The embedded default's sources tokenized, extracted natively (2 layers of a tiny target
+    whose embedding is padded beyond the tokenizer) and a drafter trained for a few steps."""
+    from dflash_etl.core.config import load_config
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
+    from dflash_etl.stages import extract, ingest, tokenize, train
+
+    base = tmp_path_factory.mktemp("handoff")
+    target = build_tiny_qwen2(base / "target")
+    config_path = target / "config.json"  # speculators reads head_dim, as real checkpoints have
+    target_config = json.loads(config_path.read_text())
+    target_config["head_dim"] = target_config["hidden_size"] // target_config[
+        "num_attention_heads"]
+    config_path.write_text(json.dumps(target_config))
+    run = base / "run"
+    config = load_config(REPO / "data" / "pipeline.toml")
+    ingest.run(config, run, progress=False)
+    tokenize.run(config, run, progress=False)
+    extract.run(None, run, progress=False, model=str(target), layers="1,2")
+    train.run(None, run, progress=False, target=str(target), layers="1,2", draft_layers=1,
+              block_size=4, steps=2, batch_rows=2, eval_prompts=1, eval_new_tokens=4,
+              save_every=100)
+    return run
+
+
+@pytest.fixture(scope="module")
+def speculators_run(native_run, tmp_path_factory) -> Path:
+    """The same run with extract redone in speculators' format (one file per row)."""
+    from dflash_etl.stages import extract
+
+    run = tmp_path_factory.mktemp("spec") / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock"))
+    target = json.loads((run / "manifest.json").read_text())["stages"]["extract"]["settings"][
+        "model"]
+    extract.run(None, run, force=True, progress=False, model=target, format="speculators",
+                layers="1,2")
+    return run
+
+
+def test_specforge_export_reads_with_specforge_own_reader_and_model(native_run, tmp_path):
+    _specforge()
+    from specforge.algorithms.common.dflash_family_data import (
+        build_collator,
+        build_offline_reader,
+        normalize_offline_sample,
+    )
+    from specforge.config.schema import Config
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from transformers import Qwen3Config
+
+    out = tmp_path / "specforge"
+    doc = export(native_run, "specforge", out)
+    rows = _tokenized(native_run)
+    assert doc["rows_in"] == len(rows)
+    assert doc["rows_out"] + doc["rows_quarantined"] + sum(doc["rows_filtered"].values()) \
+        == len(rows)
+    paired = [r for r in rows if any(a and b for a, b in zip(r["loss_mask"], r["loss_mask"][1:]))]
+    assert doc["rows_out"] == len(paired)  # the rest SpecForge would raise on: filtered
+
+    refs = build_offline_reader("dflash", str(out / "features"), run_id="t", ttt_length=7,
+                                max_len=4096).read()
+    assert len(refs) == doc["rows_out"]
+    samples = []
+    for ref in refs[:4]:
+        path = Path(ref.feature_store_uri.removeprefix("file://"))
+        row = int(path.stem.split("_")[1])
+        sample = normalize_offline_sample(load_feature_file(str(path)), max_len=4096)
+        assert sample["input_ids"][0].tolist() == rows[row]["input_ids"]
+        assert sample["loss_mask"][0].tolist() == rows[row]["loss_mask"]
+        assert sample["hidden_states"].shape == (1, len(rows[row]["input_ids"]),
+                                                 len(doc["layers"]) * doc["hidden_size"])
+        samples.append(sample)
+    batch = build_collator()(samples)
+    assert batch["hidden_states"].shape[0] == 4
+
+    draft = json.loads((out / "dflash_draft_config.json").read_text())
+    model = DFlashDraftModel(Qwen3Config(**draft))
+    assert model.fc.in_features == len(doc["layers"]) * doc["hidden_size"]
+    assert model.target_layer_ids == doc["layers"]
+    # our trained drafter's weights are the model SpecForge would warm-start from
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(
+        load_file(str(native_run / "train" / "drafter" / "model.safetensors")), strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k]
+
+    run_config = json.loads((out / "specforge_run.json").read_text())
+    parsed = Config.model_validate(run_config)  # SpecForge's own schema
+    assert parsed.mode == "offline" and parsed.training.strategy == "dflash"
+    assert shlex.split(doc["command"])[-1] == str((out / "specforge_run.json").resolve())
+
+
+def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators_run, tmp_path):
+    pytest.importorskip("speculators.train.data", reason=SPECULATORS_HINT)
+    from speculators.train.config import TrainConfig
+    from speculators.train.data import ArrowDataset
+
+    out = tmp_path / "speculators"
+    doc = export(speculators_run, "speculators", out)
+    rows = _tokenized(speculators_run)
+    assert doc["rows_out"] == len(rows) and doc["rows_quarantined"] == 0
+    assert doc["layers_embedding_offset"] == [layer + 1 for layer in doc["layers"]]
+    # hard links: the hidden states are not stored twice
+    first = out / "hidden_states" / "hs_0.safetensors"
+    assert first.stat().st_ino == (speculators_run / "extract" / "hidden_states"
+                                   / "hs_0.safetensors").stat().st_ino
+
+    loaded = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise",
+                          hidden_states_dtype=torch.float32)  # its defaults: out/hidden_states
+    assert len(loaded) == len(rows)
+    sample = loaded[3]
+    assert sample["input_ids"].tolist() == rows[3]["input_ids"]
+    assert sample["hidden_states"].shape == (len(rows[3]["input_ids"]),
+                                             len(doc["layers"]) * doc["hidden_size"])
+
+    argv = shlex.split(doc["command"])
+    assert argv[:3] == ["python", "-m", "speculators.train"]
+    cfg = TrainConfig.resolve(argv[3:])  # its own CLI resolution of the printed command
+    flat = cfg.flatten()
+    assert flat["data_path"] == str(out.resolve())
+    assert flat["target_layer_ids"] == doc["layers_embedding_offset"]
+    assert flat["speculator_type"] == "dflash"
+    size = flat["draft_vocab_size"]
+    d2t, t2d = np.load(out / f"d2t-{size}.npy"), np.load(out / f"t2d-{size}.npy")
+    target = Path(json.loads((speculators_run / "manifest.json").read_text())["stages"][
+        "extract"]["settings"]["model"])
+    verifier = json.loads((target / "config.json").read_text())
+    tokenizer_rows = len(np.load(speculators_run / "tokenize" / f"t2d-{size}.npy"))
+    assert verifier["vocab_size"] > tokenizer_rows  # the tiny target pads its embedding
+    assert d2t.shape == (size,) and t2d.shape == (verifier["vocab_size"],)  # what it checks
+    assert "padded" in doc["t2d"]
+
+
+def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run, tmp_path,
+                                                                 monkeypatch):
+    """speculators' own CLI entry, on the export, with the printed command: only device
+    placement is patched (it puts the model on accelerator 0) plus CPU-only switches."""
+    pytest.importorskip("speculators.train.cli", reason=SPECULATORS_HINT)
+    import speculators.train.trainer as trainer_module
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    doc = export(speculators_run, "speculators", tmp_path / "speculators")
+    saved = tmp_path / "drafter"
+    argv = [*shlex.split(doc["command"])[3:],
+            "--save-path", str(saved), "--max-steps", "3", "--epochs", "1", "--num-workers", "0",
+            "--logger", "", "--draft-attn-impl", "sdpa",  # no flex attention / Triton on CPU
+            "--loss-implementation", "eager"]
+    monkeypatch.setattr(trainer_module, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    cli.main(TrainConfig.resolve(argv))
+    checkpoint = saved / "0"
+    assert json.loads((checkpoint / "training_state.json").read_text())["global_step"] == 3
+    val_loss = json.loads((checkpoint / "val_metrics.json").read_text())["loss_epoch"]
+    assert np.isfinite(val_loss) and val_loss > 0
+    config = json.loads((checkpoint / "config.json").read_text())
+    # its drafter captures the layers we extracted, in the serving convention (ours + 1)
+    assert config["aux_hidden_state_layer_ids"] == doc["layers_embedding_offset"]
+    assert config["draft_vocab_size"] == doc["draft_vocab_size"]
+
+
+def test_speculators_export_refuses_the_native_format_with_the_fix(native_run, tmp_path):
+    with pytest.raises(StageError, match="--format speculators --force"):
+        export(native_run, "speculators", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_never_replaces_a_directory_it_did_not_write(native_run, tmp_path):
+    _specforge()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(StageError, match="not an export this tool wrote"):
+        export(native_run, "specforge", mine)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    out = tmp_path / "again"
+    first = export(native_run, "specforge", out)
+    second = export(native_run, "specforge", out)  # its own export: replaced whole
+    assert first["rows_out"] == second["rows_out"] and (out / "export.json").is_file()
+    assert not list(tmp_path.glob(".*.partial"))
