@@ -1113,6 +1113,13 @@ class RegenerateStage(Stage):
                 conversations, ctx.state["backend"], cache, settings, bar)
         doc = stats_document(per_source, STAGE)
         doc["total"]["finish_reasons"] = dict(finish)
+        # what tokenize's on-policy check compares its rendering with
+        doc["generation"] = {
+            "backend": settings.backend, "thinking": settings.thinking,
+            "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
+            "mode": settings.mode,
+            "served_model": getattr(ctx.state["backend"], "served_model", None)
+            or settings.model}
         out = partial / "conversations"
         out.mkdir(exist_ok=True)
         pq.write_table(pa.Table.from_pylist(kept, schema=S.CONVERSATIONS),

@@ -333,11 +333,11 @@ def _check_on_policy(manifest: dict[str, Any], settings: TokenizeSettings, doc: 
                      partial: Path) -> None:
     """Rows rendered in another thinking mode than the replies were generated in fail the stage,
     naming both (see validation/on_policy.py); the report is kept in stats.json either way."""
+    generated = None
     regenerate = manifest.get("stages", {}).get("regenerate", {})
-    generated = regenerate.get("settings") if regenerate.get("status") == "complete" else None
-    if generated:
-        generated = {k: generated.get(k) for k in ("backend", "thinking", "temperature",
-                                                  "max_new_tokens", "served_model", "mode")}
+    stats = partial.parent / "regenerate" / "stats.json"
+    if regenerate.get("status") == "complete" and stats.is_file():
+        generated = json.loads(stats.read_text()).get("generation")
     total = doc["total"]
     report = on_policy_report(generated, settings.supervise_reasoning, total["rows_written"],
                               total.get("generation_prompt_kwargs") or {},
