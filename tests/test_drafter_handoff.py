@@ -237,3 +237,70 @@ def test_vllm_serve_command_is_one_copy_pasteable_line(tmp_path):
     assert json.loads(argv[4]) == {"method": "dflash", "model": str(drafter.resolve()),
                                    "num_speculative_tokens": 15}
     assert shlex.split(vllm_serve_command("Qwen/Qwen3-8B", drafter, 8))[2] == "Qwen/Qwen3-8B"
+
+
+def _greedy(target, prompt: list[int], n: int) -> list[int]:
+    """The target's greedy continuation, one full forward pass per token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def _oracle(model, greedy: list[int], prompt_len: int, right: int) -> list[int]:
+    """Make the loaded drafter propose the target's greedy tokens, right on the first `right`
+    drafts of each block and wrong after: the decode loop under test stays real, and its
+    acceptance path is exercised (a random drafter's drafts are all rejected). Returns the list
+    the anchors of its blocks are appended to."""
+    anchors: list[int] = []
+    forward, compute_logits = model.forward, model.compute_logits
+
+    def recording_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        anchors.append(int(kwargs["position_ids"][0, -out.shape[1]]))
+        return out
+
+    def proposing(hidden, head):
+        logits = compute_logits(hidden, head)
+        done = anchors[-1] - prompt_len + 1  # greedy tokens before this block's first draft
+        wanted = greedy[done:done + logits.shape[1]]
+        wanted = wanted[:right] + [(t + 1) % logits.shape[-1] for t in wanted[right:]]
+        fake = torch.full_like(logits, -1e4)
+        fake[0, torch.arange(len(wanted)), torch.tensor(wanted)] = 0.0
+        return fake
+
+    model.forward, model.compute_logits = recording_forward, proposing
+    return anchors
+
+
+def test_spec_generate_and_zlabs_decode_loop_give_the_targets_greedy_text(drafter, target_dir):
+    """z-lab's documented route after AutoModel is `model.spec_generate(...)`; dflash.py's own
+    greedy loop and z-lab's `dflash_generate` (driving our class through its KV cache) both
+    decode the target's greedy continuation, keeping the accepted drafts + 1 per step."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    _, out = drafter
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompt, n = [5, 17, 42, 8, 99, 23], 16
+    greedy = _greedy(target, prompt, n)
+    ids = torch.tensor([prompt])
+    model = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    for right in (0, 2, 3):  # every draft wrong; 2 of 3 right (3 tokens a step); all right
+        anchors = _oracle(model, greedy, len(prompt), right)
+        got = model.spec_generate(target=target, input_ids=ids, max_new_tokens=n,
+                                  stop_token_ids=None, temperature=0.0)
+        assert got[0, len(prompt):].tolist() == greedy
+        # the first token comes from the prefill; each step keeps right + 1 (the last may be cut)
+        assert len(anchors) == -(-(n - 1) // (right + 1))
+        assert anchors[:3] == [len(prompt) + k * (right + 1) for k in range(3)]
+        del model.forward, model.compute_logits  # the class's own again
+    stop = greedy[7]  # a stop token ends the text right after it
+    _oracle(model, greedy, len(prompt), 2)
+    got = model.spec_generate(target=target, input_ids=ids, max_new_tokens=n,
+                              stop_token_ids=[stop])
+    assert got[0, len(prompt):].tolist() == greedy[:greedy.index(stop) + 1]
+    zlab = _zlab()
+    anchors = _oracle(model, greedy, len(prompt), 2)
+    got = zlab.dflash_generate(model, target, ids, n, None)
+    assert got[0, len(prompt):].tolist() == greedy and len(anchors) == 5

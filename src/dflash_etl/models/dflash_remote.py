@@ -196,3 +196,71 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         """The target's LM head on the drafter's states (z-lab's method name)."""
         return output_head(hidden)
+
+    def target_context(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The drafter's input from a transformers forward's `hidden_states` (index 0 is the
+        embedding output, so decoder layer i's output is at i + 1)."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None = None, temperature: float = 0.0,
+                      **_ignored: Any) -> torch.LongTensor:
+        """Greedy speculative decoding of one sequence with `target` (z-lab's method name and
+        arguments): each step drafts a block after the last token, the target checks it in one
+        pass, the agreeing drafts and the target's next token are kept, both KV caches are
+        cropped to what was kept. The result is the target's own greedy continuation."""
+        import inspect
+
+        from transformers import DynamicCache
+
+        if temperature > 0:
+            raise NotImplementedError("spec_generate here is greedy only (temperature 0); "
+                                      "z-lab's dflash.model.dflash_generate samples")
+        if input_ids.shape[0] != 1:
+            raise ValueError("spec_generate decodes one sequence at a time")
+        device, prompt = input_ids.device, input_ids.shape[1]
+        limit, stops = prompt + max_new_tokens, set(stop_token_ids or [])
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        try:  # per-layer caches as the target's config says (sliding windows)
+            target_cache = DynamicCache(config=target.config)
+        except TypeError:  # transformers before the config argument
+            target_cache = DynamicCache()
+        draft_cache = DynamicCache()
+        # transformers 5.x renamed the target's past_key_values argument to cache
+        key = "cache" if "cache" in inspect.signature(target.forward).parameters \
+            else "past_key_values"
+
+        def crop(cache: Any, length: int) -> None:
+            if cache.get_seq_length() > length:
+                cache.crop(length - cache.get_seq_length())
+
+        out = target(input_ids, use_cache=True, output_hidden_states=True,
+                     **{key: target_cache})
+        tokens = [*input_ids[0].tolist(), int(out.logits[0, -1].argmax())]
+        context = self.target_context(out.hidden_states)
+        while len(tokens) < limit and tokens[-1] not in stops:
+            start = len(tokens) - 1  # the anchor: the last kept token, not yet seen by target
+            size = min(self.block_size, limit - start)
+            block = torch.tensor([[tokens[-1]] + [self.mask_token_id] * (size - 1)],
+                                 device=device)
+            if size > 1:
+                positions = torch.arange(start - context.shape[1], start + size, device=device)
+                hidden = self(position_ids=positions[None], noise_embedding=embed(block),
+                              target_hidden=context, past_key_values=draft_cache)
+                crop(draft_cache, start)
+                block[0, 1:] = self.compute_logits(hidden[:, 1:], head).argmax(-1)[0]
+            out = target(block, position_ids=torch.arange(start, start + size,
+                                                          device=device)[None],
+                         use_cache=True, output_hidden_states=True, **{key: target_cache})
+            checked = out.logits[0].argmax(-1).tolist()
+            drafts = block[0, 1:].tolist()
+            accepted = 0
+            while accepted < size - 1 and drafts[accepted] == checked[accepted]:
+                accepted += 1
+            new = [*drafts[:accepted], checked[accepted]]
+            stop_at = next((k for k, t in enumerate(new) if t in stops), None)
+            tokens.extend(new if stop_at is None else new[:stop_at + 1])
+            crop(target_cache, start + accepted + 1)
+            context = self.target_context(out.hidden_states)[:, :accepted + 1]
+        return torch.tensor([tokens[:limit]], device=device)
