@@ -263,5 +263,3 @@ def block_loss_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-

@@ -668,16 +668,16 @@ class TrainStage(Stage):
 def vllm_command(run_root: str | Path) -> str:
     """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
     drafter (the target it was trained against, num_speculative_tokens = block_size - 1)."""
-    from dflash_etl.models.drafter import CONFIG
-    from dflash_etl.models.serving import vllm_serve_command
+    from dflash_etl.models.serving import vllm_serve_command  # no torch: the CLI stays light
 
     run = RunDir(run_root)
     drafter = run.stage_dir(STAGE) / "drafter"
     info = run.manifest().get("stages", {}).get(STAGE, {})
-    if info.get("status") != "complete" or not (drafter / CONFIG).exists():
+    if info.get("status") != "complete" or not (drafter / "config.json").exists():
         raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
                          "first")
-    block_size = int(json.loads((drafter / CONFIG).read_text())["dflash_config"]["block_size"])
+    config = json.loads((drafter / "config.json").read_text())
+    block_size = int(config["dflash_config"]["block_size"])
     return vllm_serve_command(info["settings"]["target"], drafter, block_size)
 
 
