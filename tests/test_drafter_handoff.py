@@ -184,8 +184,8 @@ def test_zlab_loads_the_drafter_with_no_missing_keys_and_computes_the_same(draft
     assert float((results[1][1] - whole).abs().max()) < 1e-5
 
 
-def test_specforge_loads_the_drafter_with_no_missing_or_unexpected_keys(drafter, fixtures_dir,
-                                                                      monkeypatch):
+def test_specforge_loads_the_drafter_with_no_missing_or_unexpected_keys_and_computes_it(
+        drafter, fixtures_dir, monkeypatch):
     root = fixtures_dir / "specforge"
     if not (root / "specforge" / "modeling" / "draft" / "dflash.py").is_file():
         pytest.skip(f"SpecForge's source not found at {root} (expected ../shared/fixtures/"
@@ -193,12 +193,15 @@ def test_specforge_loads_the_drafter_with_no_missing_or_unexpected_keys(drafter,
     monkeypatch.syspath_prepend(str(root))
     from specforge.modeling.draft.dflash import DFlashDraftModel
 
-    _, out = drafter
+    ours, out = drafter
     model, info = DFlashDraftModel.from_pretrained(out, dtype=torch.float32,
                                                    output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert list(model.target_layer_ids) == LAYERS and model.block_size == BLOCK
     assert model.mask_token_id == 299
+    hidden, embeds = _inputs()  # and it computes what we trained
+    expected = _ours(ours, hidden, embeds, [hidden.shape[1]])[0]
+    assert float((_one_block(model.eval(), hidden, embeds) - expected).abs().max()) < 1e-5
     for name in [k for k in sys.modules if k == "specforge" or k.startswith("specforge.")]:
         monkeypatch.delitem(sys.modules, name)  # the path goes; so does what it imported
 
