@@ -187,10 +187,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             raise ValueError("DFlashDraftModel needs noise_embedding and target_hidden")
         context = self.hidden_norm(self.fc(target_hidden))
         mask = _sdpa_mask(attention_mask, noise_embedding.dtype)
-        cache = past_key_values if use_cache or past_key_values is not None else None
-        x = noise_embedding
+        x = noise_embedding  # use_cache is z-lab's argument: a given cache is always updated
         for layer in self.layers:
-            x = layer(x, context, position_ids, mask, cache)
+            x = layer(x, context, position_ids, mask, past_key_values)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
