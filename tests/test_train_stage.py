@@ -237,6 +237,52 @@ def test_online_and_speculators_format_states_train_like_native_ones(extracted, 
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), other.parent.name
 
 
+def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
+        extracted, target, tmp_path, capsys):
+    """Before: no model code and no auto_map (AutoModel with remote code gave a plain
+    Qwen3Model), max_position_embeddings left to vLLM's default, one layer-id convention. Now
+    train/drafter holds dflash.py, AutoModel gives our drafter's output, config.json names the
+    layers both ways (as extract's stats do), and train prints the `vllm serve` line."""
+    import shlex
+
+    from transformers import AutoConfig, AutoModel
+
+    from dflash_etl.models.drafter import DFlashDrafter
+
+    ext = json.loads((extracted / "extract" / "stats.json").read_text())["total"]
+    assert (ext["target_layer_ids"], ext["aux_hidden_state_layer_ids"]) == ([2], [3])
+    run_dir = _copy(extracted, tmp_path)
+    with pytest.raises(StageError, match="no trained drafter"):
+        train.vllm_command(run_dir)
+    capsys.readouterr()
+    train.run(None, run_dir, progress=False, target=str(target),
+              **{**SMALL, "steps": 2, "eval_prompts": 2, "eval_new_tokens": 4})
+    line = train.vllm_command(run_dir)
+    assert line in capsys.readouterr().err
+    drafter_dir = run_dir / "train" / "drafter"
+    argv = shlex.split(line)
+    assert argv[:3] == ["vllm", "serve", str(target.resolve())]
+    assert json.loads(argv[4]) == {"method": "dflash", "model": str(drafter_dir.resolve()),
+                                   "num_speculative_tokens": 7}  # block_size 8
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["max_position_embeddings"] == AutoConfig.from_pretrained(
+        target).max_position_embeddings
+    assert config["dflash_config"]["target_layer_ids"] == [2]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [3]
+    assert (drafter_dir / "dflash.py").is_file()
+    assert (run_dir / "train" / "checkpoints" / "step-000002" / "dflash.py").is_file()
+    remote = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True,
+                                       dtype=torch.float32).eval()
+    ours = DFlashDrafter.load(drafter_dir).eval()
+    g = torch.Generator().manual_seed(0)
+    hidden, embeds = torch.randn(1, 5, 64, generator=g), torch.randn(1, 1, 8, 64, generator=g)
+    with torch.no_grad():
+        expected = ours(hidden, torch.ones(1, 5, dtype=torch.bool), embeds, torch.tensor([[5]]))
+        got = remote(position_ids=torch.arange(13)[None], noise_embedding=embeds[:, 0],
+                     target_hidden=hidden)
+    assert float((got - expected[:, 0]).abs().max()) < 1e-6
+
+
 def test_errors_name_the_cause(extracted, target, tmp_path):
     run_dir = _copy(extracted, tmp_path)
     shutil.rmtree(run_dir / "extract")

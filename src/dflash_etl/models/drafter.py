@@ -15,6 +15,7 @@ safetensors with a config.json a DFlash loader understands.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_etl.models.serving import aux_hidden_state_layer_ids
+
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+REMOTE_CODE = "dflash.py"  # models/dflash_remote.py, copied beside the weights (auto_map)
+REMOTE_SOURCE = Path(__file__).with_name("dflash_remote.py")
 
 
 @dataclass
@@ -45,11 +50,15 @@ class DrafterConfig:
     rope_theta: float = 1_000_000.0
     target_num_hidden_layers: int = 0
     loss_decay_gamma: float = 7.0
+    # the target's context length: vLLM sizes the drafter's rotary cache by it (32768 if absent)
+    max_position_embeddings: int = 32768
 
     @classmethod
     def from_target(cls, target_config: Any, *, draft_layers: int, target_layer_ids: list[int],
                     mask_token_id: int, block_size: int) -> DrafterConfig:
         heads = target_config.num_attention_heads
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
+            else target_config
         return cls(
             hidden_size=target_config.hidden_size, num_hidden_layers=draft_layers,
             num_attention_heads=heads,
@@ -63,17 +72,33 @@ class DrafterConfig:
             rope_theta=float(getattr(target_config, "rope_theta", None)
                              or (getattr(target_config, "rope_parameters", None) or {}).get(
                                  "rope_theta", 1_000_000.0)),
-            target_num_hidden_layers=target_config.num_hidden_layers)
+            target_num_hidden_layers=target_config.num_hidden_layers,
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", None)
+                                        or cls.max_position_embeddings))
 
     def to_json(self) -> dict[str, Any]:
-        """config.json in the z-lab DFlash layout (a Qwen3-style config plus dflash_config)."""
+        """config.json in the z-lab DFlash layout (a Qwen3 config plus dflash_config), with every
+        field a loader would otherwise default stated: what this drafter computes (SiLU, no
+        attention bias, full bidirectional attention, plain rotary), the target's context
+        length, and the target layers in both conventions (see `aux_hidden_state_layer_ids`)."""
         doc = {k: v for k, v in asdict(self).items()
                if k not in ("target_layer_ids", "mask_token_id")}
-        doc.update({"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-                    "num_target_layers": self.target_num_hidden_layers,
-                    "dflash_config": {"target_layer_ids": self.target_layer_ids,
-                                      "mask_token_id": self.mask_token_id,
-                                      "block_size": self.block_size}})
+        doc.update({
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "auto_map": {"AutoModel": f"{REMOTE_CODE.removesuffix('.py')}.DFlashDraftModel"},
+            "num_target_layers": self.target_num_hidden_layers,
+            "target_hidden_size": self.hidden_size,
+            "hidden_act": "silu", "attention_bias": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": False, "dtype": "float32", "torch_dtype": "float32",
+            "dflash_config": {"target_layer_ids": self.target_layer_ids,
+                              "mask_token_id": self.mask_token_id,
+                              "block_size": self.block_size},
+            # vLLM's name for the same layers counted with the embedding output as 0; its
+            # hidden-state capture reads this first (else dflash_config.target_layer_ids + 1)
+            "eagle_aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(
+                self.target_layer_ids)})
         return doc
 
     @classmethod
@@ -216,6 +241,7 @@ class DFlashDrafter(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
         (directory / CONFIG).write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+        shutil.copyfile(REMOTE_SOURCE, directory / REMOTE_CODE)
 
     @classmethod
     def load(cls, directory: Path) -> DFlashDrafter:
@@ -237,4 +263,3 @@ def block_loss_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-

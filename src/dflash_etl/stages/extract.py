@@ -43,6 +43,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target, parse_layers
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
@@ -325,6 +326,10 @@ class ExtractStage(Stage):
                        partial / "index.parquet")
         doc = stats_document(per_source, STAGE)
         doc["total"].update({"layers": target.layers, "stored_layers": stored,
+                             # the same layers in both conventions (README: which ids go where)
+                             "target_layer_ids": target.layers,
+                             "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(
+                                 target.layers),
                              "n_layers": target.n_layers,
                              "hidden_size": target.hidden, "dtype": settings.dtype,
                              "format": settings.format,

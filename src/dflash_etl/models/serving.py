@@ -1,0 +1,34 @@
+"""What a trained drafter tells the tools that train on our data or serve it: the layer-id
+conventions and the `vllm serve` line. No torch here, so the stages' and the CLI's import stays
+light.
+
+Layer ids. Ours: decoder layer i's output is layer i (the first decoder layer is 0), as z-lab's
+DFlash, SpecForge and vLLM's `dflash_config.target_layer_ids` count them. speculators (its
+`--target-layer-ids`, `aux_hidden_state_layer_ids`) and vLLM's hidden-state capture
+(`eagle_aux_hidden_state_layer_ids`; its DFlash loader adds 1 to dflash_config.target_layer_ids
+when that is absent) count the embedding output as layer 0, so the same layer is one higher
+there: our [2] is their [3]."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+
+def aux_hidden_state_layer_ids(target_layer_ids: list[int]) -> list[int]:
+    """Our layer ids in the convention that counts the embedding output as layer 0."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: int) -> str:
+    """The `vllm serve` line for this drafter: vLLM's DFlash proposer drafts
+    num_speculative_tokens tokens per step in one block (the anchor + that many mask tokens),
+    so a drafter trained on blocks of `block_size` drafts block_size - 1 (z-lab's b16 drafters
+    are served with 15)."""
+    spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()),
+            "num_speculative_tokens": block_size - 1}
+    where = Path(target)
+    target = where.resolve() if where.exists() else target  # a local directory, or a hub id
+    return (f"vllm serve {shlex.quote(str(target))} "
+            f"--speculative-config {shlex.quote(json.dumps(spec))}")
