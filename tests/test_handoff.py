@@ -223,3 +223,20 @@ def test_export_never_replaces_a_directory_it_did_not_write(native_run, tmp_path
     second = export(native_run, "specforge", out)  # its own export: replaced whole
     assert first["rows_out"] == second["rows_out"] and (out / "export.json").is_file()
     assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_the_cli_prints_the_commands_and_says_what_is_wrong(native_run, tmp_path, capsys):
+    """`dflash-etl export`: the serve line for the drafter, the trainer command, and a user
+    error as one line with exit 1 (no traceback)."""
+    from dflash_etl.cli.main import main
+
+    assert main(["export", "--run", str(native_run), "--to", "vllm"]) == 0
+    out = capsys.readouterr().out
+    serve = shlex.split(out.splitlines()[1])
+    assert serve[:2] == ["vllm", "serve"]
+    assert json.loads(serve[4])["model"] == str((native_run / "train" / "drafter").resolve())
+    assert main(["export", "--run", str(native_run), "--to", "speculators",
+                 "--out", str(tmp_path / "s")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--format speculators" in err
+    assert "Traceback" not in err

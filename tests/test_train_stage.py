@@ -18,6 +18,7 @@ import pytest
 
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.handoff.export import vllm_command
 from dflash_etl.stages import extract, ingest, regenerate, tokenize, train
 
 torch = pytest.importorskip("torch")
@@ -253,11 +254,11 @@ def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
     assert (ext["target_layer_ids"], ext["aux_hidden_state_layer_ids"]) == ([2], [3])
     run_dir = _copy(extracted, tmp_path)
     with pytest.raises(StageError, match="no trained drafter"):
-        train.vllm_command(run_dir)
+        vllm_command(run_dir)
     capsys.readouterr()
     train.run(None, run_dir, progress=False, target=str(target),
               **{**SMALL, "steps": 2, "eval_prompts": 2, "eval_new_tokens": 4})
-    line = train.vllm_command(run_dir)
+    line = vllm_command(run_dir)
     assert line in capsys.readouterr().err
     drafter_dir = run_dir / "train" / "drafter"
     argv = shlex.split(line)

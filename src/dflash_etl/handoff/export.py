@@ -1,6 +1,7 @@
 """export: a finished run as the trainer the user deploys with reads it, and the command to run.
 
     dflash-etl export --run R --to speculators|specforge [--out DIR] [--link hard|symlink|copy]
+    dflash-etl export --run R --to vllm      # prints the `vllm serve` line for the drafter
     python -m dflash_etl.handoff.export --run R --to ...
 
 speculators: one `--data-path` directory whose big files are hard links to the run's (no second
@@ -26,8 +27,9 @@ from dflash_etl.core.lock import run_lock
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, now, remove_tree, write_json_atomic
 from dflash_etl.handoff import specforge, speculators
+from dflash_etl.models.serving import aux_hidden_state_layer_ids, vllm_serve_command
 
-TARGETS = ("speculators", "specforge")
+TARGETS = ("speculators", "specforge")  # written; `vllm` only prints its serve line
 LINKS = ("hard", "symlink", "copy")
 RECORD = "export.json"  # also the marker: an --out directory without it is never replaced
 
@@ -187,7 +189,7 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         "rows_in": n_rows, "rows_out": n_rows - missing,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {},
-        "layers": layers, "layers_embedding_offset": speculators.embedding_offset_ids(layers),
+        "layers": layers, "layers_embedding_offset": aux_hidden_state_layer_ids(layers),
         "stored_layers": stored, "hidden_size": hidden, "draft_vocab_size": draft["size"],
         "t2d": t2d_note, "links": sorted(used),
         "command": training.command(), "argv": training.argv(),
@@ -294,7 +296,7 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         "rows_in": n_rows, "rows_out": written, "rows_quarantined": missing,
         "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {specforge.Q_NO_PAIR: filtered} if filtered else {},
-        "layers": layers, "layers_embedding_offset": speculators.embedding_offset_ids(layers),
+        "layers": layers, "layers_embedding_offset": aux_hidden_state_layer_ids(layers),
         "hidden_size": hidden, "dtype": extracted.get("dtype"),
         "command": specforge.train_command(str((final / "specforge_run.json").resolve())),
     }
@@ -343,10 +345,26 @@ def _account(doc: dict[str, Any]) -> None:
                          "consecutive supervised tokens per row)")
 
 
+# ---------------------------------------------------------------- vllm
+def vllm_command(run_root: str | Path) -> str:
+    """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
+    drafter (the target it was trained against, num_speculative_tokens = block_size - 1)."""
+    run = RunDir(Path(run_root))
+    drafter = run.stage_dir("train") / "drafter"
+    info = run.manifest().get("stages", {}).get("train", {})
+    if info.get("status") != "complete" or not (drafter / "config.json").exists():
+        raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
+                         "first")
+    config = json.loads((drafter / "config.json").read_text())
+    block_size = int(config["dflash_config"]["block_size"])
+    return vllm_serve_command(info["settings"]["target"], drafter, block_size)
+
+
 # ---------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
-    p.add_argument("--to", required=True, choices=TARGETS, help="the trainer that reads it")
+    p.add_argument("--to", required=True, choices=(*TARGETS, "vllm"),
+                   help="the trainer that reads it (vllm: print the serve line for the drafter)")
     p.add_argument("--out", default=None, help="where (default: <run>/export/<to>)")
     p.add_argument("--link", default="hard", choices=LINKS,
                    help="how the big files get there (speculators; default: hard links, "
@@ -356,6 +374,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.to == "vllm":
+        print(f"serve the drafter with:\n  {vllm_command(args.run)}", flush=True)
+        return 0
     doc = export(args.run, args.to, args.out, args.link)
     out = Path(args.out) if args.out else Path(args.run) / "export" / args.to
     print(f"export {args.to}: {doc['rows_out']} of {doc['rows_in']} rows -> {out}", flush=True)

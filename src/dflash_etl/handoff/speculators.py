@@ -3,7 +3,8 @@
 Its `--data-path` is one directory: the tokenized dataset as `datasets.load_from_disk` reads it,
 `token_freq.pt`, the size-keyed vocab maps `d2t-<N>.npy` / `t2d-<N>.npy` and `hidden_states/
 hs_<i>.safetensors` (row i's chosen layers, then the last layer, which its loader splits off as
-the verifier's). Its layer ids count the embedding output as layer 0: ours + 1.
+the verifier's). Its layer ids count the embedding output as layer 0: ours + 1 (see
+models/serving.py).
 """
 
 from __future__ import annotations
@@ -11,12 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-
-def embedding_offset_ids(layers: list[int]) -> list[int]:
-    """Decoder-layer indices (ours, SpecForge's, z-lab's `dflash_config.target_layer_ids`) in
-    the convention that counts the embedding output as 0 (speculators' `--target-layer-ids`,
-    HF `output_hidden_states` indices)."""
-    return [layer + 1 for layer in layers]
+from dflash_etl.models.serving import aux_hidden_state_layer_ids
 
 
 @dataclass(frozen=True)
@@ -41,7 +37,7 @@ class SpeculatorsTraining:
                 "--verifier-name-or-path", self.target,
                 "--data-path", self.data_path,
                 "--save-path", self.save_path,
-                "--target-layer-ids", *map(str, embedding_offset_ids(self.layers)),
+                "--target-layer-ids", *map(str, aux_hidden_state_layer_ids(self.layers)),
                 "--draft-vocab-size", str(self.draft_vocab_size),
                 "--num-layers", str(self.draft_layers),
                 "--block-size", str(self.block_size),

@@ -661,24 +661,10 @@ class TrainStage(Stage):
 
             dist.barrier()  # rank 0 has published
         if ctx.rank == 0:
+            from dflash_etl.handoff.export import vllm_command
+
             print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}",
                   file=sys.stderr, flush=True)
-
-
-def vllm_command(run_root: str | Path) -> str:
-    """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
-    drafter (the target it was trained against, num_speculative_tokens = block_size - 1)."""
-    from dflash_etl.models.serving import vllm_serve_command  # no torch: the CLI stays light
-
-    run = RunDir(run_root)
-    drafter = run.stage_dir(STAGE) / "drafter"
-    info = run.manifest().get("stages", {}).get(STAGE, {})
-    if info.get("status") != "complete" or not (drafter / "config.json").exists():
-        raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
-                         "first")
-    config = json.loads((drafter / "config.json").read_text())
-    block_size = int(config["dflash_config"]["block_size"])
-    return vllm_serve_command(info["settings"]["target"], drafter, block_size)
 
 
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
