@@ -144,7 +144,7 @@ def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators
     doc = export(speculators_run, "speculators", out)
     rows = _tokenized(speculators_run)
     assert doc["rows_out"] == len(rows) and doc["rows_quarantined"] == 0
-    assert doc["layers_embedding_offset"] == [layer + 1 for layer in doc["layers"]]
+    assert doc["aux_hidden_state_layer_ids"] == [layer + 1 for layer in doc["layers"]]
     # hard links: the hidden states are not stored twice
     first = out / "hidden_states" / "hs_0.safetensors"
     assert first.stat().st_ino == (speculators_run / "extract" / "hidden_states"
@@ -163,7 +163,7 @@ def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators
     cfg = TrainConfig.resolve(argv[3:])  # its own CLI resolution of the printed command
     flat = cfg.flatten()
     assert flat["data_path"] == str(out.resolve())
-    assert flat["target_layer_ids"] == doc["layers_embedding_offset"]
+    assert flat["target_layer_ids"] == doc["aux_hidden_state_layer_ids"]
     assert flat["speculator_type"] == "dflash"
     size = flat["draft_vocab_size"]
     d2t, t2d = np.load(out / f"d2t-{size}.npy"), np.load(out / f"t2d-{size}.npy")
@@ -200,7 +200,7 @@ def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run
     assert np.isfinite(val_loss) and val_loss > 0
     config = json.loads((checkpoint / "config.json").read_text())
     # its drafter captures the layers we extracted, in the serving convention (ours + 1)
-    assert config["aux_hidden_state_layer_ids"] == doc["layers_embedding_offset"]
+    assert config["aux_hidden_state_layer_ids"] == doc["aux_hidden_state_layer_ids"]
     assert config["draft_vocab_size"] == doc["draft_vocab_size"]
 
 

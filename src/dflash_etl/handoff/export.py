@@ -189,7 +189,7 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         "rows_in": n_rows, "rows_out": n_rows - missing,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {},
-        "layers": layers, "layers_embedding_offset": aux_hidden_state_layer_ids(layers),
+        "layers": layers, "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
         "stored_layers": stored, "hidden_size": hidden, "draft_vocab_size": draft["size"],
         "t2d": t2d_note, "links": sorted(used),
         "command": training.command(), "argv": training.argv(),
@@ -296,7 +296,7 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         "rows_in": n_rows, "rows_out": written, "rows_quarantined": missing,
         "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {specforge.Q_NO_PAIR: filtered} if filtered else {},
-        "layers": layers, "layers_embedding_offset": aux_hidden_state_layer_ids(layers),
+        "layers": layers, "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
         "hidden_size": hidden, "dtype": extracted.get("dtype"),
         "command": specforge.train_command(str((final / "specforge_run.json").resolve())),
     }
@@ -384,7 +384,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"  not exported: {doc['quarantine_reasons']} upstream, {doc['rows_filtered']} "
               "filtered", flush=True)
     print(f"  layers: {doc['layers']} (decoder layers, 0-based: SpecForge, z-lab, vLLM's "
-          f"dflash_config) = {doc['layers_embedding_offset']} (embedding = 0: speculators)",
+          f"dflash_config) = {doc['aux_hidden_state_layer_ids']} (embedding = 0: speculators)",
           flush=True)
     print(f"train with:\n  {doc['command']}", flush=True)
     return 0
