@@ -74,7 +74,7 @@ def test_a_gzip_bomb_stops_at_the_ceiling_in_bounded_memory(tmp_path):
     assert first == 1 and MB // (len(LINE) + 1) - 1 <= n_rows <= MB // (len(LINE) + 1)
     assert last[1][0] == "decompressed_too_large" and "max_decompressed_bytes" in last[1][1]
     assert last[0] == n_rows + 1  # the next line number: where the rest begins
-    assert peak < 8 * MB and seconds < 10
+    assert peak < 8 * MB and seconds < 30  # ~0.5 s here; the budget leaves room for a busy CI
 
 
 def test_a_gzip_line_without_end_is_cut_at_max_line_bytes(tmp_path):
@@ -83,7 +83,7 @@ def test_a_gzip_line_without_end_is_cut_at_max_line_bytes(tmp_path):
     out, peak, seconds = peak_while_reading(path, max_bytes=MB)
     assert [(n, e[0]) for n, e, _, _ in out] == [(1, "line_too_long")]
     assert f"line is {50 * MB} bytes" in out[0][1][1] and out[0][3] == RAW_KEEP_BYTES
-    assert peak < 8 * MB and seconds < 10
+    assert peak < 8 * MB and seconds < 30
 
 
 def test_a_plain_jsonl_huge_line_between_rows_is_cut_in_bounded_memory(tmp_path):
@@ -124,9 +124,9 @@ def test_a_big_json_array_streams_in_bounded_memory(tmp_path):
                           {"role": "assistant", "content": "a"}]} for k in range(30000)]
     path.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     assert path.stat().st_size > 12 * MB  # read whole, it alone would be over the bound
-    out, peak, seconds = peak_while_reading(path)
+    out, peak, _ = peak_while_reading(path)
     assert out == [(1, None, 30000, -1)]
-    assert peak < 6 * MB and seconds < 60
+    assert peak < 6 * MB, peak
 
 
 def test_an_array_element_over_the_limit_is_counted_not_kept(tmp_path):
@@ -262,3 +262,33 @@ def test_glob_semantics_match_the_standard_glob_without_links(tmp_path):
         expected = sorted(p for p in glob.glob(str(tmp_path / pattern), recursive=True)
                           if os.path.isfile(p))
         assert readers.resolve_paths(pattern, tmp_path) == expected, pattern
+
+
+def test_ingesting_a_json_array_holds_chunks_of_rows_not_the_file(tmp_path):
+    from dflash_etl.core.config import SourceConfig
+    from dflash_etl.core.stage import WorkItem
+    from dflash_etl.stages.ingest import IngestStage
+
+    def run(path: Path):
+        item = WorkItem(0, (SourceConfig(name="s", path=str(path)), Unit(str(path))))
+        worker = (16 * MB, 1 << 40)
+        return IngestStage.process_batch(worker, IngestStage.load(worker, item), item)
+
+    (tmp_path / "one.json").write_bytes(orjson.dumps([CHAT]))
+    run(tmp_path / "one.json")  # the modules pyarrow and the formats import on first use
+    path = tmp_path / "rows.json"
+    rows = [{"messages": [{"role": "user", "content": f"q{k} " + "z" * 300},
+                          {"role": "assistant", "content": "a"}]} for k in range(10000)]
+    path.write_bytes(orjson.dumps(rows))
+    del rows
+    tracemalloc.start()
+    try:
+        out = run(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.rows.num_rows == 10000 and out.stats["s"].rows_out == 10000
+    assert out.rows.column("line").to_pylist() == list(range(1, 10001))
+    # the Python objects of one chunk of rows (the rows themselves are Arrow): ~6 MB; all
+    # 10000 rows as dicts were ~17 MB, and grow with the file
+    assert peak < 10 * MB, peak

@@ -141,9 +141,11 @@ def resolve_source(pattern: str, base_dir: Path) -> Resolved:
     elif _is_magic(full):
         parts = full.split(os.sep)
         k = next(i for i, part in enumerate(parts) if _is_magic(part))
-        base = os.sep.join(parts[:k]) or os.sep
+        base = os.sep.join(parts[:k]) or (os.sep if k else os.curdir)
         segs = [p for p in parts[k:] if p]
         candidates = _walk(base, segs, False, out) if os.path.isdir(base) else []
+        if not k:  # a relative pattern from here: paths as glob writes them
+            candidates = [os.path.relpath(p) for p in candidates]
     else:
         candidates = [full] if os.path.isfile(full) else []
     seen: set[str] = set()

@@ -9,6 +9,7 @@ passes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ from dflash_etl.io import readers
 from dflash_etl.validation import suites
 
 STAGE = "ingest"
+CHUNK_RECORDS = 1024  # records normalized (as Python objects) at a time per work item
 _ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
 UNIT_SCHEMA = pa.schema(list(S.CONVERSATIONS) + list(_ORDER))
 
@@ -238,16 +240,29 @@ class IngestStage(BatchStage):
     @classmethod
     def process_batch(cls, worker: Any, batch: Any, item: WorkItem) -> BatchOutput:
         source, unit = item.payload
-        rows, quarantine, stats = normalize_records(batch, source, unit.path)
-        for row in rows:
-            row["_unit"] = item.index
-            row["_line"] = row["line"]
+        # rows become Arrow CHUNK_RECORDS at a time: a whole-file unit (a .json array, a .gz)
+        # holds its rows as compact Arrow, never as one Python list of the whole file
+        records = iter(batch)
+        tables, q_tables = [], []
+        stats = Stats()
+        while chunk := list(itertools.islice(records, CHUNK_RECORDS)):
+            rows, quarantine, part = normalize_records(chunk, source, unit.path)
+            for row in rows:
+                row["_unit"] = item.index
+                row["_line"] = row["line"]
+            tables.append(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA))
+            q_tables.append(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE))
+            stats.merge(part)
+            del chunk, rows, quarantine
+        stats.extra.setdefault("role_mapping", Counter())
+        stats.extra.setdefault("formats", Counter())
         # the unit's records (not blank lines) as a per-file count: a file that yields none
         # is named in the warnings
-        records = stats.rows_in - stats.rows_filtered.get(S.F_BLANK_LINE, 0)
-        return BatchOutput(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA),
-                           pa.Table.from_pylist(quarantine, schema=S.QUARANTINE),
-                           {source.name: stats}, {"file": unit.path, "records": records})
+        n_records = stats.rows_in - stats.rows_filtered.get(S.F_BLANK_LINE, 0)
+        return BatchOutput(pa.concat_tables(tables) if tables else UNIT_SCHEMA.empty_table(),
+                           pa.concat_tables(q_tables) if q_tables
+                           else S.QUARANTINE.empty_table(),
+                           {source.name: stats}, {"file": unit.path, "records": n_records})
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         from dflash_etl.validation.contracts import validate_conversations
