@@ -241,6 +241,7 @@ def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
                  "--workers", "3"]) == 0
     assert list(calls) == list(PIPELINE)
     assert calls["ingest"] == {"force": False, "workers": 3, "executor": None,
-                               "ray_address": None}
+                               "ray_address": None, "max_decompressed_bytes": None,
+                               "strict_sources": None}
     assert calls["tokenize"]["workers"] == 3 and calls["tokenize"]["seq_length"] is None
     assert "workers" not in calls["extract"] and calls["extract"]["model"] is None

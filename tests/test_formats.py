@@ -710,3 +710,132 @@ def test_ids_are_stable_and_format_independent():
     ids = {norm(openai)["id"], norm(sharegpt)["id"], norm(alpaca)["id"]}
     assert len(ids) == 1
     assert norm(chat(("user", "q"), ("assistant", "b")))["id"] not in ids
+
+
+# ------------------------------------------------------------------ agentic data (issue 16 §5)
+AIRLINE = {
+    "messages": [
+        {"role": "system", "content": "You are an airline agent."},
+        {"role": "user", "content": "Cancel reservation ABC123."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "cancel_reservation",
+                          "arguments": '{"reservation_id": "ABC123"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": ""},  # the tool returned nothing
+        {"role": "assistant", "content": "Your reservation ABC123 is cancelled."},
+    ]
+}
+
+
+def test_an_empty_tool_result_is_kept():
+    row = norm(AIRLINE)
+    assert roles(row) == ["system", "user", "assistant", "tool", "assistant"]
+    assert row["messages"][3]["content"] == "" and row["messages"][3]["tool_call_id"] == "c1"
+    # only tool turns may be empty: an empty user or assistant turn is still quarantined
+    for k in (1, 4):
+        bad = json.loads(json.dumps(AIRLINE))
+        bad["messages"][k]["content"] = ""
+        assert error_of(bad).code == "empty_content"
+
+
+def test_the_contract_accepts_empty_tool_results_only(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_etl.core.schema import CONVERSATIONS
+    from dflash_etl.validation.contracts import load_contract, validate_files
+
+    good = norm(AIRLINE)
+    bad = json.loads(json.dumps(good))
+    bad["messages"][1]["content"] = ""
+    bad["id"] = "0" * 32
+    for row in (good, bad):
+        row.update(source="s", file="f.jsonl", line=1)
+    pq.write_table(pa.Table.from_pylist([good], schema=CONVERSATIONS), tmp_path / "good.parquet")
+    pq.write_table(pa.Table.from_pylist([bad], schema=CONVERSATIONS), tmp_path / "bad.parquet")
+    contract = load_contract("conversations")
+    assert validate_files(contract, [tmp_path / "good.parquet"])["passed"]
+    report = validate_files(contract, [tmp_path / "bad.parquet"])
+    assert [f["check"] for f in report["failures"]] == ["content_non_empty"]
+
+
+TOOLACE_SYSTEM = (
+    "You are an expert in composing functions. You are given a question and a set of possible "
+    "functions. Based on the question, you will need to make one or more function/tool calls "
+    "to achieve the purpose.\nHere is a list of functions in JSON format that you can invoke:\n"
+    + json.dumps([
+        {"name": "User Feed (Video Posts) V2",
+         "description": "Get a user's video feed.",
+         "parameters": {"type": "dict", "properties": {"user_id": {"type": "string"},
+                                                        "limit": {"type": "integer"}},
+                        "required": ["user_id"]}},
+        {"name": "get_weather", "description": "Weather of a city.",
+         "parameters": {"type": "dict", "properties": {"city": {"type": "string"}}}},
+    ])
+    + "\nShould you decide to return the function call(s), NO other text MUST be included."
+)
+
+
+def toolace(call: str, *after: tuple[str, str]) -> dict[str, Any]:
+    return {"system": TOOLACE_SYSTEM, "conversations": [
+        {"from": "user", "value": "Show me the latest videos of user 12345 and Paris weather."},
+        {"from": "assistant", "value": call},
+        *({"from": f, "value": v} for f, v in after)]}
+
+
+def test_toolace_pythonic_calls_become_tool_calls():
+    row = norm(toolace(
+        '[User Feed (Video Posts) V2(user_id="12345", limit=3), get_weather(city=\'Paris\')]',
+        ("tool", '[{"name": "User Feed (Video Posts) V2", "results": {"videos": []}}]'),
+        ("assistant", "User 12345 has no videos; Paris is sunny.")))
+    assert row["format"] == "sharegpt" and roles(row) == [
+        "system", "user", "assistant", "tool", "assistant"]
+    call_turn = row["messages"][2]
+    assert call_turn["content"] == ""
+    assert [c["function"] for c in calls(call_turn)] == [
+        {"name": "User Feed (Video Posts) V2", "arguments": {"user_id": "12345", "limit": 3}},
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+    ]
+    assert row["tool_arguments"] == "pythonic"
+    tools = json.loads(row["tools"])
+    assert [t["function"]["name"] for t in tools] == ["User Feed (Video Posts) V2", "get_weather"]
+    assert row["messages"][0]["content"] == TOOLACE_SYSTEM  # the prompt itself is unchanged
+
+
+def test_toolace_final_call_turn_with_known_names_and_plain_brackets():
+    # the conversation ends on the call: converted because every name is a listed tool
+    row = norm(toolace('[get_weather(city="Paris")]'))
+    assert calls(row["messages"][2])[0]["function"]["name"] == "get_weather"
+    # a reply that merely looks like a call list, with no tool turn after it, stays text
+    for text in ("[see_above(x=1)]", "[1] (citation)", "[Note: (a) and (b)]"):
+        row = norm(toolace(text))
+        assert row["messages"][2]["content"] == text and row["messages"][2]["tool_calls"] is None
+
+
+@pytest.mark.parametrize("call", [
+    "[get_weather(city=__import__('os').system('touch /tmp/pwned'))]",  # never evaluated
+    "[get_weather('Paris')]",  # positional arguments
+    "[get_weather(city={1, 2})]",  # a set: not JSON
+    "[get_weather(city=\"Paris\") get_weather(city=\"Rome\")]",  # no comma
+    "[get_weather(city=\"Par)]",  # cut short
+    "[" + "f(x=[" * 300 + "]" * 300 + ")]",  # nested past the parser
+])
+def test_toolace_unparseable_call_before_a_tool_turn_is_quarantined(call):
+    err = error_of(toolace(call, ("tool", "{}")))
+    assert err.code == "bad_tool_call" and "pythonic tool-call list" in err.message
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_toolace_unknown_role_stays_quarantined():
+    err = error_of(toolace('[get_weather(city="Paris")]', ("observer", "sunny")))
+    assert err.code == "unknown_role" and "'observer'" in err.message
+
+
+def test_tools_in_a_system_prompt_need_a_json_list_of_named_objects():
+    from dflash_etl.formats.common import tools_from_text
+
+    assert tools_from_text("Use [brackets] and [1, 2] freely.") is None
+    assert tools_from_text('Tools: [{"description": "no name"}]') is None
+    assert tools_from_text("Broken: [{") is None
+    (spec,) = tools_from_text('x [1] then [{"name": "f", "parameters": {}}] y')
+    assert spec == {"type": "function", "function": {"name": "f", "parameters": {}}}

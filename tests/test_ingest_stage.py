@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -192,3 +194,91 @@ def test_seeded_sampling_dedup_and_weights_are_counted(tmp_path, suite_gate_call
     other = ingest.run(_config(tmp_path, sources, seed=8), tmp_path / "c")
     assert other["sources"]["big"]["rows_out"] == 60
     assert not _frame(tmp_path / "a")["id"].equals(_frame(tmp_path / "c")["id"])
+
+
+# ---------------------------------------------------------------- hostile inputs (issue 16 §4)
+def test_unreadable_files_are_quarantined_rows_and_the_run_goes_on(tmp_path, suite_gate_calls):
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_jsonl(data / "good.jsonl", [_chat(k) for k in range(20)])
+    (data / "empty.parquet").write_bytes(b"")
+    (data / "fake.parquet").write_text(json.dumps(_chat(99)) + "\n")
+    (data / "fake.jsonl.gz").write_text(json.dumps(_chat(98)) + "\n")
+    config = _config(tmp_path, [{"name": "d", "path": "data/*"}])
+    stats = ingest.run(config, tmp_path / "run")
+    assert stats["total"]["rows_out"] == 20 and stats["total"]["rows_in"] == 23
+    assert stats["total"]["quarantine_reasons"] == {"unreadable_file": 3}
+    quarantine = pl.read_parquet(tmp_path / "run" / "ingest" / "quarantine.parquet")
+    by_file = {Path(f).name: m for f, m in quarantine.select("file", "message").iter_rows()}
+    assert set(by_file) == {"empty.parquet", "fake.parquet", "fake.jsonl.gz"}
+    assert "cannot read it as Parquet" in by_file["fake.parquet"]
+    assert "cannot decompress" in by_file["fake.jsonl.gz"]
+
+
+def test_a_gzip_bomb_stops_at_the_configured_ceiling(tmp_path, suite_gate_calls):
+    line = (json.dumps(_chat(0)) + "\n").encode()
+    _write_jsonl(tmp_path / "ok.jsonl", [_chat(k) for k in range(1, 500)])
+    (tmp_path / "bomb.jsonl.gz").write_bytes(gzip.compress(line * 200_000))  # ~14 MB inside
+    sources = [{"name": "ok", "path": "ok.jsonl"}, {"name": "bomb", "path": "bomb.jsonl.gz"}]
+    config = parse_config({"run": {"workers": 1}, "ingest": {"max_decompressed_bytes": 10_000},
+                           "sources": sources}, tmp_path)
+    stats = ingest.run(config, tmp_path / "run")
+    bomb = stats["sources"]["bomb"]
+    assert bomb["quarantine_reasons"] == {"decompressed_too_large": 1}
+    assert bomb["rows_in"] == 10_000 // len(line) + 1
+    assert bomb["rows_filtered"] == {"duplicate": 10_000 // len(line) - 1}  # the same row
+    # the flag wins over the config, and a changed ceiling is a different run
+    again = ingest.run(config, tmp_path / "run", max_decompressed_bytes=20_000)
+    assert not again.get("skipped") and again["sources"]["bomb"]["rows_in"] > bomb["rows_in"]
+
+
+def test_symlink_loops_are_not_followed_and_duplicates_are_counted(tmp_path, suite_gate_calls):
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    _write_jsonl(d / "a.jsonl", [_chat(k) for k in range(3)])
+    _write_jsonl(d / "sub" / "b.jsonl", [_chat(k) for k in range(3, 6)])
+    os.symlink(d, d / "sub" / "loop")
+    os.symlink(d / "a.jsonl", d / "sub" / "a_again.jsonl")
+    config = _config(tmp_path, [{"name": "d", "path": "d/**/*.jsonl"}])
+    stats = ingest.run(config, tmp_path / "run")
+    assert stats["total"]["rows_in"] == 6 and stats["total"]["rows_out"] == 6
+    assert stats["sources"]["d"]["paths_skipped"] == {"duplicate_file": 1,
+                                                      "visited_directory": 1}
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert sorted(Path(i["path"]).name for i in manifest["inputs"]) == ["a.jsonl", "b.jsonl"]
+
+
+def test_a_source_with_no_rows_is_a_warning_or_with_strict_sources_an_error(
+        tmp_path, suite_gate_calls, capsys):
+    from dflash_etl.cli.main import main
+
+    _write_jsonl(tmp_path / "rows.jsonl", [_chat(k) for k in range(5)])
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "x.jsonl").write_text("\n\n")
+    (tmp_path / "half").mkdir()
+    _write_jsonl(tmp_path / "half" / "a.jsonl", [_chat(9)])
+    (tmp_path / "half" / "b.jsonl").write_bytes(b"")
+    sources = [{"name": "rows", "path": "rows.jsonl"}, {"name": "empty", "path": "empty.jsonl"},
+               {"name": "blank", "path": "blank/*.jsonl"}, {"name": "half", "path": "half"}]
+    config_file = tmp_path / "pipeline.toml"
+    config_file.write_text("[run]\nworkers = 1\n" + "".join(
+        f'[[sources]]\nname = "{s["name"]}"\npath = "{s["path"]}"\n' for s in sources))
+    assert main(["ingest", "--config", str(config_file), "--run", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads((tmp_path / "run" / "ingest" / "stats.json").read_text())
+    warnings = stats["warnings"]
+    assert len(warnings) == 3 and all(w in out for w in warnings)
+    assert "source 'empty' ('empty.jsonl') yielded no rows" in warnings[0]
+    assert "source 'blank' ('blank/*.jsonl') yielded no rows" in warnings[1]
+    assert "source 'half': file" in warnings[2] and warnings[2].endswith("b.jsonl yielded no rows")
+    from dflash_etl.report.collect import collect
+    from dflash_etl.report.pages import summary_page
+
+    html = summary_page(tmp_path / "run", *collect(tmp_path / "run"))
+    assert "Warnings" in html and "source &#x27;empty&#x27;" in html
+    config_file.write_text(config_file.read_text() + "[ingest]\nstrict_sources = true\n")
+    assert main(["ingest", "--config", str(config_file), "--run", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "source 'empty'" in err and "source 'blank'" in err and "strict_sources" in err
+    assert "'half'" not in err  # a source with rows but one empty file is only a warning

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_etl.core.config import SourceConfig
-from dflash_etl.core.errors import StageError
 from dflash_etl.io import readers
 from dflash_etl.io.readers import RAW_KEEP_BYTES, Record, Unit, decode_line, plan_units, read_unit
 from dflash_etl.stages.ingest import normalize_records
@@ -168,14 +167,17 @@ def test_json_gz_array(tmp_path):
     assert [r.line for r in read(path)] == [1, 2]
 
 
-def test_a_truncated_gzip_is_a_clear_error(tmp_path):
+def test_a_truncated_gzip_keeps_its_rows_and_ends_in_an_unreadable_file_row(tmp_path):
     good = tmp_path / "good.jsonl.gz"
     with gzip.open(good, "wb") as fh:
         fh.write(b"".join(line({**CHAT, "k": k}) + b"\n" for k in range(2000)))
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    with pytest.raises(StageError, match=r"bad\.jsonl\.gz: cannot decompress"):
-        read(bad)
+    records = read(bad)
+    *rows, last = records
+    assert rows and all(r.error is None for r in rows)
+    assert [r.line for r in records] == list(range(1, len(records) + 1))
+    assert last.error[0] == "unreadable_file" and "cannot decompress" in last.error[1]
 
 
 def test_parquet(tmp_path):

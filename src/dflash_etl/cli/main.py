@@ -78,6 +78,8 @@ def _summary_ingest(name: str, run: Path, doc: dict[str, Any]) -> int:
     _say(f"  conversations: {out / 'conversations'}")
     _say(f"  quarantine:    {out / 'quarantine.parquet'}")
     _say(f"  stats:         {out / 'stats.json'}")
+    for warning in doc.get("warnings", []):
+        _say(f"  warning: {warning}")
     return 0
 
 

@@ -64,6 +64,8 @@ Q_ROLE_ORDER = "role_order"
 Q_BAD_TOOL_CALL = "bad_tool_call"
 Q_BAD_TOOLS = "bad_tools"
 Q_UNPARSEABLE_CHAT = "unparseable_chat"
+Q_UNREADABLE_FILE = "unreadable_file"  # a file-level row: the rest of the file cannot be read
+Q_DECOMPRESSED_TOO_LARGE = "decompressed_too_large"  # a file-level row: past the ceiling
 
 # Filter reasons (a row that is fine but deliberately not kept).
 F_BLANK_LINE = "blank_line"

@@ -14,7 +14,7 @@ import orjson
 
 from dflash_etl.core import schema as S
 from dflash_etl.formats import roles
-from dflash_etl.formats.chat import parse_messages
+from dflash_etl.formats.chat import parse_messages, pythonic_tool_calls
 from dflash_etl.formats.common import (
     Conversation,
     Message,
@@ -22,6 +22,7 @@ from dflash_etl.formats.common import (
     get_path,
     parse_tools,
     to_json,
+    tools_from_text,
     type_name,
 )
 from dflash_etl.formats.glaive import glaive
@@ -75,6 +76,9 @@ def _chat(key: str) -> Callable[[dict[str, Any], Conversation], list[Message]]:
             m.role == "system" for m in messages
         ):
             messages.insert(0, Message("system", system))
+        if conv.tools is None and messages and messages[0].role == "system":
+            conv.tools = tools_from_text(messages[0].content)
+        pythonic_tool_calls(messages, conv, key)
         return messages
 
     return parse
@@ -131,6 +135,9 @@ def _check(messages: list[Message]) -> str:
     if not messages:
         raise RowError(S.Q_EMPTY_CONVERSATION, "the conversation has no messages")
     for k, msg in enumerate(messages):
+        # a tool that returns nothing is common in agent logs: valid data, kept
+        if msg.role == "tool":
+            continue
         if not msg.content.strip() and not (msg.role == "assistant" and msg.tool_calls):
             raise RowError(
                 S.Q_EMPTY_CONTENT,

@@ -21,8 +21,10 @@ from dflash_etl.formats.common import (
     split_think,
     strip_tool_response,
     to_json,
+    tool_call,
     type_name,
 )
+from dflash_etl.formats.pythonic import PythonicError, looks_like_calls, parse_calls
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -141,3 +143,31 @@ def parse_messages(items: Any, conv: Conversation, where: str) -> list[Message]:
             continue
         out.append(msg)
     return out
+
+
+def pythonic_tool_calls(messages: list[Message], conv: Conversation, where: str) -> None:
+    """An assistant reply that is a pythonic call list (`[f(a="v", n=3)]`, ToolACE) becomes
+    structured tool calls: always when a tool turn follows (then a list that does not parse
+    quarantines the row), else only when every name is one of the row's tools (a reply that
+    merely looks like one stays text)."""
+    tool_names = {t["function"]["name"] for t in conv.tools or []}
+    for k, msg in enumerate(messages):
+        if msg.role != "assistant" or msg.tool_calls or not looks_like_calls(msg.content):
+            continue
+        followed = k + 1 < len(messages) and messages[k + 1].role == "tool"
+        try:
+            calls = parse_calls(msg.content)
+        except PythonicError as exc:
+            if followed:
+                raise RowError(
+                    S.Q_BAD_TOOL_CALL,
+                    f"{where} message {k}: the reply looks like a pythonic tool-call list "
+                    f"before a tool turn, but {exc}: {msg.content[:120]!r}",
+                ) from None
+            continue
+        if not followed and not all(name in tool_names for name, _ in calls):
+            continue
+        at = f"{where} message {k}"
+        msg.tool_calls = [tool_call(name, args, conv, at, kind="pythonic") for name, args in calls]
+        msg.content = ""
+        conv.role_mapping["pythonic_tool_calls"] += 1

@@ -123,8 +123,10 @@ def split_think(content: str) -> tuple[str | None, str]:
     return "\n\n".join(p for p in parts if p), content[end:]
 
 
-def tool_call(name: Any, arguments: Any, conv: Conversation, where: str, call_id: Any = None):
-    """One canonical tool call; arguments become an object and the source's kind is recorded."""
+def tool_call(name: Any, arguments: Any, conv: Conversation, where: str, call_id: Any = None,
+              kind: str | None = None):
+    """One canonical tool call; arguments become an object and the source's kind is recorded
+    (`kind` names it when the caller parsed the arguments from another spelling)."""
     if not isinstance(name, str) or not name:
         raise RowError(S.Q_BAD_TOOL_CALL, f"{where}: tool call without a function name")
     if isinstance(arguments, str):
@@ -138,7 +140,7 @@ def tool_call(name: Any, arguments: Any, conv: Conversation, where: str, call_id
     elif arguments is None:
         arguments = {}
     else:
-        conv.argument_kinds.add("object")
+        conv.argument_kinds.add(kind or "object")
     if not isinstance(arguments, dict):
         raise RowError(
             S.Q_BAD_TOOL_CALL,
@@ -218,6 +220,33 @@ def parse_tools(raw: Any, where: str = "tools") -> list[dict[str, Any]] | None:
             )
         tools.append(spec)
     return tools or None
+
+
+def tools_from_text(text: str, max_tries: int = 64) -> list[dict[str, Any]] | None:
+    """Tool specs embedded in a system prompt as a JSON list (ToolACE: "Here is a list of
+    functions in JSON format ...\n[{"name": ...}]"): the first JSON list in the text whose
+    items are all objects with a name; None when there is none."""
+    import json
+
+    decoder = json.JSONDecoder()
+    pos = text.find("[")
+    tries = 0
+    while pos != -1 and tries < max_tries:
+        tries += 1
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            pos = text.find("[", pos + 1)
+            continue
+        if value and isinstance(value, list) and all(
+            isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
+        ):
+            try:
+                return parse_tools(value)
+            except RowError:
+                return None
+        pos = text.find("[", end if end > pos else pos + 1)
+    return None
 
 
 def get_path(row: dict[str, Any], dotted: str) -> Any:

@@ -60,6 +60,10 @@ def accounting_section(stage: StageInfo) -> str:
     last = "rows written" if stage.name == "tokenize" else "target share (weight)"
     html += "<h3>Per source</h3>" + table(
         ["source", "in", "out", "quarantined", "quarantine rate", "filtered", last], sources)
+    warnings = stage.stats.get("warnings") or []
+    if warnings:  # e.g. a source that yielded no rows (ingest)
+        html += (f'<h3>Warnings</h3><ul data-key="{key}-warnings">'
+                 + "".join(f"<li>{escape(str(w))}</li>" for w in warnings) + "</ul>")
     return html
 
 

@@ -81,7 +81,7 @@ class StageRegistry:
 STAGES = StageRegistry(
     StageSpec(
         name="ingest", module_path="dflash_etl.stages.ingest", stage_class_name="IngestStage",
-        settings_class_name=None, section=None,
+        settings_class_name="IngestSettings", section="ingest",
         help="sources -> canonical conversations + quarantine",
         contract="conversations", output="conversations", suite="conversations", batch=True,
         needs_config=True,

@@ -8,9 +8,12 @@ passes.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,13 @@ import pyarrow.parquet as pq
 
 from dflash_etl.core import schema as S
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import PipelineConfig, SourceConfig
+from dflash_etl.core.config import (
+    PipelineConfig,
+    SourceConfig,
+    register_section,
+    setting,
+    stage_settings,
+)
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
@@ -31,8 +40,32 @@ from dflash_etl.io import readers
 from dflash_etl.validation import suites
 
 STAGE = "ingest"
+CHUNK_RECORDS = 1024  # records normalized (as Python objects) at a time per work item
 _ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
 UNIT_SCHEMA = pa.schema(list(S.CONVERSATIONS) + list(_ORDER))
+
+
+@dataclass(frozen=True)
+class IngestSettings:
+    """[ingest] in pipeline.toml; CLI flags override it. (The per-line limit is [run]
+    max_line_bytes, shared with the other stages.)"""
+
+    max_decompressed_bytes: int = setting(
+        readers.DEFAULT_MAX_DECOMPRESSED, min=1, metavar="BYTES",
+        help="per compressed file: past this many decompressed bytes the rest of the file is "
+             "quarantined as decompressed_too_large (a gzip bomb stops here)")
+    strict_sources: bool = setting(
+        False, help="a source (file or glob) that yields no rows is an error, not a warning")
+
+    @classmethod
+    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
+                     base_dir: Path | None) -> IngestSettings:
+        # max_decompressed_bytes is always set (min=1): stage_settings' required check passes
+        return stage_settings(cls, STAGE, section, overrides, base_dir, (),
+                              "max_decompressed_bytes", "a decompressed-size ceiling")
+
+
+register_section(STAGE, IngestSettings)
 
 
 # ---------------------------------------------------------------- pure core
@@ -134,17 +167,17 @@ def _sample(part: pl.DataFrame, k: int, seed: int, salt: int) -> pl.DataFrame:
 
 
 # ---------------------------------------------------------------- shell
-def _inputs(config: PipelineConfig) -> list[tuple[SourceConfig, list[str]]]:
+def _inputs(config: PipelineConfig) -> list[tuple[SourceConfig, readers.Resolved]]:
     found = []
     for source in config.sources:
-        paths = readers.resolve_paths(source.path, config.base_dir)
-        if not paths:
+        resolved = readers.resolve_source(source.path, config.base_dir)
+        if not resolved.paths:
             raise StageError(
                 f"source {source.name!r}: path {source.path!r} (relative to "
                 f"{config.base_dir}) matched no {'/'.join(readers.SUFFIXES)} files — check the "
                 "path in the config"
             )
-        found.append((source, paths))
+        found.append((source, resolved))
     return found
 
 
@@ -171,41 +204,65 @@ class IngestStage(BatchStage):
     name = STAGE
     gated = True
 
+    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
+                      overrides: dict[str, Any]) -> IngestSettings:
+        section = config.section(STAGE) if config else {}
+        return IngestSettings.from_sources(section, overrides,
+                                           config.base_dir if config else None)
+
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
         sources = _inputs(config)
         inputs = [
             {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
-            for s, paths in sources for p in paths
+            for s, resolved in sources for p in resolved.paths
         ]
         ctx.run.update_manifest(config=config.to_dict(), config_hash=config.digest(),
                                 inputs=inputs)
         ctx.state["sources"] = sources
-        return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs]}
+        return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
+                "settings": dataclasses.asdict(ctx.settings)}
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
-        units = [(source, unit) for source, paths in ctx.state["sources"] for path in paths
-                 for unit in readers.plan_units(path)]
+        units = [(source, unit) for source, resolved in ctx.state["sources"]
+                 for path in resolved.paths for unit in readers.plan_units(path)]
         return [WorkItem(k, unit) for k, unit in enumerate(units)]
 
     def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
-        return (_require_config(ctx.config).run.max_line_bytes,)
+        return (_require_config(ctx.config).run.max_line_bytes,
+                ctx.settings.max_decompressed_bytes)
 
     @classmethod
     def load(cls, worker: Any, item: WorkItem) -> Any:
-        (max_line_bytes,) = worker
-        return readers.read_unit(item.payload[1], max_line_bytes)
+        max_line_bytes, max_decompressed = worker
+        return readers.read_unit(item.payload[1], max_line_bytes, max_decompressed)
 
     @classmethod
     def process_batch(cls, worker: Any, batch: Any, item: WorkItem) -> BatchOutput:
         source, unit = item.payload
-        rows, quarantine, stats = normalize_records(batch, source, unit.path)
-        for row in rows:
-            row["_unit"] = item.index
-            row["_line"] = row["line"]
-        return BatchOutput(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA),
-                           pa.Table.from_pylist(quarantine, schema=S.QUARANTINE),
-                           {source.name: stats})
+        # rows become Arrow CHUNK_RECORDS at a time: a whole-file unit (a .json array, a .gz)
+        # holds its rows as compact Arrow, never as one Python list of the whole file
+        records = iter(batch)
+        tables, q_tables = [], []
+        stats = Stats()
+        while chunk := list(itertools.islice(records, CHUNK_RECORDS)):
+            rows, quarantine, part = normalize_records(chunk, source, unit.path)
+            for row in rows:
+                row["_unit"] = item.index
+                row["_line"] = row["line"]
+            tables.append(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA))
+            q_tables.append(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE))
+            stats.merge(part)
+            del chunk, rows, quarantine
+        stats.extra.setdefault("role_mapping", Counter())
+        stats.extra.setdefault("formats", Counter())
+        # the unit's records (not blank lines) as a per-file count: a file that yields none
+        # is named in the warnings
+        n_records = stats.rows_in - stats.rows_filtered.get(S.F_BLANK_LINE, 0)
+        return BatchOutput(pa.concat_tables(tables) if tables else UNIT_SCHEMA.empty_table(),
+                           pa.concat_tables(q_tables) if q_tables
+                           else S.QUARANTINE.empty_table(),
+                           {source.name: stats}, {"file": unit.path, "records": n_records})
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         from dflash_etl.validation.contracts import validate_conversations
@@ -221,7 +278,8 @@ class IngestStage(BatchStage):
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
-        return _finish(_require_config(ctx.config), results, ctx.partial, work_dir)
+        return _finish(_require_config(ctx.config), results, ctx.partial, work_dir,
+                       ctx.settings, ctx.state["sources"])
 
 
 def _require_config(config: PipelineConfig | None) -> PipelineConfig:
@@ -243,12 +301,46 @@ def run(
                      workers=workers, **options)
 
 
+def source_warnings(config: PipelineConfig, results: list[dict[str, Any]],
+                    per_source: dict[str, Stats]) -> list[str]:
+    """A source, or a file of a source, that yields no rows (only blank lines, or none)."""
+    warnings = []
+    per_file: Counter[tuple[str, str]] = Counter()
+    for result in results:
+        for name in result["sources"]:
+            if result.get("file"):
+                per_file[(name, result["file"])] += result.get("records", 0)
+    for source in config.sources:
+        stats = per_source[source.name]
+        empty_files = sorted(f for (name, f), n in per_file.items()
+                             if name == source.name and n == 0)
+        if stats.rows_in - stats.rows_filtered.get(S.F_BLANK_LINE, 0) == 0:
+            warnings.append(f"source {source.name!r} ({source.path!r}) yielded no rows: its "
+                            f"{len(empty_files)} file(s) hold no records (e.g. "
+                            f"{empty_files[:3]}) — check the path and the files")
+        else:
+            warnings.extend(f"source {source.name!r}: file {f} yielded no rows"
+                            for f in empty_files[:20])
+    return warnings
+
+
 def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path,
-            units_dir: Path) -> dict[str, Any]:
+            units_dir: Path, settings: IngestSettings | None = None,
+            sources: list[tuple[SourceConfig, readers.Resolved]] | None = None
+            ) -> dict[str, Any]:
+    settings = settings or IngestSettings()
     per_source = {s.name: Stats() for s in config.sources}
     for result in results:
         for name, data in result["sources"].items():
             per_source[name].merge(Stats.from_dict(data))
+    for source, resolved in sources or []:
+        if resolved.skipped:
+            per_source[source.name].extra["paths_skipped"] = dict(resolved.skipped)
+    warnings = source_warnings(config, results, per_source)
+    no_rows = [w for w in warnings if "yielded no rows:" in w]
+    if settings.strict_sources and no_rows:
+        raise StageError("\n".join(no_rows) + "\n([ingest] strict_sources = true makes this an "
+                         "error; remove the source or fix its path)")
     paths = [item_paths(units_dir, r["index"]) for r in results]
     row_files = [str(rows) for rows, _, _ in paths]
     q_files = [str(q) for _, q, _ in paths]
@@ -276,6 +368,7 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
         stats.extra.pop("keys_seen", None)
     doc = stats_document(per_source, "ingest")
     doc["total"]["shards"] = len(list((partial / "conversations").glob("*.parquet")))
+    doc["warnings"] = warnings
     return doc
 
 

@@ -82,8 +82,10 @@ NAMED_CHECKS: dict[str, tuple[Callable[[str, dict[str, Any]], pl.Expr], str]] = 
             (pl.element().struct.field("content").str.strip_chars().str.len_chars() > 0)
             | ((pl.element().struct.field("role") == "assistant")
                & pl.element().struct.field("tool_calls").is_not_null())
+            | (pl.element().struct.field("role") == "tool")
         ).list.all(),
-        "non-empty content (except an assistant turn with tool calls)",
+        "non-empty content (except an assistant turn with tool calls, and a tool result: "
+        "a tool may return nothing)",
     ),
     "tool_calls_json": (lambda c, p: pl.col(c).list.eval(
             pl.element().struct.field("tool_calls").is_null()
