@@ -148,8 +148,20 @@ def extract_section(stage: StageInfo) -> str:
     total = (stage.stats or {}).get("total", {})
     keys = ("layers", "stored_layers", "n_layers", "hidden_size", "dtype", "format",
             "padding_share")
-    return "<h3>Hidden states</h3>" + table(["", "value"], [
+    html = "<h3>Hidden states</h3>" + table(["", "value"], [
         (k.replace("_", " "), total.get(k)) for k in keys if k in total])
+    health = (stage.stats or {}).get("health")
+    if health:
+        rel = health.get("reference_max_rel")
+        html += ("<h3>Hidden-state health</h3><p>per layer over every shard; "
+                 f"{health.get('reference_rows', 0)} batched rows re-run alone, max relative "
+                 f"difference {rel if rel is None else f'{rel:.2e}'}</p>" + table(
+                     ["layer", "tokens", "zero share", "mean norm", "max norm", "non-finite",
+                      "outliers (> 50x median)"],
+                     [(h["layer"], h["tokens"], f"{h['zero_share']:.2%}", h["norm_mean"],
+                       h["norm_max"], h["non_finite"], h["outliers"])
+                      for h in health.get("layers", [])]))
+    return html
 
 
 def train_section(stage: StageInfo) -> str:

@@ -47,11 +47,19 @@ from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target, parse_layers
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
+from dflash_etl.validation.health import (
+    HealthLimits,
+    layer_health,
+    reference_diff,
+    shard_problems,
+    summarize,
+)
 
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
                    ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
 Q_NON_FINITE = "non_finite_hidden_states"
+Q_UNHEALTHY = "unhealthy_hidden_states"  # a shard failing the health check (validation/health.py)
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,11 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
             quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
         else:
             keep.append(k)
+    health = _shard_health(target, settings, rows, batches, states, keep, extra)
+    if health["problems"]:  # the whole shard: its numbers are in the marker and the error
+        quarantine += [{"id": rows[k]["id"], "turn": rows[k]["turn"], "reason": Q_UNHEALTHY}
+                       for k in keep]
+        keep = []
     (out / "hidden_states").mkdir(exist_ok=True)
     if settings.format == "speculators":
         for k in keep:
@@ -185,7 +198,30 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
                                                  dtype=torch.long)},
                       str(path.with_suffix(".tmp")))
             os.replace(path.with_suffix(".tmp"), path)
-    return index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    return (index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches),
+            health)
+
+
+def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str, Any]],
+                  batches: list[list[int]], states: list[Any], keep: list[int],
+                  extra: tuple[int, ...]) -> dict[str, Any]:
+    """Per-layer health of the shard's kept states, and one batched row re-run alone (the
+    shortest row of the most padded batch: where padding would leak)."""
+    layers = [*target.layers, *extra]
+    if not keep:
+        return {"layers": [], "reference": None, "problems": []}
+    layer_stats = layer_health(target.torch.cat([states[k] for k in keep]), layers)
+    kept = set(keep)
+    padded = [b for b in batches if len(b) > 1 and all(k in kept for k in b)]
+    reference = None
+    if padded:
+        lengths = [len(r["input_ids"]) for r in rows]
+        batch = max(padded, key=lambda b: max(lengths[k] for k in b) - min(lengths[k] for k in b))
+        k = min(batch, key=lambda i: (lengths[i], i))
+        _, alone = target.forward([rows[k]["input_ids"]], extra_layers=extra)
+        reference = {"row": rows[k]["row"], **reference_diff(states[k], alone[0])}
+    problems = shard_problems(layer_stats, reference, HealthLimits.for_dtype(settings.dtype))
+    return {"layers": layer_stats, "reference": reference, "problems": problems}
 
 
 def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) -> list[str]:
@@ -219,8 +255,24 @@ def check_output(out: Path) -> tuple[int, int, list[str]]:
         "input_ids").to_pylist()
     stored = total.get("stored_layers") or total["layers"]
     problems = verify(out, dict(enumerate(ids)), len(stored), total["hidden_size"])
+    problems += health_problems(out, stored, HealthLimits.for_dtype(total.get("dtype", "fp32")))
     index_rows = pq.read_metadata(out / "index.parquet").num_rows
     return index_rows, len(list((out / "hidden_states").iterdir())), problems
+
+
+def health_problems(out: Path, layers: list[int], limits: HealthLimits) -> list[str]:
+    """The health check on published states, file by file (no model here, so no reference
+    check): a layer of zeros is wrong however finite and well-shaped it is."""
+    from safetensors import safe_open
+
+    problems: list[str] = []
+    for path in sorted((out / "hidden_states").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            health = layer_health(f.get_tensor("hidden_states"), layers)
+        problems += [f"{path.name}: {p}" for p in shard_problems(health, None, limits)]
+        if len(problems) >= 20:
+            break
+    return problems
 
 
 def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n_layers: int,
@@ -298,6 +350,9 @@ class ExtractStage(Stage):
         per_source: dict[str, Stats] = {}
         index: list[dict[str, Any]] = []
         padded = 0
+        healths: list[list[dict[str, Any]]] = []
+        references: list[dict[str, Any]] = []
+        unhealthy: list[str] = []
         with progress_bar("extract", total=len(shards), enabled=ctx.progress) as bar:
             for n, members in enumerate(shards):
                 name = f"shard-{n:05d}"
@@ -306,18 +361,23 @@ class ExtractStage(Stage):
                     result = json.loads(marker.read_text())
                 else:
                     shard_rows = [rows[i] for i in members]
-                    got, quarantined, padded_tokens = _write_shard(target, settings, shard_rows,
-                                                                   name, partial)
-                    result = {"index": got, "quarantine": quarantined, "padded": padded_tokens}
+                    got, quarantined, padded_tokens, health = _write_shard(
+                        target, settings, shard_rows, name, partial)
+                    result = {"index": got, "quarantine": quarantined, "padded": padded_tokens,
+                              "health": health}
                     write_json_atomic(marker, result)
                 index.extend(result["index"])
                 padded += result["padded"]
-                bad = {(q["id"], q["turn"]) for q in result["quarantine"]}
+                healths.append(result["health"]["layers"])
+                if result["health"]["reference"]:
+                    references.append(result["health"]["reference"])
+                unhealthy += [f"{name}: {p}" for p in result["health"]["problems"]]
+                bad = {(q["id"], q["turn"]): q["reason"] for q in result["quarantine"]}
                 for i in members:
                     stats = per_source.setdefault(rows[i]["source"], Stats(extra={"tokens": 0}))
                     stats.rows_in += 1
                     if (rows[i]["id"], rows[i]["turn"]) in bad:
-                        stats.quarantine(Q_NON_FINITE)
+                        stats.quarantine(bad[rows[i]["id"], rows[i]["turn"]])
                     else:
                         stats.rows_out += 1
                         stats.extra["tokens"] += lengths[i]
@@ -334,6 +394,18 @@ class ExtractStage(Stage):
                              "hidden_size": target.hidden, "dtype": settings.dtype,
                              "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
+        doc["health"] = {"layers": summarize(healths), "limits": asdict(
+            HealthLimits.for_dtype(settings.dtype)), "reference_rows": len(references),
+            "reference_max_rel": max((r["max_rel"] for r in references), default=None),
+            "problems": unhealthy}
+        if unhealthy:
+            write_json_atomic(partial / "stats.json", doc)
+            raise ContractError(
+                "the extract health check failed (their rows are quarantined "
+                f"{Q_UNHEALTHY}):\n  - " + "\n  - ".join(unhealthy[:20])
+                + "\nStates that are zeros or differ from the same row run alone are wrong even "
+                "though finite: check the target's architecture support, or --batch-tokens 1 "
+                "to rule padding out", {"problems": unhealthy})
         if not index:
             raise StageError(f"extract kept no rows of {len(rows)}: every row's hidden states "
                              f"were non-finite ({Q_NON_FINITE}); try --dtype fp32")

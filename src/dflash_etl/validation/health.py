@@ -1,0 +1,109 @@
+"""Hidden-state health: the numbers that catch states which are finite, well-shaped and wrong.
+
+Two known peer failures pass every shape and finiteness check: states that came out all zeros on
+hybrid models (the drafters validated well and accepted ~1.05 tokens in serving), and states
+silently wrong for batches of more than one row (padding leaking into a row). So per shard and
+layer: the share of exact zeros, the non-finite count, the per-token L2 norms (mean, max) and the
+tokens whose norm is far above the layer's median (reported, not failed: real targets have a few
+massive-activation tokens); and a reference check: one batched row re-run alone, unpadded, and
+compared. Pure: tensors in, numbers out; the thresholds are the contract's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OUTLIER_RATIO = 50.0  # a token whose norm is > 50x its layer's median in the shard
+
+
+@dataclass(frozen=True)
+class HealthLimits:
+    """What fails a shard (the extract contract)."""
+
+    max_zero_share: float = 0.01
+    max_relative_diff: float = 1e-3  # batched vs alone; bf16 gets BF16_RELATIVE_DIFF
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> HealthLimits:
+        return cls(max_relative_diff=BF16_RELATIVE_DIFF if dtype == "bf16" else 1e-3)
+
+
+BF16_RELATIVE_DIFF = 2e-2
+
+
+def layer_health(states: Any, layers: Sequence[int]) -> list[dict[str, Any]]:
+    """Per stored layer of `states` [tokens, layers, hidden]: tokens, zero share, non-finite
+    count, mean / max / median per-token L2 norm and the outlier tokens."""
+    x = states.float()
+    out = []
+    for k, layer in enumerate(layers):
+        v = x[:, k]
+        finite = v.isfinite()
+        norms = v.nan_to_num(0.0, 0.0, 0.0).norm(dim=-1)
+        median = float(norms.median()) if norms.numel() else 0.0
+        out.append({
+            "layer": int(layer), "tokens": int(v.shape[0]),
+            "zero_share": round(float((v == 0).float().mean()) if v.numel() else 0.0, 6),
+            "non_finite": int((~finite).sum()),
+            "norm_mean": round(float(norms.mean()) if norms.numel() else 0.0, 4),
+            "norm_max": round(float(norms.max()) if norms.numel() else 0.0, 4),
+            "norm_median": round(median, 4),
+            "outliers": int((norms > OUTLIER_RATIO * median).sum()) if median > 0 else 0,
+        })
+    return out
+
+
+def reference_diff(batched: Any, alone: Any) -> dict[str, float]:
+    """How far a row's batched states are from the same row run alone: max abs difference and
+    max relative difference per token (|a - b| / |b|, L2 over the hidden axis)."""
+    a, b = batched.float(), alone.float()
+    diff = (a - b).norm(dim=-1)
+    scale = b.norm(dim=-1).clamp_min(1e-6)
+    return {"max_abs": float((a - b).abs().max()), "max_rel": float((diff / scale).max())}
+
+
+def shard_problems(health: list[dict[str, Any]], reference: dict[str, Any] | None,
+                   limits: HealthLimits) -> list[str]:
+    """What makes a shard's states unusable, with the numbers."""
+    problems = []
+    for layer in health:
+        if layer["tokens"] and layer["zero_share"] > limits.max_zero_share:
+            problems.append(f"layer {layer['layer']}: {layer['zero_share']:.1%} of the values "
+                            f"are exactly zero (limit {limits.max_zero_share:.1%})")
+        if layer["tokens"] and layer["norm_max"] == 0:
+            problems.append(f"layer {layer['layer']}: every state is zero")
+    if reference and reference["max_rel"] > limits.max_relative_diff:
+        problems.append(f"row {reference['row']} batched differs from the same row run alone: "
+                        f"max relative diff {reference['max_rel']:.3g} (limit "
+                        f"{limits.max_relative_diff:g}), max abs {reference['max_abs']:.3g}: "
+                        "padding leaks into the states")
+    return problems
+
+
+def summarize(shards: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per layer over all shards: token-weighted zero share and mean norm, the max norm, the
+    outliers; for stats.json and the report."""
+    by_layer: dict[int, dict[str, Any]] = {}
+    for shard in shards:
+        for layer in shard:
+            acc = by_layer.setdefault(layer["layer"], {
+                "layer": layer["layer"], "tokens": 0, "zeros": 0.0, "norm_sum": 0.0,
+                "norm_max": 0.0, "non_finite": 0, "outliers": 0})
+            n = layer["tokens"]
+            acc["tokens"] += n
+            acc["zeros"] += layer["zero_share"] * n
+            acc["norm_sum"] += layer["norm_mean"] * n
+            acc["norm_max"] = max(acc["norm_max"], layer["norm_max"])
+            acc["non_finite"] += layer["non_finite"]
+            acc["outliers"] += layer["outliers"]
+    out = []
+    for acc in sorted(by_layer.values(), key=lambda a: a["layer"]):
+        n = acc["tokens"] or 1
+        out.append({"layer": acc["layer"], "tokens": acc["tokens"],
+                    "zero_share": round(acc["zeros"] / n, 6),
+                    "norm_mean": round(acc["norm_sum"] / n, 4),
+                    "norm_max": acc["norm_max"], "non_finite": acc["non_finite"],
+                    "outliers": acc["outliers"]})
+    return out

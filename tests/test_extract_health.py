@@ -1,0 +1,130 @@
+"""Hidden-state health: states that are finite and well-shaped but wrong (zeros, a row shifted by
+padding) fail extract with the numbers, and `dflash-etl check` finds zeros in published states."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_etl.core.config import load_config
+from dflash_etl.core.errors import ContractError
+from dflash_etl.validation.health import (
+    HealthLimits,
+    layer_health,
+    reference_diff,
+    shard_problems,
+)
+
+torch = pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_zeros_and_a_padding_leak_are_problems_and_good_states_are_not():
+    good = torch.randn(50, 2, 8)
+    assert not shard_problems(layer_health(good, [1, 2]), None, HealthLimits())
+    zeros = good.clone()
+    zeros[:, 1] = 0
+    problems = shard_problems(layer_health(zeros, [1, 2]), None, HealthLimits())
+    assert any("layer 2" in p and "100.0% of the values are exactly zero" in p
+               for p in problems)
+    shifted = torch.roll(good, 1, dims=0)  # each token holds its neighbour's state
+    reference = {"row": 7, **reference_diff(shifted, good)}
+    problems = shard_problems(layer_health(shifted, [1, 2]), reference, HealthLimits())
+    assert problems and "row 7" in problems[0] and "padding leaks" in problems[0]
+    assert not shard_problems([], {"row": 1, **reference_diff(good, good)}, HealthLimits())
+
+
+def test_outliers_are_counted_not_failed():
+    states = torch.ones(100, 1, 4)
+    states[3] *= 1000  # a massive-activation token, as real targets have
+    health = layer_health(states, [5])
+    assert health[0]["outliers"] == 1 and health[0]["norm_max"] == pytest.approx(2000)
+    assert not shard_problems(health, None, HealthLimits())
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> tuple[Path, Path]:
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
+    from dflash_etl.stages import ingest, tokenize
+
+    base = tmp_path_factory.mktemp("health")
+    target = build_tiny_qwen2(base / "target")
+    config = load_config(REPO / "data" / "pipeline.toml")
+    ingest.run(config, base / "run", progress=False)
+    tokenize.run(config, base / "run", progress=False)
+    return base / "run", target
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_healthy_states_record_their_numbers(tokenized, tmp_path):
+    from dflash_etl.stages import extract
+
+    source, target = tokenized
+    run = _copy(source, tmp_path)
+    doc = extract.run(None, run, progress=False, model=str(target), layers="1,2")
+    health = doc["health"]
+    assert [layer["layer"] for layer in health["layers"]] == [1, 2]
+    assert all(layer["zero_share"] < 0.01 and layer["norm_mean"] > 0
+               for layer in health["layers"])
+    assert health["reference_rows"] >= 1 and health["reference_max_rel"] < 1e-3
+    assert not health["problems"]
+    from dflash_etl.report import build_docs
+    from dflash_etl.validation.check import check_path
+
+    assert check_path(run / "extract")["passed"]
+    page = (build_docs(run) / "index.html").read_text()
+    assert "Hidden-state health" in page and "max relative difference" in page
+
+
+@pytest.mark.parametrize("corruption", ["zeros", "padding_leak"])
+def test_corrupted_states_fail_extract_with_the_numbers(tokenized, tmp_path, monkeypatch,
+                                                        corruption):
+    from dflash_etl.models.target import Target
+    from dflash_etl.stages import extract
+
+    source, target = tokenized
+    run = _copy(source, tmp_path)
+    real = Target.forward
+
+    def corrupted(self, rows, logits=False, extra_layers=()):
+        out, states = real(self, rows, logits=logits, extra_layers=extra_layers)
+        if corruption == "zeros":
+            states = [s * torch.tensor([1.0, 0.0])[None, :, None] for s in states]
+        elif len(rows) > 1:  # batched only: what a padding bug does
+            states = [torch.roll(s, 1, dims=0) for s in states]
+        return out, states
+
+    monkeypatch.setattr(Target, "forward", corrupted)
+    with pytest.raises(ContractError) as caught:
+        extract.run(None, run, progress=False, model=str(target), layers="1,2")
+    message = str(caught.value)
+    expected = "exactly zero" if corruption == "zeros" else "padding leaks"
+    assert "health check failed" in message and expected in message
+    stats = json.loads((run / ".extract.partial" / "stats.json").read_text())
+    total = stats["total"]
+    assert total["quarantine_reasons"].get(extract.Q_UNHEALTHY, 0) > 0
+    assert total["rows_in"] == total["rows_out"] + total["rows_quarantined"]
+
+
+def test_check_finds_zeros_in_published_states(tokenized, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dflash_etl.stages import extract
+
+    source, target = tokenized
+    run = _copy(source, tmp_path)
+    extract.run(None, run, progress=False, model=str(target), layers="1,2")
+    shard = sorted((run / "extract" / "hidden_states").glob("*.safetensors"))[0]
+    data = load_file(str(shard))
+    data["hidden_states"][:, 0] = 0  # layer 1 zeroed, shape and token ids intact
+    save_file(data, str(shard))
+    _, _, problems = extract.check_output(run / "extract")
+    assert any(shard.name in p and "layer 1" in p and "exactly zero" in p for p in problems)
