@@ -101,7 +101,11 @@ def test_regenerated_with_thinking_on_then_tokenized_off_policy_fails_naming_bot
     policy = doc["on_policy"]
     assert not policy["problems"]
     assert policy["generated_with"]["thinking"] == "off"
-    assert policy["generated_with"]["served_model"] == str(target)  # what made the replies
+    from dflash_etl.models.identity import model_identity
+
+    # what made the replies: its weights' identity (a local backend has no served name)
+    assert policy["generated_with"]["model_identity"] == model_identity(str(target))
+    assert policy["generated_with"]["served_model"] is None
     assert policy["serve_with"]["chat_template_kwargs"] == {"enable_thinking": False}
     stored = json.loads((run / "tokenize" / "stats.json").read_text())
     assert stored["on_policy"] == policy

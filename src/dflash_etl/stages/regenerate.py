@@ -1118,8 +1118,10 @@ class RegenerateStage(Stage):
             "backend": settings.backend, "thinking": settings.thinking,
             "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
             "mode": settings.mode,
-            "served_model": getattr(ctx.state["backend"], "served_model", None)
-            or settings.model}
+            # the server's name for it (openai), and the weights' identity: never a path, so
+            # two runs of the same inputs in other directories write the same stats
+            "served_model": getattr(ctx.state["backend"], "served_model", None),
+            "model_identity": getattr(ctx.state["backend"], "model_id", None)}
         out = partial / "conversations"
         out.mkdir(exist_ok=True)
         pq.write_table(pa.Table.from_pylist(kept, schema=S.CONVERSATIONS),
