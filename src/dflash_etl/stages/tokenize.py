@@ -69,6 +69,13 @@ class TokenizeSettings:
                                         help="supervise reasoning")
     turns: str = setting("all", choices=("all", "last"), help="which assistant turns to train")
     draft_vocab_size: int = setting(32000, min=1, help="size of d2t/t2d")
+    render_timeout_s: float = setting(10.0, above=0, help="seconds one render of a conversation "
+                                      "may take (template_render_timeout)")
+    render_size_factor: float = setting(10.0, min=0, help="a render may make render_size_factor "
+                                        "x the conversation's characters + render_size_extra "
+                                        "(template_output_too_large)")
+    render_size_extra: int = setting(1_000_000, min=0, help="characters a render may make "
+                                     "beyond render_size_factor x the conversation's")
 
     @classmethod
     def from_sources(
@@ -81,20 +88,39 @@ class TokenizeSettings:
         return settings
 
 
+    @property
+    def render_limits(self) -> Any:
+        from dflash_etl.templates.render import RenderLimits
+
+        return RenderLimits(timeout_s=self.render_timeout_s, size_factor=self.render_size_factor,
+                            size_extra=self.render_size_extra)
+
+
 register_section("tokenize", TokenizeSettings)
 
 
 # ---------------------------------------------------------------- loading (offline)
 def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
-    """The template probe (TemplateUnusable becomes a StageError naming the reason)."""
+    """The template probe (TemplateUnusable becomes a StageError naming the reason, and so does
+    a probe render over the render limits: such a template would fail every row)."""
     from dflash_etl.templates import TemplateUnusable, probe_template
+    from dflash_etl.templates.render import RenderLimitExceeded, render_limits
 
     tokenizer = tokenizer or load_tokenizer(settings.model)
     try:
-        return probe_template(tokenizer, read_template(settings.chat_template),
-                              model_dir=settings.model)
+        with render_limits(settings.render_limits):
+            return probe_template(tokenizer, read_template(settings.chat_template),
+                                  model_dir=settings.model)
     except TemplateUnusable as exc:
         raise StageError(f"the chat template cannot be used: {exc}") from exc
+    except RenderLimitExceeded as exc:
+        name = (settings.chat_template if settings.chat_template
+                else f"the chat template of {settings.model}")
+        raise StageError(
+            f"{name}: probing the template ran over the render limit ({exc.limit}): {exc}. A "
+            "real chat template renders the probe's short conversations in milliseconds; if "
+            "this one is legitimately slow or large, raise [tokenize] render_timeout_s / "
+            "render_size_factor / render_size_extra") from exc
 
 
 # ---------------------------------------------------------------- pure core
@@ -278,9 +304,13 @@ class TokenizeStage(BatchStage):
 
     @classmethod
     def process_batch(cls, worker: Any, batch: pa.Table, item: WorkItem) -> BatchOutput:
-        rows, quarantine, per_source, freq = tokenize_rows(
-            batch.to_pylist(), worker["tokenizer"], worker["probe"], worker["settings"],
-            worker["template"])
+        from dflash_etl.templates.render import render_limits
+
+        settings: TokenizeSettings = worker["settings"]
+        with render_limits(settings.render_limits):  # in the worker: a hung render ends here
+            rows, quarantine, per_source, freq = tokenize_rows(
+                batch.to_pylist(), worker["tokenizer"], worker["probe"], settings,
+                worker["template"])
         return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE), per_source,
                            {"freq": {str(k): v for k, v in freq.items()}})
 
