@@ -198,3 +198,79 @@ def test_probe_template_has_the_same_limits(tmp_path):
          "--render-timeout-s", "0.3"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "slow.jinja" in done.stderr
     assert "render_timeout_s = 0.3" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- model directories: no own code
+EVIL = """import pathlib
+pathlib.Path({marker!r}).write_text("the directory's code ran")
+"""
+LOADERS = """
+import json, sys
+from dflash_etl.core.errors import StageError
+model = sys.argv[1]
+results = {}
+def attempt(name, fn):
+    try:
+        fn()
+        results[name] = "loaded"
+    except StageError as exc:
+        results[name] = "refused: " + str(exc)
+from dflash_etl.models.target import Target, TargetSpec
+from dflash_etl.stages.extract import _n_layers
+from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
+from dflash_etl.stages.train import resolve_mask_token
+attempt("extract", lambda: _n_layers(model))
+attempt("target", lambda: Target(TargetSpec(model=model, device="cpu")))
+attempt("regenerate", lambda: TransformersBackend(RegenerateSettings(model=model)))
+attempt("train", lambda: resolve_mask_token(model, 10**6, -1))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, layers=2)
+
+
+def _with_own_code(tiny_model: Path, out: Path, model_type: str) -> Path:
+    import shutil
+
+    shutil.copytree(tiny_model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["model_type"] = model_type
+    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig",
+                          "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_evil.py", "modeling_evil.py"):  # transformers imports a copy
+        (out / name).write_text(EVIL.format(marker=str(out / "CODE_RAN")))
+    return out
+
+
+def _load_everywhere(model: Path) -> dict:
+    """Every loader in a fresh process whose stdin says "y" to transformers' [y/N] question."""
+    done = subprocess.run([sys.executable, "-c", LOADERS, str(model)], input="y\n" * 8,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_model_that_needs_its_own_code_is_refused_everywhere(tiny_model, tmp_path):
+    model = _with_own_code(tiny_model, tmp_path / "evil", "evil_arch")
+    results = _load_everywhere(model)
+    assert not (model / "CODE_RAN").exists()
+    for stage in ("extract", "target", "regenerate", "train"):
+        assert results[stage].startswith("refused: "), (stage, results[stage])
+        assert "`auto_map`" in results[stage] and "'evil_arch'" in results[stage]
+        assert "trust_remote_code=False" in results[stage]
+
+
+@pytest.mark.slow
+def test_an_auto_map_beside_a_built_in_architecture_loads_without_its_code(tiny_model, tmp_path):
+    model = _with_own_code(tiny_model, tmp_path / "native", "qwen2")
+    results = _load_everywhere(model)
+    assert results == {"extract": "loaded", "target": "loaded", "regenerate": "loaded",
+                       "train": "loaded"}
+    assert not (model / "CODE_RAN").exists()

@@ -319,11 +319,11 @@ class OnlineStates:
 # ---------------------------------------------------------------- shell
 def resolve_mask_token(model_dir: str, embedding_rows: int, explicit: int) -> tuple[int, str]:
     """The mask token the blocks use, and why it was chosen (recorded in the stats)."""
-    from transformers import AutoTokenizer
+    from dflash_etl.models.loading import load_auto_tokenizer
 
     if explicit >= 0:
         return explicit, "set in the settings"
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = load_auto_tokenizer(model_dir)
     if tok.mask_token_id is not None:
         return int(tok.mask_token_id), "the tokenizer's mask token"
     vocab = tok.get_vocab()
