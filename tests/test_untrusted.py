@@ -274,3 +274,32 @@ def test_an_auto_map_beside_a_built_in_architecture_loads_without_its_code(tiny_
     assert results == {"extract": "loaded", "target": "loaded", "regenerate": "loaded",
                        "train": "loaded"}
     assert not (model / "CODE_RAN").exists()
+
+
+# ---------------------------------------------------------------- model identity
+IDENTIFYING = ("config.json", "generation_config.json", "model.safetensors",
+               "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin", "consolidated.00.pth", "tf_model.h5", "flax_model.msgpack",
+               "model.gguf", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+               "qwen.tiktoken", "vocab.json", "merges.txt", "spiece.model", "vocab",
+               "chat_template.jinja", "special_tokens_map.json")
+NOT_IDENTIFYING = ("README.md", "LICENSE", ".gitattributes", ".cache-marker")
+
+
+def test_model_identity_covers_every_weight_config_and_tokenizer_file(tmp_path):
+    from dflash_etl.models.identity import model_identity, tokenizer_identity
+
+    for name in (*IDENTIFYING, *NOT_IDENTIFYING):
+        (tmp_path / name).write_bytes(b"original " + name.encode())
+    before, tok_before = model_identity(tmp_path), tokenizer_identity(tmp_path)
+    weights = {"model.safetensors", "model-00001-of-00002.safetensors", "pytorch_model.bin",
+               "consolidated.00.pth", "tf_model.h5", "flax_model.msgpack", "model.gguf"}
+    for name in IDENTIFYING:
+        original = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(b"replaced")
+        assert model_identity(tmp_path) != before, name
+        assert (tokenizer_identity(tmp_path) == tok_before) == (name in weights), name
+        (tmp_path / name).write_bytes(original)
+    for name in NOT_IDENTIFYING:
+        (tmp_path / name).write_bytes(b"edited")
+    assert model_identity(tmp_path) == before and tokenizer_identity(tmp_path) == tok_before

@@ -28,6 +28,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
+from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, read_template
 from dflash_etl.validation import suites
 
@@ -338,13 +339,6 @@ class TokenizeStage(BatchStage):
                ) -> dict[str, Any]:
         return _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
                        ctx.state["probe_doc"], ctx.fingerprint)
-
-
-def tokenizer_identity(model: str) -> list[str]:
-    """What a tokenizer directory's fingerprint covers: its tokenizer and template files."""
-    files = sorted(p for p in Path(model).iterdir()
-                   if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model"))
-    return [sha256_file(f) for f in files]
 
 
 def run(

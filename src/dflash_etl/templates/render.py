@@ -167,7 +167,6 @@ class _Budget:
 
 
 _STATE = threading.local()  # .budget: the render in progress in this thread, if any
-_NO_DEADLINE = float("inf")
 
 
 def _budget() -> _Budget | None:
