@@ -124,6 +124,16 @@ def test_what_transformers_renders_itself_is_stopped_by_sigalrm(tok):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_guarded_transformers_render_takes_every_keyword(tok):
+    """The {% generation %} mask call passes tools= (and the rest) through the guard."""
+    from dflash_etl.templates.render import guarded_call
+
+    with render_limits(SMALL):
+        text = guarded_call(MESSAGES, [], tok.apply_chat_template, MESSAGES, tools=[],
+                            chat_template=CHATML, tokenize=False)
+        assert text == render(tok, MESSAGES, chat_template=CHATML, tools=[])
+
+
 def test_limits_leave_real_templates_and_big_ranges_alone(tok):
     long = [{"role": "user", "content": "word " * 50_000}, {"role": "assistant", "content": "ok"}]
     with render_limits(SMALL):  # the size limit grows with the conversation

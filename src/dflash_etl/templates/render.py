@@ -244,7 +244,7 @@ class _guarded:  # lower case: used as a function, `with _guarded(messages, tool
         _STATE.budget = self.outer
 
 
-def guarded_call(messages: Any, tools: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def guarded_call(messages: Any, tools: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` (a transformers render: apply_chat_template) under the render limits;
     its text output, if any, is checked against the size limit."""
     with _guarded(messages, tools, alarm=True) as budget:
