@@ -664,8 +664,15 @@ def _filter_format(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -
         _check_widths(budget, _PRINTF_SPEC_RE.findall(values[0]), tuple(values[1:]), kwargs)
 
 
+def _filter_tojson(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -> None:
+    """transformers' tojson(x, ensure_ascii, indent, ...): an indent repeats per nesting level."""
+    indent = kwargs.get("indent", values[2] if len(values) > 2 else None)
+    if isinstance(indent, int) and budget.over(indent):
+        raise budget.too_large("JSON (an indent)", indent)
+
+
 _FILTER_CHECKS = {"center": _filter_width, "indent": _filter_width, "replace": _filter_replace,
-                  "join": _filter_join, "format": _filter_format}
+                  "join": _filter_join, "format": _filter_format, "tojson": _filter_tojson}
 
 
 def _fast_sandboxed(compiled: Any, source: str) -> Any:
