@@ -195,6 +195,22 @@ def test_a_template_that_trips_the_limits_in_the_probe_fails_the_stage(tmp_path)
         _tokenize(tmp_path, SPINS["nested range loops"] + CHATML, workers=1)
 
 
+@pytest.mark.parametrize("constant", ["{{ 11 ** (10 ** 8) }}", "{{ 'x' | center(4000000000) }}"])
+def test_a_constant_transformers_would_fold_is_refused_before_it_compiles(tmp_path, constant):
+    """A {% generation %} template goes through transformers' own compile (the HF assistant
+    mask), which folds constants at compile time even in a branch never taken."""
+    tagged = CHATML.replace("{{- message.content }}", "{% generation %}{{- message.content }}"
+                            "{% endgeneration %}") if "{{- message.content }}" in CHATML else (
+        CHATML + "{% generation %}{% endgeneration %}")
+    (tmp_path / "tagged.jinja").write_text("{% if false %}" + constant + "{% endif %}" + tagged)
+    settings = tokenize.TokenizeSettings(model=str(TOKENIZER),
+                                         chat_template=str(tmp_path / "tagged.jinja"))
+    start = time.monotonic()
+    with pytest.raises(StageError, match=r"tagged\.jinja: probing the template ran over"):
+        tokenize.probe(settings)
+    assert time.monotonic() - start < 10
+
+
 def test_probe_template_has_the_same_limits(tmp_path):
     (tmp_path / "big.jinja").write_text(BLOWS_UP["a huge power"] + CHATML)
     settings = tokenize.TokenizeSettings(model=str(TOKENIZER),

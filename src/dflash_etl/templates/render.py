@@ -246,7 +246,13 @@ class _guarded:  # lower case: used as a function, `with _guarded(messages, tool
 
 def guarded_call(messages: Any, tools: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` (a transformers render: apply_chat_template) under the render limits;
-    its text output, if any, is checked against the size limit."""
+    its text output, if any, is checked against the size limit. A template with constants that
+    would fold to a huge value (`chat_template=`, else the tokenizer's) is refused first."""
+    source = kwargs.get("chat_template")
+    if source is None and getattr(fn, "__self__", None) is not None:
+        source = getattr(fn.__self__, "chat_template", None)
+    if isinstance(source, str):
+        refuse_folded_constants(source)
     with _guarded(messages, tools, alarm=True) as budget:
         out = fn(*args, **kwargs)
         text = out[0] if isinstance(out, list) and out and isinstance(out[0], str) else out
@@ -673,6 +679,61 @@ def _filter_tojson(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -
 
 _FILTER_CHECKS = {"center": _filter_width, "indent": _filter_width, "replace": _filter_replace,
                   "join": _filter_join, "format": _filter_format, "tojson": _filter_tojson}
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _constant(node: Any, budget: _Budget) -> Any:
+    """The value jinja's optimizer would fold `node` to at compile time, computed with the size
+    checks; _NotConstant where it would not fold."""
+    if isinstance(node, nodes.Const):
+        return node.value
+    if isinstance(node, nodes.BinExpr) and node.operator in _BINOPS:
+        left, right = _constant(node.left, budget), _constant(node.right, budget)
+        _check_binop(budget, node.operator, left, right)
+        try:
+            return _BINOPS[node.operator](left, right)
+        except Exception as exc:
+            raise _NotConstant from exc
+    raise _NotConstant
+
+
+_BINOPS = {"*": lambda a, b: a * b, "**": lambda a, b: a ** b, "+": lambda a, b: a + b,
+           "-": lambda a, b: a - b, "%": lambda a, b: a % b, "//": lambda a, b: a // b,
+           "/": lambda a, b: a / b}
+
+
+@functools.lru_cache(maxsize=16)
+def refuse_folded_constants(source: str) -> None:
+    """RenderTooLarge for a template whose constants would fold to a huge value: transformers
+    compiles a template in its own environment, whose optimizer computes `{{ 11 ** (10 ** 8) }}`
+    or `{{ 'x' | center(4000000000) }}` at compile time, even in a branch never taken, where no
+    limit can stop it. Called before transformers compiles a template (its own renders)."""
+    try:  # transformers' own environment (its {% generation %} tag), parsed, not compiled
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        ast = _compile_jinja_template("").environment.parse(source)
+    except Exception:  # transformers reports what does not parse
+        return
+    budget = _Budget(RenderLimits(), ((), None))
+    for node in ast.find_all((nodes.BinExpr, nodes.Filter)):
+        if isinstance(node, nodes.Filter):
+            check = _FILTER_CHECKS.get(node.name)
+            if check is None or node.node is None:
+                continue
+            try:
+                values = [_constant(n, budget) for n in (node.node, *node.args)]
+                named = {k.key: _constant(k.value, budget) for k in node.kwargs}
+            except _NotConstant:
+                continue
+            check(budget, values, named)
+            continue
+        try:
+            _constant(node, budget)
+        except _NotConstant:
+            continue
 
 
 def _fast_sandboxed(compiled: Any, source: str) -> Any:
