@@ -251,3 +251,24 @@ def test_hooks_capture_moe_and_hybrid_architectures(family, tmp_path):
         expected = torch.stack([alone.hidden_states[i + 1][0] for i in (1, 2)], dim=1)
         assert states.shape == (len(row), 2, 64)
         assert torch.allclose(states, expected, atol=1e-4), family
+
+
+def test_replacing_pytorch_model_bin_redoes_extract(target, tokenized, tmp_path):
+    """A target whose weights are pytorch_model.bin: new weights are a new model, never a
+    skip as "complete" on the old model's hidden states (issue 16)."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "bin-target"
+    shutil.copytree(target, model)
+    weights = load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors").unlink()
+    torch.save(weights, model / "pytorch_model.bin")
+    run_dir = _copy(tokenized, tmp_path)
+    first = extract.run(None, run_dir, progress=False, model=str(model), shard_rows=64)
+    states = load_file(str(sorted((run_dir / "extract").rglob("*.safetensors"))[0]))
+    torch.save({k: v * 0.5 for k, v in weights.items()}, model / "pytorch_model.bin")
+    again = extract.run(None, run_dir, progress=False, model=str(model), shard_rows=64)
+    assert not again.get("skipped") and first["total"]["rows_out"] == again["total"]["rows_out"]
+    redone = load_file(str(sorted((run_dir / "extract").rglob("*.safetensors"))[0]))
+    assert any(not torch.equal(states[k], redone[k]) for k in states if k in redone)

@@ -217,6 +217,91 @@ def test_interrupted_training_resumes_to_the_same_weights(extracted, target, tmp
     assert again.get("skipped") is True
 
 
+@pytest.fixture(scope="module")
+def interrupted(extracted, target, tmp_path_factory) -> Path:
+    """A run killed after its step-3 checkpoint (settings: INTERRUPTED): resumable as it is."""
+    run_dir = _copy(extracted, tmp_path_factory.mktemp("interrupted"))
+    real = train.Trainer.step
+
+    def crash_at_five(self, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    train.Trainer.step = crash_at_five
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+    finally:
+        train.Trainer.step = real
+    return run_dir
+
+
+INTERRUPTED = {**SMALL, "steps": 6, "save_every": 3}
+
+
+def _tamper_step(ckpt: Path) -> None:
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "step": 6}))
+
+
+def _published_as_more_steps(ckpt: Path) -> None:
+    """A 3-step checkpoint renamed and relabelled step 6, consistently."""
+    _tamper_step(ckpt)
+    ckpt.rename(ckpt.with_name("step-000006"))
+
+
+def _tamper_tensors(ckpt: Path) -> None:
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "tensors": state["tensors"] + 1}))
+
+
+def _corrupt_optimizer(ckpt: Path) -> None:
+    """Garbage of the file's own size (state.json's record of it still matches)."""
+    size = (ckpt / "optimizer.pt").stat().st_size
+    (ckpt / "optimizer.pt").write_bytes((b"\x80\x02garbage" * size)[:size])
+
+
+def _pickle_of_other_objects(ckpt: Path) -> None:
+    import datetime
+
+    import torch
+
+    torch.save({"optimizer": {}, "scheduler": datetime.date(2020, 1, 1)}, ckpt / "optimizer.pt")
+    state = json.loads((ckpt / "state.json").read_text())
+    state["files"]["optimizer.pt"] = (ckpt / "optimizer.pt").stat().st_size
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+TAMPERED = {
+    "a step that is not the directory's": (_tamper_step, "state.json says step 6 but the "
+                                                         "directory is step-000003"),
+    "a 3-step checkpoint published as 6": (_published_as_more_steps,
+                                           "its scheduler has made 3 steps, state.json says 6"),
+    "a missing optimizer file": (lambda c: (c / "optimizer.pt").unlink(), "optimizer.pt missing"),
+    "a tampered tensor count": (_tamper_tensors, "state.json records .* tensors, "
+                                                 "model.safetensors holds"),
+    "a corrupt optimizer.pt": (_corrupt_optimizer, "optimizer.pt is not an optimizer state torch "
+                                                   "loads as weights only"),
+    "a pickle of other objects": (_pickle_of_other_objects, "optimizer.pt is not an optimizer "
+                                                            "state torch loads as weights only"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_checkpoint_that_does_not_match_its_files_is_refused(interrupted, target, tmp_path,
+                                                               case):
+    run_dir = tmp_path / "run"
+    shutil.copytree(interrupted, run_dir)
+    ckpt = run_dir / ".train.partial" / "checkpoints" / "step-000003"
+    tamper, reason = TAMPERED[case]
+    tamper(ckpt)
+    with pytest.raises(StageError, match="cannot resume from the checkpoint .*step-00000[36]: "
+                                         + reason) as caught:
+        train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+    assert "Delete that directory" in str(caught.value)
+
+
 def test_online_and_speculators_format_states_train_like_native_ones(extracted, target,
                                                                      tmp_path):
     from safetensors.torch import load_file

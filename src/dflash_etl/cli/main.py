@@ -161,10 +161,16 @@ def _configured(config: PipelineConfig, spec: StageSpec) -> bool:
                 or (spec.target_fallback and config.section("target")))
 
 
+PROBE_LIMITS = ("render_timeout_s", "render_size_factor", "render_size_extra")
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from dflash_etl.stages import tokenize
 
-    settings = tokenize.TokenizeSettings(model=args.model, chat_template=args.chat_template)
+    limits = {name: getattr(args, name) for name in PROBE_LIMITS
+              if getattr(args, name) is not None}
+    settings = tokenize.TokenizeSettings.from_sources(
+        {}, {"model": args.model, "chat_template": args.chat_template, **limits}, None)
     probe = tokenize.probe(settings).to_dict()
     if args.json:
         Path(args.json).write_text(json.dumps(probe, indent=2))
@@ -279,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE",
                    help=field_help(tokenize["chat_template"]))
     p.add_argument("--json", help="also write the probe as JSON here")
+    for name in PROBE_LIMITS:  # the stage's render limits: a hostile template cannot hang it
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
+                       type=type(tokenize[name].default), metavar="N",
+                       help=field_help(tokenize[name]))
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("run", help="every stage on a config (default: the embedded data/)")

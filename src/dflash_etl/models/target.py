@@ -70,15 +70,16 @@ class Target:
     def __init__(self, settings: TargetSpec) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from dflash_etl.models.loading import load_causal_lm, refuse_remote_code
 
         self.torch = torch
         self.device = settings.device if settings.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
+        refuse_remote_code(settings.model)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                settings.model, local_files_only=True, dtype=dtype)
+            self.model = load_causal_lm(settings.model, dtype=dtype)
         except Exception as exc:  # transformers raises many types for a bad directory
             raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
         self.model.to(self.device).eval()

@@ -37,10 +37,11 @@ def _load_tokenizer(model: str, signature: tuple[Any, ...]) -> Any:
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(model, local_files_only=True)
-        from transformers import AutoTokenizer
+        from dflash_etl.models.loading import load_auto_tokenizer
 
-        return AutoTokenizer.from_pretrained(model, local_files_only=True,
-                                             trust_remote_code=False)
+        return load_auto_tokenizer(model)
+    except StageError:
+        raise
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot load a tokenizer from {model}: {exc}") from exc
 

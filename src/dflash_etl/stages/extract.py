@@ -295,11 +295,11 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
 
 def _n_layers(model: str) -> int:
     """The target's decoder layer count, from its config (no weights loaded)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig
+    from dflash_etl.models.loading import load_config, refuse_remote_code
 
+    refuse_remote_code(model)
     try:
-        return int(AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers)
+        return int(load_config(model).num_hidden_layers)
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
 

@@ -335,16 +335,16 @@ class TransformersBackend(_LocalTemplate):
     def __init__(self, settings: RegenerateSettings) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
-        from transformers import AutoModelForCausalLM
 
+        from dflash_etl.models.loading import load_causal_lm, refuse_remote_code
         from dflash_etl.models.tokenizer import load_tokenizer
 
         self.settings = settings
         self.torch = torch
         self.tokenizer = load_tokenizer(settings.model)
+        refuse_remote_code(settings.model)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(settings.model,
-                                                              local_files_only=True)
+            self.model = load_causal_lm(settings.model)
         except Exception as exc:  # transformers raises many types for a bad directory
             raise StageError(f"cannot load a causal LM from {settings.model}: {exc}") from exc
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -406,6 +406,9 @@ class VLLMBackend(_LocalTemplate):
 
         self.settings = settings
         self.tokenizer = load_tokenizer(settings.model)
+        from dflash_etl.models.loading import refuse_remote_code
+
+        refuse_remote_code(settings.model)
         self.llm = LLM(model=settings.model, seed=settings.seed, trust_remote_code=False)
         self.params = SamplingParams(max_tokens=settings.max_new_tokens,
                                      temperature=settings.temperature, seed=settings.seed)

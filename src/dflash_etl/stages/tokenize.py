@@ -28,6 +28,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
+from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
 from dflash_etl.validation import suites
 from dflash_etl.validation.on_policy import on_policy_report
@@ -73,6 +74,13 @@ class TokenizeSettings:
     max_off_policy_share: float = setting(
         0.01, min=0, max=1, help="rows rendered in another thinking mode than regenerate "
         "generated with, as a share of rows, before the on-policy check fails the stage")
+    render_timeout_s: float = setting(10.0, above=0, help="seconds one render of a conversation "
+                                      "may take (template_render_timeout)")
+    render_size_factor: float = setting(10.0, min=0, help="a render may make render_size_factor "
+                                        "x the conversation's characters + render_size_extra "
+                                        "(template_output_too_large)")
+    render_size_extra: int = setting(1_000_000, min=0, help="characters a render may make "
+                                     "beyond render_size_factor x the conversation's")
 
     @classmethod
     def from_sources(
@@ -85,20 +93,39 @@ class TokenizeSettings:
         return settings
 
 
+    @property
+    def render_limits(self) -> Any:
+        from dflash_etl.templates.render import RenderLimits
+
+        return RenderLimits(timeout_s=self.render_timeout_s, size_factor=self.render_size_factor,
+                            size_extra=self.render_size_extra)
+
+
 register_section("tokenize", TokenizeSettings)
 
 
 # ---------------------------------------------------------------- loading (offline)
 def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
-    """The template probe (TemplateUnusable becomes a StageError naming the reason)."""
+    """The template probe (TemplateUnusable becomes a StageError naming the reason, and so does
+    a probe render over the render limits: such a template would fail every row)."""
     from dflash_etl.templates import TemplateUnusable, probe_template
+    from dflash_etl.templates.render import RenderLimitExceeded, render_limits
 
     tokenizer = tokenizer or load_tokenizer(settings.model)
     try:
-        return probe_template(tokenizer, read_template(settings.chat_template),
-                              model_dir=settings.model)
+        with render_limits(settings.render_limits):
+            return probe_template(tokenizer, read_template(settings.chat_template),
+                                  model_dir=settings.model)
     except TemplateUnusable as exc:
         raise StageError(f"the chat template cannot be used: {exc}") from exc
+    except RenderLimitExceeded as exc:
+        name = (settings.chat_template if settings.chat_template
+                else f"the chat template of {settings.model}")
+        raise StageError(
+            f"{name}: probing the template ran over the render limit ({exc.limit}): {exc}. A "
+            "real chat template renders the probe's short conversations in milliseconds; if "
+            "this one is legitimately slow or large, raise [tokenize] render_timeout_s / "
+            "render_size_factor / render_size_extra") from exc
 
 
 # ---------------------------------------------------------------- pure core
@@ -295,9 +322,13 @@ class TokenizeStage(BatchStage):
 
     @classmethod
     def process_batch(cls, worker: Any, batch: pa.Table, item: WorkItem) -> BatchOutput:
-        rows, quarantine, per_source, freq = tokenize_rows(
-            batch.to_pylist(), worker["tokenizer"], worker["probe"], worker["settings"],
-            worker["template"])
+        from dflash_etl.templates.render import render_limits
+
+        settings: TokenizeSettings = worker["settings"]
+        with render_limits(settings.render_limits):  # in the worker: a hung render ends here
+            rows, quarantine, per_source, freq = tokenize_rows(
+                batch.to_pylist(), worker["tokenizer"], worker["probe"], settings,
+                worker["template"])
         return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE), per_source,
                            {"freq": {str(k): v for k, v in freq.items()}})
 
@@ -348,13 +379,6 @@ def _check_on_policy(manifest: dict[str, Any], settings: TokenizeSettings, doc: 
         raise StageError("on-policy check: " + "; ".join(report["problems"]) + ". Tokenize with "
                          "the thinking mode the replies were generated in (or regenerate in the "
                          "mode you will serve), or raise [tokenize] max_off_policy_share")
-
-
-def tokenizer_identity(model: str) -> list[str]:
-    """What a tokenizer directory's fingerprint covers: its tokenizer and template files."""
-    files = sorted(p for p in Path(model).iterdir()
-                   if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model"))
-    return [sha256_file(f) for f in files]
 
 
 def run(

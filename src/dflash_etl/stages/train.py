@@ -319,11 +319,11 @@ class OnlineStates:
 # ---------------------------------------------------------------- shell
 def resolve_mask_token(model_dir: str, embedding_rows: int, explicit: int) -> tuple[int, str]:
     """The mask token the blocks use, and why it was chosen (recorded in the stats)."""
-    from transformers import AutoTokenizer
+    from dflash_etl.models.loading import load_auto_tokenizer
 
     if explicit >= 0:
         return explicit, "set in the settings"
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = load_auto_tokenizer(model_dir)
     if tok.mask_token_id is not None:
         return int(tok.mask_token_id), "the tokenizer's mask token"
     vocab = tok.get_vocab()
@@ -402,13 +402,92 @@ def _save_checkpoint(directory: Path, step: int, drafter: Any, optimizer: Any, s
     shutil.rmtree(tmp, ignore_errors=True)
     drafter.save(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-               tmp / "optimizer.pt")
-    write_json_atomic(tmp / "state.json", {**state, "step": step})
+               tmp / OPTIMIZER)
+    # what resume checks the directory against (_checked_checkpoint)
+    files = {name: (tmp / name).stat().st_size for name in CHECKPOINT_FILES}
+    write_json_atomic(tmp / "state.json", {**state, "step": step,
+                                           "tensors": len(drafter.state_dict()), "files": files})
     if final.exists():
         remove_tree(final)
     os.replace(tmp, final)
     for old in _checkpoints(directory)[:-keep]:
         remove_tree(old)  # never half deleted: one with state.json would be resumed from
+
+
+OPTIMIZER = "optimizer.pt"
+CHECKPOINT_FILES = ("model.safetensors", "config.json", OPTIMIZER)
+
+
+class CheckpointRefused(StageError):
+    """A checkpoint that does not match its directory or its files: resuming from it would
+    publish a drafter that is not what state.json says."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"cannot resume from the checkpoint {path}: {reason}. Delete that directory (the "
+            "rerun then resumes from an older checkpoint, or starts afresh) or rerun with "
+            "--force")
+
+
+def _checked_checkpoint(path: Path, expected_tensors: set[str], device: Any
+                        ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(state, weights, optimizer file) of a checkpoint, each checked against the others and
+    the directory: the step against the directory's name and the scheduler's step count, the
+    files present (with the sizes state.json recorded), the tensors those the drafter has.
+    CheckpointRefused says what does not match; a corrupt or non-weights file is refused the
+    same way, never an unpickling traceback."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    def refuse(reason: str) -> CheckpointRefused:
+        return CheckpointRefused(path, reason)
+
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise refuse(f"state.json is not readable JSON ({exc})") from exc
+    if not isinstance(state, dict):
+        raise refuse("state.json does not hold an object")
+    step = state.get("step")
+    named = path.name.removeprefix("step-")
+    if not isinstance(step, int) or not named.isdigit() or int(named) != step:
+        raise refuse(f"state.json says step {step!r} but the directory is {path.name}")
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        raise refuse(f"{', '.join(missing)} missing")
+    recorded = state.get("files")
+    if recorded is not None:
+        if not isinstance(recorded, dict):
+            raise refuse("state.json's files is not an object")
+        for name, size in recorded.items():
+            actual = (path / name).stat().st_size if (path / name).is_file() else None
+            if actual != size:
+                raise refuse(f"{name} has {actual} bytes, state.json recorded {size}")
+    try:
+        weights = load_file(str(path / "model.safetensors"), device=str(device))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise refuse(f"model.safetensors is not readable safetensors ({exc})") from exc
+    if state.get("tensors", len(weights)) != len(weights):
+        raise refuse(f"state.json records {state.get('tensors')!r} tensors, model.safetensors "
+                     f"holds {len(weights)}")
+    if set(weights) != expected_tensors:
+        odd = sorted(set(weights) ^ expected_tensors)[:3]
+        raise refuse(f"model.safetensors holds {len(weights)} tensors, not the drafter's "
+                     f"{len(expected_tensors)} (e.g. {odd}): another drafter's checkpoint")
+    try:
+        opt = torch.load(path / OPTIMIZER, map_location=device, weights_only=True)
+    except Exception as exc:  # a corrupt zip, a truncated file, a pickle of other objects
+        raise refuse(f"{OPTIMIZER} is not an optimizer state torch loads as weights only "
+                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                     ) from exc
+    if not (isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict)
+            and isinstance(opt.get("scheduler"), dict)):
+        raise refuse(f"{OPTIMIZER} does not hold the optimizer and scheduler states")
+    if opt["scheduler"].get("last_epoch") != step:
+        raise refuse(f"its scheduler has made {opt['scheduler'].get('last_epoch')!r} steps, "
+                     f"state.json says {step}")
+    return state, weights, opt
 
 
 def _log_through(path: Path, step: int) -> list[dict[str, Any]]:
@@ -509,7 +588,6 @@ class Trainer:
 
     def resume(self, directory: Path) -> dict[str, Any]:
         """Load the newest checkpoint (if any); returns its state ({} when starting afresh)."""
-        torch = self.torch
         if self.rank == 0:
             _tidy_checkpoints(directory)
         found = _checkpoints(directory)
@@ -517,15 +595,16 @@ class Trainer:
             if self.rank == 0:  # starting afresh: a killed run's log is not this one's
                 self.log_path.unlink(missing_ok=True)
             return {}
-        from safetensors.torch import load_file
-
         latest = found[-1]
-        self.drafter.load_state_dict(load_file(str(latest / "model.safetensors"),
-                                               device=str(self.device)))
-        opt = torch.load(latest / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(opt["optimizer"])
-        self.scheduler.load_state_dict(opt["scheduler"])
-        state = json.loads((latest / "state.json").read_text())
+        state, weights, opt = _checked_checkpoint(latest, set(self.drafter.state_dict()),
+                                                  self.device)
+        try:
+            self.drafter.load_state_dict(weights)
+            self.optimizer.load_state_dict(opt["optimizer"])
+            self.scheduler.load_state_dict(opt["scheduler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointRefused(latest, f"its states do not fit this drafter ({exc})"
+                                    ) from exc
         if self.rank == 0 and self.log_path.exists():
             kept = _log_through(self.log_path, state["step"])
             write_text_atomic(self.log_path, "".join(f"{json.dumps(e)}\n" for e in kept))

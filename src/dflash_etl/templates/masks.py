@@ -49,7 +49,11 @@ from dflash_etl.templates.render import (
     LEADING_EMPTY_THINK_RE,
     TRAILING_MARKER_RE,
     RenderError,
+    RenderLimitExceeded,
+    RenderTimeout,
+    RenderTooLarge,
     common_prefix_len,
+    guarded_call,
     inline_reasoning,
     parse_json_list,
     render,
@@ -80,6 +84,9 @@ R_NO_EOS = "no_eos_token"
 R_GENERATION_TAGS_UNUSABLE = "generation_tags_unusable"
 R_TOKEN_STRADDLES_BOUNDARY = "token_straddles_boundary"
 R_MASK_VERIFICATION_FAILED = "mask_verification_failed"
+R_RENDER_TIMEOUT = RenderTimeout.code  # "template_render_timeout": over [tokenize] limits
+R_OUTPUT_TOO_LARGE = RenderTooLarge.code  # "template_output_too_large"
+LIMIT_CODES = frozenset({R_RENDER_TIMEOUT, R_OUTPUT_TOO_LARGE})  # final: never retried otherwise
 
 FILTER_CODES = frozenset(
     {R_NEEDS_RESPONSE, R_NO_ASSISTANT_TURN, R_TOO_FEW_SUPERVISED, R_EXCEEDS_SEQ_LENGTH}
@@ -104,6 +111,8 @@ QUARANTINE_CODES = frozenset(
         R_GENERATION_TAGS_UNUSABLE,
         R_TOKEN_STRADDLES_BOUNDARY,
         R_MASK_VERIFICATION_FAILED,
+        R_RENDER_TIMEOUT,
+        R_OUTPUT_TOO_LARGE,
     }
 )
 
@@ -398,6 +407,8 @@ def _render_turn(
         try:
             prompt = _render_prefix(tokenizer, prep, i, True, kw, template)
             upto = _render_prefix(tokenizer, prep, i + 1, False, kw, template)
+        except RenderLimitExceeded:
+            raise  # the conversation's verdict: another variant would only spend the limit again
         except RenderError as exc:
             failures.append((R_RENDER_ERROR, f"{variant or 'default'}: {exc}"))
             continue
@@ -805,6 +816,8 @@ def _classify_render_error(
     ]
     try:
         render(tokenizer, skeleton, chat_template=template, kwargs=kw)
+    except RenderLimitExceeded as exc2:
+        return MaskRefused(exc2.code, str(exc2))
     except RenderError as exc2:
         return MaskRefused(R_ROLE_ORDER, str(exc2))
     return MaskRefused(R_RENDER_ERROR, str(err))
@@ -879,12 +892,16 @@ def _refusal(
     """The refusal to report. A template that rejects the conversation as such (its role order,
     with its own error text) is the reason, whatever step failed first: the full default render
     is the test, made only for refused conversations."""
-    if isinstance(exc, MaskRefused) and (exc.is_filter or prep is None):
+    if isinstance(exc, RenderLimitExceeded):  # rendering it again would spend the limit again
+        return MaskRefused(exc.code, str(exc))
+    if isinstance(exc, MaskRefused) and (exc.is_filter or prep is None or exc.code in LIMIT_CODES):
         return exc
     assert prep is not None
     kw = dict(probe.render_kwargs)
     try:
         _render_prefix(tokenizer, prep, len(prep.messages), False, kw, template)
+    except RenderLimitExceeded as err:
+        return MaskRefused(err.code, str(err))
     except RenderError as err:
         return _classify_render_error(tokenizer, prep, kw, template, err)
     if isinstance(exc, RenderError):
@@ -913,7 +930,7 @@ def _build_planned(
         return [_build_row(tokenizer, plan, probe, policy, enc)
                 for plan, enc in zip(item.rows, encoded, strict=True)]
     except MaskRefused as exc:
-        if item.fallback is None or exc.is_filter:
+        if item.fallback is None or exc.is_filter or exc.code in LIMIT_CODES:
             raise
         # e.g. a BPE merge across the end-of-turn and the next header: rows that end at the
         # reply have no such boundary, so per-turn rows can still be exact
@@ -987,7 +1004,7 @@ def _plan(
                 tokenizer, probe, prep, turns_for(base), base, policy, template, strategy
             )
         except MaskRefused as exc:
-            if exc.code in FILTER_CODES or strategy != "auto":
+            if exc.code in FILTER_CODES or exc.code in LIMIT_CODES or strategy != "auto":
                 raise
             row_or_why = f"{exc.code}: {exc.message}"
         if isinstance(row_or_why, _RowPlan):
@@ -1071,7 +1088,8 @@ def _check_generation_mask(
 ) -> None:
     """HF's {% generation %} mask must cover exactly the render-diff replies (content part)."""
     try:
-        out = tokenizer.apply_chat_template(
+        out = guarded_call(
+            prep.messages, prep.tools, tokenizer.apply_chat_template,
             prep.messages,
             tools=prep.tools,
             chat_template=template,
@@ -1080,6 +1098,8 @@ def _check_generation_mask(
             return_assistant_tokens_mask=True,
             **kw,
         )
+    except RenderLimitExceeded as exc:
+        raise MaskRefused(exc.code, str(exc)) from exc
     except Exception as exc:
         raise MaskRefused(R_GENERATION_TAGS_UNUSABLE, f"HF assistant mask failed: {exc}") from exc
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])

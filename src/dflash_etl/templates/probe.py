@@ -20,7 +20,9 @@ from dflash_etl.templates.render import (
     LEADING_MARKER_RE,
     THINK_CLOSE,
     MessageFormat,
+    RenderLimitExceeded,
     common_prefix_len,
+    guarded_call,
     inline_reasoning,
     try_render,
 )
@@ -203,7 +205,8 @@ def probe_template(
 ) -> TemplateProbe:
     """Render valid sentinel conversations through the template and record its behaviour.
 
-    Raises TemplateUnusable when not even `[system?, user, assistant]` renders.
+    Raises TemplateUnusable when not even `[system?, user, assistant]` renders, and
+    RenderLimitExceeded when a probe render runs over the render limits (`render_limits`).
     """
     source = (
         chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -516,7 +519,8 @@ def _generation_mask_ok(
 ) -> bool:
     """HF's return_assistant_tokens_mask covers the assistant answer (and is not all zeros)."""
     try:
-        out = tokenizer.apply_chat_template(
+        out = guarded_call(
+            conv, None, tokenizer.apply_chat_template,
             conv,
             chat_template=source,
             tokenize=True,
@@ -524,6 +528,8 @@ def _generation_mask_ok(
             return_assistant_tokens_mask=True,
             **kwargs,
         )
+    except RenderLimitExceeded:
+        raise
     except Exception:
         return False
     mask = out.get("assistant_masks") or []

@@ -13,18 +13,34 @@ environment whose sandbox memoizes its own verdicts (`_CachingSandbox`), and wit
 process for templates that print the time. Where those internals are missing (another
 transformers version) it uses `apply_chat_template`; tests/test_template_render.py checks that both
 give the same text (and the same refusals of hostile templates) on every fixture template.
+
+The sandbox stops escapes, not exhaustion: a template can loop for hours or build gigabytes. Each
+render therefore has a time limit and a size limit (`RenderLimits`, set per process with
+`render_limits`): every loop iteration and macro call checks the deadline (in any thread; what
+transformers renders itself gets SIGALRM instead, on a process's main thread), the operators and
+methods that multiply sizes (`*`, `**`, `+`, `%`, `~`, padding, replace, join, format) refuse a
+result over the size limit before making it, and the output is counted as it is produced. A
+render over a limit raises `RenderLimitExceeded`.
 """
 
 from __future__ import annotations
 
+import _signal
+import contextlib
 import datetime
 import functools
 import json
 import re
+import signal
+import threading
+import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
@@ -66,6 +82,185 @@ class RenderError(Exception):
     """The template raised (or produced no text) while rendering a conversation."""
 
 
+class RenderLimitExceeded(RenderError):
+    """A render ran past its time limit or would produce more than its size limit; `code` is
+    the quarantine reason, `limit` says which limit in words."""
+
+    code = "template_render_limit"
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class RenderTimeout(RenderLimitExceeded):
+    code = "template_render_timeout"
+
+
+class RenderTooLarge(RenderLimitExceeded):
+    code = "template_output_too_large"
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """Per-render limits: seconds, and characters = size_factor x the conversation's characters
+    (messages and tools) + size_extra. Generous for real templates (milliseconds, about 2x)."""
+
+    timeout_s: float = 10.0
+    size_factor: float = 10.0
+    size_extra: int = 1_000_000
+
+    def max_chars(self, conversation_chars: int) -> int:
+        return int(self.size_factor * conversation_chars) + self.size_extra
+
+
+_LIMITS = [RenderLimits()]  # this process's limits (a list: set by render_limits)
+_MAX_INT_BITS = 1 << 16  # no chat template computes with larger integers (11**(10**8) has 3.5e8)
+
+
+@contextlib.contextmanager
+def render_limits(limits: RenderLimits) -> Iterator[None]:
+    """Renders in this block (in this process) use `limits`."""
+    saved = _LIMITS[0]
+    _LIMITS[0] = limits
+    try:
+        yield
+    finally:
+        _LIMITS[0] = saved
+
+
+class _Budget:
+    """One render's deadline and size limit, read by the sandbox's checks in this thread."""
+
+    __slots__ = ("_inputs", "_max_chars", "deadline", "floor", "limits", "timeout_s")
+
+    def __init__(self, limits: RenderLimits, inputs: tuple[Any, ...]) -> None:
+        self.limits = limits
+        self.timeout_s = limits.timeout_s
+        self.deadline = time.monotonic() + limits.timeout_s
+        self.floor = limits.size_extra  # below it no size is over: the conversation is not sized
+        self._inputs = inputs
+        self._max_chars: int | None = None
+
+    @property
+    def max_chars(self) -> int:
+        if self._max_chars is None:
+            self._max_chars = self.limits.max_chars(_conversation_chars(self._inputs))
+        return self._max_chars
+
+    def over(self, size: int) -> bool:
+        return size > self.floor and size > self.max_chars
+
+    def timeout(self) -> RenderTimeout:
+        return RenderTimeout(f"the template did not finish rendering within {self.timeout_s:g} s "
+                             "(render_timeout_s)", f"render_timeout_s = {self.timeout_s:g}")
+
+    def too_large(self, what: str, size: int, unit: str = "characters") -> RenderTooLarge:
+        """`what` of `size` `unit` is over the limit (integers: _MAX_INT_BITS bits)."""
+        if unit == "bits":
+            limit = f"{_MAX_INT_BITS:,} bits"
+        else:
+            limit = (f"{self.max_chars:,} characters (render_size_factor x the conversation's "
+                     "characters + render_size_extra)")
+        return RenderTooLarge(f"the template would make {what} of {size:,} {unit}, over the "
+                              f"render size limit of {limit}", limit)
+
+
+_STATE = threading.local()  # .budget: the render in progress in this thread, if any
+
+
+def _budget() -> _Budget | None:
+    return getattr(_STATE, "budget", None)
+
+
+def _tick() -> None:
+    """The deadline check every loop iteration and macro call of a guarded template makes."""
+    budget = getattr(_STATE, "budget", None)
+    if budget is not None and time.monotonic() > budget.deadline:
+        raise budget.timeout()
+
+
+def _conversation_chars(value: Any, depth: int = 0) -> int:
+    """Characters of the text in messages / tools (what a template can legitimately print)."""
+    if isinstance(value, str):
+        return len(value)
+    if depth > 8:
+        return 0
+    if isinstance(value, dict):
+        return sum(len(v) if type(v) is str else len(str(k)) + _conversation_chars(v, depth + 1)
+                   for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_conversation_chars(v, depth + 1) for v in value)
+    return 8 if value is not None else 0
+
+
+_DISPLACED: list[Any] = [signal.SIG_DFL]  # the SIGALRM handler _on_alarm replaced
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    """Installed once per process (installing per render costs a fifth of a render); an alarm
+    outside a render goes where it went before."""
+    budget = _budget()
+    if budget is not None:
+        raise budget.timeout()
+    displaced = _DISPLACED[0]
+    if callable(displaced):
+        displaced(signum, frame)
+    elif displaced == signal.SIG_DFL:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGALRM)
+
+
+class _guarded:  # lower case: used as a function, `with _guarded(messages, tools) as budget`
+    """One render under this process's limits: the budget the sandbox checks; with `alarm`, on
+    the main thread (where no other timer runs), SIGALRM at the deadline too, for a template
+    transformers compiled itself (it has none of the checks). A class, not a generator: it runs
+    around every render (the direct renders need no alarm: two syscalls each)."""
+
+    __slots__ = ("alarm", "budget", "outer")
+
+    def __init__(self, messages: Any, tools: Any, alarm: bool = False) -> None:
+        self.budget = _Budget(_LIMITS[0], (messages, tools))
+        self.alarm = alarm
+
+    def __enter__(self) -> _Budget:
+        budget = self.budget
+        self.outer = getattr(_STATE, "budget", None)
+        _STATE.budget = budget
+        if self.alarm and threading.current_thread() is threading.main_thread():
+            if _signal.getsignal(signal.SIGALRM) is not _on_alarm:
+                _DISPLACED[0] = signal.signal(signal.SIGALRM, _on_alarm)
+            previous = signal.setitimer(signal.ITIMER_REAL, max(budget.timeout_s, 1e-3))
+            if previous[0]:  # someone else's timer: theirs stands, the loops' checks are ours
+                signal.setitimer(signal.ITIMER_REAL, *previous)
+                self.alarm = False
+        else:
+            self.alarm = False
+        return budget
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        _STATE.budget = self.outer
+
+
+def guarded_call(messages: Any, tools: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a transformers render: apply_chat_template) under the render limits;
+    its text output, if any, is checked against the size limit. A template with constants that
+    would fold to a huge value (`chat_template=`, else the tokenizer's) is refused first."""
+    source = kwargs.get("chat_template")
+    if source is None and getattr(fn, "__self__", None) is not None:
+        source = getattr(fn.__self__, "chat_template", None)
+    if isinstance(source, str):
+        refuse_folded_constants(source)
+    with _guarded(messages, tools, alarm=True) as budget:
+        out = fn(*args, **kwargs)
+        text = out[0] if isinstance(out, list) and out and isinstance(out[0], str) else out
+        if isinstance(text, str) and budget.over(len(text)):
+            raise budget.too_large("a rendered text", len(text))
+        return out
+
+
 @dataclass(frozen=True)
 class MessageFormat:
     """How canonical messages are spelled for one template (decided by the probe)."""
@@ -86,15 +281,24 @@ def render(
     add_generation_prompt: bool = False,
     kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Render `messages` to text; raise RenderError with the template's message on failure."""
+    """Render `messages` to text; raise RenderError with the template's message on failure
+    (RenderLimitExceeded past the time or size limit)."""
     try:
-        direct = _direct_renderer(tokenizer, chat_template, tools is not None) if messages else None
-        if direct is not None:
-            out = direct(messages, tools, add_generation_prompt, kwargs)
-        else:
-            out = render_with_transformers(tokenizer, messages, chat_template=chat_template,
-                                           tools=tools, add_generation_prompt=add_generation_prompt,
-                                           kwargs=kwargs)
+        with _guarded(messages, tools):
+            direct = (_direct_renderer(tokenizer, chat_template, tools is not None)
+                      if messages else None)
+            if direct is not None:
+                out = direct(messages, tools, add_generation_prompt, kwargs)
+        if direct is None:
+            out = guarded_call(messages, tools, render_with_transformers, tokenizer, messages,
+                               chat_template=chat_template, tools=tools,
+                               add_generation_prompt=add_generation_prompt, kwargs=kwargs)
+    except RenderLimitExceeded:
+        raise
+    except RecursionError as exc:
+        raise RenderError(f"RecursionError: {exc}") from exc
+    except MemoryError as exc:
+        raise RenderTooLarge("the template ran out of memory", "memory") from exc
     except Exception as exc:  # templates raise anything: TemplateError, TypeError, KeyError...
         raise RenderError(f"{type(exc).__name__}: {exc}") from exc
     if isinstance(out, list):  # batched return shape of some transformers versions
@@ -134,7 +338,11 @@ def _direct_renderer(tokenizer: Any, chat_template: str | None, has_tools: bool)
     template = tokenizer.get_chat_template(chat_template, [{}] if has_tools else None)
     variables = {k: v for k, v in tokenizer.special_tokens_map.items()
                  if isinstance(v, (str, list))}
-    compiled = _fast_sandboxed(_compile_jinja_template(template), template)
+    # transformers' environment, from an empty template: compiling the template itself there
+    # would fold its constants (`{{ 11 ** (10 ** 8) }}`, `'x' * 4000000000`) unguarded
+    compiled = _fast_sandboxed(_compile_jinja_template(""), template)
+    if compiled is None:
+        return None
     return _CompiledRenderer(compiled, variables, _alias_reasoning_fields)
 
 
@@ -175,7 +383,19 @@ class _CompiledRenderer:
                   **(kwargs or {})}
         context = environment.context_class(environment, parent, template.name, template.blocks,
                                             globals=self.globals)
-        return environment.concat(template.root_render_func(context))
+        budget = _budget()
+        if budget is None:
+            return environment.concat(template.root_render_func(context))
+        parts: list[str] = []
+        size, most = 0, budget.floor
+        for part in template.root_render_func(context):  # counted as made: stop at the limit
+            size += len(part)
+            if size > most:
+                most = budget.max_chars
+                if size > most:
+                    raise budget.too_large("a rendered text", size)
+            parts.append(part)
+        return "".join(parts)
 
 
 class _CachingSandbox(ImmutableSandboxedEnvironment):
@@ -187,7 +407,48 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
     loop and namespace objects) that verdict depends on the type and the name alone, so it is the
     sandbox's own verdict, computed once; `str.format` is still wrapped, and every other object
     takes the sandbox's own path.
+
+    It also holds the render's limits (see the module's docstring): its code generator ticks the
+    deadline in every loop, and the size checks run on the operators, methods and filters that
+    multiply sizes.
     """
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        budget = _budget()
+        if budget is not None:
+            _check_binop(budget, operator, left, right)
+        return self.binop_table[operator](left, right)
+
+    def checked_concat(self, parts: tuple[Any, ...]) -> str:
+        """`a ~ b`: the joined text, refused over the size limit before it is made."""
+        texts = [p if isinstance(p, str) else str(p) for p in parts]
+        budget = _budget()
+        if budget is not None:
+            size = sum(map(len, texts))
+            if budget.over(size):
+                raise budget.too_large("a string (~)", size)
+        return "".join(texts)
+
+    def render_tick(self) -> None:
+        _tick()
+
+    def wrap_str_format(self, value: Any) -> Any:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt = value.__self__
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            budget = _budget()
+            if budget is not None:  # a nested width ({:{w}}) may be any of the arguments
+                nested = ["*"] if _NESTED_SPEC_RE.search(fmt) else []
+                specs = [*_FORMAT_SPEC_RE.findall(fmt), *nested]
+                _check_widths(budget, specs, args, kwargs)
+            return wrapped(*args, **kwargs)
+
+        return checked
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
@@ -216,7 +477,15 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
         (transformers' checked Namespace class): always safe (none can carry the sandbox's
         `unsafe_callable` mark) and never given the context, so the sandbox's and the context's
         per-call inspection is skipped; the rest as Jinja does."""
-        if type(obj) not in _PLAIN_CALLABLES and not _is_namespace_class(obj):
+        kind = type(obj)
+        if kind is Macro:
+            _tick()  # a recursive macro is the other unbounded loop
+        elif kind is types.BuiltinMethodType and type(obj.__self__) is str:
+            budget = _budget()
+            if budget is not None:
+                _check_str_method(budget, obj.__self__, obj.__name__, args)
+        if kind not in _PLAIN_CALLABLES and not _is_namespace_class(obj):
+            _tick()
             return super().call(context, obj, *args, **kwargs)
         kwargs.pop("_block_vars", None)
         kwargs.pop("_loop_vars", None)
@@ -245,24 +514,251 @@ def _memoizable(kind: type) -> bool:
     return kind in _PLAIN_TYPES or issubclass(kind, (LoopContext, Namespace))
 
 
+class _GuardedCodeGenerator(CodeGenerator):
+    """Jinja's code generator, plus a deadline check at the top of every loop body and `~`
+    through the sandbox's size check."""
+
+    def visit_For(self, node: nodes.For, frame: Any) -> None:
+        self._loop_bodies = getattr(self, "_loop_bodies", set())
+        self._loop_bodies.add(id(node.body))  # jinja allows no custom node: marked by identity
+        super().visit_For(node, frame)
+
+    def blockvisit(self, body: list[nodes.Node], frame: Any) -> None:
+        if id(body) in getattr(self, "_loop_bodies", ()):
+            self.writeline("environment.render_tick()")
+        super().blockvisit(body, frame)
+
+    def visit_Concat(self, node: nodes.Concat, frame: Any) -> None:
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+            super().visit_Concat(node, frame)
+            return
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+_CachingSandbox.code_generator_class = _GuardedCodeGenerator
+
+# printf / str.format conversions whose width or precision makes text of that size
+_PRINTF_SPEC_RE = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+_FORMAT_SPEC_RE = re.compile(r"\{[^{}:]*:[^{}\d]*(\d+)?(?:[,_]?\.(\d+))?[^{}]*\}")
+_NESTED_SPEC_RE = re.compile(r":[^{}]*\{")
+_SIZED = (str, list, tuple)
+
+
+def _length(value: Any) -> int:
+    return len(value) if isinstance(value, _SIZED) else 0
+
+
+def _int_bits(value: Any) -> int:
+    return value.bit_length() if isinstance(value, int) else 0
+
+
+def _check_binop(budget: _Budget, operator: str, left: Any, right: Any) -> None:
+    """Refuse `*`, `**`, `+`, `%` whose result would be over the limits, before it is made."""
+    if operator == "*":
+        if isinstance(left, _SIZED) and isinstance(right, int):
+            size = len(left) * right
+        elif isinstance(right, _SIZED) and isinstance(left, int):
+            size = len(right) * left
+        elif isinstance(left, int) and isinstance(right, int):
+            bits = _int_bits(abs(left)) + _int_bits(abs(right))
+            if bits > _MAX_INT_BITS:
+                raise budget.too_large("an integer (*)", bits, "bits")
+            return
+        else:
+            return
+        if budget.over(size):
+            raise budget.too_large("a sequence (*)", size)
+    elif operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and right > 0 \
+                and abs(left) > 1:
+            bits = _int_bits(abs(left)) * right
+            if bits > _MAX_INT_BITS:
+                raise budget.too_large("an integer (**)", bits, "bits")
+    elif operator == "+":
+        size = _length(left) + _length(right)
+        if budget.over(size):
+            raise budget.too_large("a sequence (+)", size)
+    elif operator == "%" and isinstance(left, str):
+        args = right if isinstance(right, tuple) else (right,)
+        _check_widths(budget, _PRINTF_SPEC_RE.findall(left), args, {})
+
+
+def _check_widths(budget: _Budget, specs: list[Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> None:
+    """A format's widths and precisions (and `*` ones taken from the arguments) within the
+    limit: each makes text at least that long."""
+    numbers = [v for v in (*args, *kwargs.values()) if isinstance(v, int)]
+    for spec in specs:
+        for part in spec if isinstance(spec, tuple) else (spec,):
+            size = max(numbers, default=0) if part == "*" else int(part) if part else 0
+            if budget.over(size):
+                raise budget.too_large("formatted text (a width)", size)
+
+
+def _check_str_method(budget: _Budget, text: str, name: str, args: tuple[Any, ...]) -> None:
+    """The str methods that can make a much longer string than their inputs."""
+    size = 0
+    if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
+        size = args[0]
+    elif name == "expandtabs":
+        tab = args[0] if args and isinstance(args[0], int) else 8
+        size = len(text) + text.count("\t") * max(tab, 0)
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) \
+            and isinstance(args[1], str):
+        size = len(text) + (text.count(args[0]) if args[0] else len(text) + 1) * len(args[1])
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        size = sum(_length(v) for v in args[0]) + len(text) * len(args[0])
+    if budget.over(size):
+        raise budget.too_large(f"a string (str.{name})", size)
+
+
+def _guard_filters(environment: Any) -> None:
+    """The overlay's own filters dict, with the size-multiplying filters checked first."""
+    filters = dict(environment.filters)
+    for name, check in _FILTER_CHECKS.items():
+        if name in filters:
+            filters[name] = _checked_filter(filters[name], check)
+    environment.filters = filters
+
+
+def _checked_filter(fn: Any, check: Any) -> Any:
+    @functools.wraps(fn)  # keeps jinja_pass_arg (the filter's context/eval-context argument)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        budget = _budget()
+        if budget is not None:
+            values = [a for a in args if not _is_jinja_context(a)]
+            check(budget, values, kwargs)
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def _is_jinja_context(value: Any) -> bool:
+    from jinja2.nodes import EvalContext
+    from jinja2.runtime import Context
+
+    return isinstance(value, (EvalContext, Context)) or hasattr(value, "sandboxed")
+
+
+def _filter_width(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -> None:
+    text = values[0] if values else ""
+    width = kwargs.get("width", values[1] if len(values) > 1 else 0)
+    if isinstance(width, int) and isinstance(text, str):
+        lines = text.count("\n") + 1
+        size = len(text) + width * lines
+        if budget.over(size):
+            raise budget.too_large("an indented or centred string", size)
+
+
+def _filter_replace(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -> None:
+    if len(values) >= 3 and all(isinstance(v, str) for v in values[:3]):
+        _check_str_method(budget, values[0], "replace", (values[1], values[2]))
+
+
+def _filter_join(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -> None:
+    if values and isinstance(values[0], (list, tuple)):
+        sep = values[1] if len(values) > 1 and isinstance(values[1], str) else ""
+        _check_str_method(budget, sep, "join", (values[0],))
+
+
+def _filter_format(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -> None:
+    if values and isinstance(values[0], str):
+        _check_widths(budget, _PRINTF_SPEC_RE.findall(values[0]), tuple(values[1:]), kwargs)
+
+
+def _filter_tojson(budget: _Budget, values: list[Any], kwargs: dict[str, Any]) -> None:
+    """transformers' tojson(x, ensure_ascii, indent, ...): an indent repeats per nesting level."""
+    indent = kwargs.get("indent", values[2] if len(values) > 2 else None)
+    if isinstance(indent, int) and budget.over(indent):
+        raise budget.too_large("JSON (an indent)", indent)
+
+
+_FILTER_CHECKS = {"center": _filter_width, "indent": _filter_width, "replace": _filter_replace,
+                  "join": _filter_join, "format": _filter_format, "tojson": _filter_tojson}
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _constant(node: Any, budget: _Budget) -> Any:
+    """The value jinja's optimizer would fold `node` to at compile time, computed with the size
+    checks; _NotConstant where it would not fold."""
+    if isinstance(node, nodes.Const):
+        return node.value
+    if isinstance(node, nodes.BinExpr) and node.operator in _BINOPS:
+        left, right = _constant(node.left, budget), _constant(node.right, budget)
+        _check_binop(budget, node.operator, left, right)
+        try:
+            return _BINOPS[node.operator](left, right)
+        except Exception as exc:
+            raise _NotConstant from exc
+    raise _NotConstant
+
+
+_BINOPS = {"*": lambda a, b: a * b, "**": lambda a, b: a ** b, "+": lambda a, b: a + b,
+           "-": lambda a, b: a - b, "%": lambda a, b: a % b, "//": lambda a, b: a // b,
+           "/": lambda a, b: a / b}
+
+
+@functools.lru_cache(maxsize=16)
+def refuse_folded_constants(source: str) -> None:
+    """RenderTooLarge for a template whose constants would fold to a huge value: transformers
+    compiles a template in its own environment, whose optimizer computes `{{ 11 ** (10 ** 8) }}`
+    or `{{ 'x' | center(4000000000) }}` at compile time, even in a branch never taken, where no
+    limit can stop it. Called before transformers compiles a template (its own renders)."""
+    try:  # transformers' own environment (its {% generation %} tag), parsed, not compiled
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        ast = _compile_jinja_template("").environment.parse(source)
+    except Exception:  # transformers reports what does not parse
+        return
+    budget = _Budget(RenderLimits(), ((), None))
+    for node in ast.find_all((nodes.BinExpr, nodes.Filter)):
+        if isinstance(node, nodes.Filter):
+            check = _FILTER_CHECKS.get(node.name)
+            if check is None or node.node is None:
+                continue
+            try:
+                values = [_constant(n, budget) for n in (node.node, *node.args)]
+                named = {k.key: _constant(k.value, budget) for k in node.kwargs}
+            except _NotConstant:
+                continue
+            check(budget, values, named)
+            continue
+        try:
+            _constant(node, budget)
+        except _NotConstant:
+            continue
+
+
 def _fast_sandboxed(compiled: Any, source: str) -> Any:
     """The template compiled again in an overlay of transformers' environment (same extensions,
-    filters and globals) whose class is the caching sandbox; transformers' own when its
-    environment is not the plain immutable sandbox this was written against."""
+    filters and globals) whose class is the caching sandbox; None when its environment is not
+    the plain immutable sandbox this was written against (the caller falls back to
+    transformers' own rendering)."""
     environment = compiled.environment
     if type(environment) is not ImmutableSandboxedEnvironment:
-        return compiled
+        return None
     overlay = environment.overlay()
     overlay.__class__ = _CachingSandbox
+    _guard_filters(overlay)
     return overlay.from_string(source)
 
 
 def try_render(
     tokenizer: Any, messages: list[dict[str, Any]], **kw: Any
 ) -> tuple[str | None, str | None]:
-    """(text, None) on success, (None, error text) on failure."""
+    """(text, None) on success, (None, error text) on failure; RenderLimitExceeded is raised (a
+    template over the limits is not one that merely rejects a conversation)."""
     try:
         return render(tokenizer, messages, **kw), None
+    except RenderLimitExceeded:
+        raise
     except RenderError as exc:
         return None, str(exc)
 
