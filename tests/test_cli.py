@@ -118,6 +118,10 @@ def test_stage_module_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):
         "--run", str(tmp_path / "r"), "--workers", "1",
     ])
     monkeypatch.delitem(sys.modules, "dflash_etl.stages.ingest", raising=False)  # as if fresh
+    from dflash_etl.core.config import SECTION_SCHEMAS
+
+    for section, schema in SECTION_SCHEMAS.items():  # the fresh module re-registers its schema
+        monkeypatch.setitem(SECTION_SCHEMAS, section, schema)
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("dflash_etl.stages.ingest", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0, capsys.readouterr().err
