@@ -314,8 +314,9 @@ def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
         from dflash_etl.stages.train import TrainSettings, resolve_mask_token
 
         target = inputs["target"]
-        target_config = AutoConfig.from_pretrained(target, trust_remote_code=False)
-        target_config = getattr(target_config, "text_config", None) or target_config
+        from dflash_etl.models.target import text_config
+
+        target_config = text_config(AutoConfig.from_pretrained(target, trust_remote_code=False))
         defaults = TrainSettings()
         mask, _ = resolve_mask_token(target, target_config.vocab_size, defaults.mask_token_id)
         config = DrafterConfig.from_target(

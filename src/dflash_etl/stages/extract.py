@@ -44,7 +44,7 @@ from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
-from dflash_etl.models.target import Target, parse_layers
+from dflash_etl.models.target import Target, parse_layers, text_config
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
 
@@ -242,12 +242,13 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
 
 
 def _n_layers(model: str) -> int:
-    """The target's decoder layer count, from its config (no weights loaded)."""
+    """The target's decoder layer count, from its (text) config (no weights loaded)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
     try:
-        return int(AutoConfig.from_pretrained(model, local_files_only=True).num_hidden_layers)
+        return int(text_config(AutoConfig.from_pretrained(model, local_files_only=True))
+                   .num_hidden_layers)
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
 
