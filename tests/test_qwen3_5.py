@@ -179,3 +179,134 @@ def test_check_fails_a_run_whose_stage_failed(models, tokenized, tmp_path):
     assert "FAIL extract" in result["summary"] and "cannot read the target's config" in result[
         "summary"]
     assert "all checks passed" not in result["summary"]
+
+
+# ---------------------------------------------------------------- thinking on: one think block
+def test_the_splitter_reads_qwen36_replies_that_start_inside_the_think_block():
+    from dflash_etl.stages.regenerate import (
+        RegenerateSettings,
+        Reply,
+        check_reply,
+        reply_parts,
+        split_reasoning,
+    )
+
+    qwen36 = "Add two and two.\n</think>\n\n4."  # after a generation prompt ending "<think>\n"
+    assert split_reasoning(qwen36, think_open=True) == ("4.", "Add two and two.")
+    assert split_reasoning(qwen36) == ("4.", "Add two and two.")  # a server's raw text
+    assert split_reasoning("Still thinking and cut", think_open=True) == (
+        "", "Still thinking and cut")
+    assert split_reasoning("<think>\nR\n</think>\n\nA", think_open=True) == ("A", "R")
+    assert split_reasoning("<think>\nR\n</think>\n\nA") == ("A", "R")
+    assert split_reasoning("plain answer", think_open=False) == ("plain answer", None)
+    # the server's reasoning_content wins; its content is the answer as it is
+    assert reply_parts(Reply("4.", "stop", 3, reasoning="Add.", think_open=None)) == ("4.", "Add.")
+    assert reply_parts(Reply(qwen36, "stop", 9, think_open=True)) == ("4.", "Add two and two.")
+    settings = RegenerateSettings(model="m", thinking="on")
+    assert check_reply(Reply(qwen36, "stop", 9, think_open=True), settings) is None
+    unclosed = check_reply(Reply("Thinking on and on.", "stop", 9, think_open=True), settings)
+    assert unclosed and unclosed[1] == "empty_response" and "no answer" in unclosed[2]
+
+
+def _turn_texts(text: str) -> list[str]:
+    """Each assistant turn of a rendered Qwen3.6 row, from its header to its end of turn."""
+    return [part.split("<|im_end|>")[0] for part in text.split("<|im_start|>assistant")[1:]]
+
+
+def _conv(*turns: tuple[str, str, str | None]) -> dict:
+    return {"id": "t", "tools": None, "messages": [
+        {"role": role, "content": content, "reasoning": reasoning, "tool_calls": None,
+         "tool_call_id": None, "name": None} for role, content, reasoning in turns]}
+
+
+def test_tokenize_never_renders_two_think_blocks_in_one_turn(qwen36_tokenizer):
+    """Reasoning left in the content (`R\\n</think>\\n\\nA`, the splitter's old failure) was
+    rendered after the thinking-off prompt's empty block: `<think>\\n\\n</think>\\n\\n<think>
+    \\nR\\n</think>\\n\\nA`. Such a turn is refused (duplicated_think_markup) or rendered with one
+    block; content with two blocks of its own is refused."""
+    from dflash_etl.models.tokenizer import load_tokenizer
+    from dflash_etl.templates import probe_template
+    from dflash_etl.templates.masks import R_DUPLICATED_THINK, MaskRefused, tokenize_conversation
+
+    tok = load_tokenizer(str(qwen36_tokenizer))
+    probe = probe_template(tok)
+    leaked = _conv(("user", "Hi", None), ("assistant", "Let me think.\n</think>\n\nHello!", None))
+    for row in tokenize_conversation(leaked, tok, probe):
+        for turn in _turn_texts(tok.decode(row.input_ids)):
+            assert turn.count("<think>") <= 1 and turn.count("</think>") <= 1, turn
+    twice = _conv(("user", "Hi", None),
+                  ("assistant", "<think>\na\n</think>\n\n<think>\nb\n</think>\n\nHello!", None))
+    with pytest.raises(MaskRefused) as refused:
+        tokenize_conversation(twice, tok, probe)
+    assert refused.value.code == R_DUPLICATED_THINK
+
+
+@pytest.fixture()
+def prompts_run(tmp_path) -> Path:
+    rows = [{"id": f"p{k}", "prompt": p} for k, p in enumerate(
+        ["Name three colours.", "What is the capital of France?", "Say something about rivers."])]
+    rows.append({"id": "c1", "messages": [
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Tell me about trees."},
+        {"role": "assistant", "content": "Trees are tall plants."}]})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "mixed"\npath = "rows.jsonl"\n')
+    run_dir = tmp_path / "run"
+    ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
+    return run_dir
+
+
+@pytest.mark.parametrize("backend", ["transformers", "openai"])
+def test_thinking_on_regenerate_then_tokenize_supervises_one_think_block(models, prompts_run,
+                                                                         monkeypatch, backend):
+    """Thinking on with the real Qwen3.6 template: the generation prompt ends in `<think>\\n`,
+    so the target's reply is `reasoning\\n</think>\\n\\nanswer`. The generation is scripted
+    (a random model writes no think markup); the template, the backends (the openai one over
+    real HTTP to the devserver, which returns the raw text), the splitter and tokenize are
+    real. The stored turn holds the reasoning apart, and the supervised text has one block."""
+    import hashlib
+
+    import datasets
+    import polars as pl
+
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.tokenizer import load_tokenizer
+    from dflash_etl.stages import regenerate
+    from dflash_etl.stages.regenerate import Reply, TransformersBackend
+
+    prompts_seen: list[str] = []
+
+    def scripted(self, prompts: list[str]) -> list[Reply]:
+        prompts_seen.extend(prompts)
+        out = []
+        for p in prompts:
+            tag = hashlib.sha256(p.encode()).hexdigest()[:6]
+            out.append(Reply(f"I weigh the question {tag}.\n</think>\n\nMy answer is {tag}.",
+                             "stop", 12))
+        return out
+
+    monkeypatch.setattr(TransformersBackend, "generate_text", scripted)
+    kw = {"progress": False, "thinking": "on", "mode": "all", "dummy_min_repeats": 99}
+    if backend == "openai":
+        with DevServer(str(models["text"])) as server:
+            regenerate.run(None, prompts_run, backend="openai", endpoint=server.url,
+                           model=str(models["text"]), **kw)
+    else:
+        regenerate.run(None, prompts_run, model=str(models["text"]), **kw)
+    assert prompts_seen and all(p.endswith("<think>\n") for p in prompts_seen)
+    frame = pl.read_parquet(prompts_run / "regenerate" / "conversations" / "*.parquet")
+    replies = [m for c in frame.to_dicts() for m in c["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 5
+    for m in replies:
+        assert m["reasoning"].startswith("I weigh the question") and "think>" not in m["content"]
+        assert m["content"].startswith("My answer is")
+
+    tokenize.run(None, prompts_run, progress=False, model=str(models["text"]))
+    tok = load_tokenizer(str(models["text"]))
+    dataset = datasets.load_from_disk(str(prompts_run / "tokenize" / "dataset")).with_format(None)
+    assert len(dataset) >= 4
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
+        supervised = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        assert supervised.count("</think>") == supervised.count("My answer is") >= 1, supervised
+        for turn in _turn_texts(tok.decode(ids)):
+            assert turn.count("<think>") <= 1 and turn.count("</think>") <= 1, turn
