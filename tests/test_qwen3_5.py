@@ -310,3 +310,19 @@ def test_thinking_on_regenerate_then_tokenize_supervises_one_think_block(models,
         assert supervised.count("</think>") == supervised.count("My answer is") >= 1, supervised
         for turn in _turn_texts(tok.decode(ids)):
             assert turn.count("<think>") <= 1 and turn.count("</think>") <= 1, turn
+
+
+def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
+    """train on a VL checkpoint's extract: the drafter is shaped from the text config (the
+    composite config has no hidden_size of its own) and tau is measured."""
+    from dflash_etl.stages import train
+
+    run_dir = _copy(tokenized, tmp_path)
+    extract.run(None, run_dir, progress=False, model=str(models["vl"]), layers="1,2")
+    doc = train.run(None, run_dir, progress=False, target=str(models["vl"]), steps=2,
+                    batch_rows=2, anchors_per_row=4, block_size=4, draft_layers=1,
+                    eval_prompts=1, eval_new_tokens=4)
+    config = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
+    assert config["hidden_size"] == HIDDEN and config["num_target_layers"] == LAYERS
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2]
+    assert 1 <= doc["total"]["tau_final"] <= 4
