@@ -202,6 +202,9 @@ def test_the_splitter_reads_qwen36_replies_that_start_inside_the_think_block():
     # the server's reasoning_content wins; its content is the answer as it is
     assert reply_parts(Reply("4.", "stop", 3, reasoning="Add.", think_open=None)) == ("4.", "Add.")
     assert reply_parts(Reply(qwen36, "stop", 9, think_open=True)) == ("4.", "Add two and two.")
+    # thinking off: no prompt opened a block, so a stray closing tag is a leak, not reasoning
+    assert reply_parts(Reply("sure </think> answer", "stop", 3), "off") == (
+        "sure </think> answer", None)
     settings = RegenerateSettings(model="m", thinking="on")
     assert check_reply(Reply(qwen36, "stop", 9, think_open=True), settings) is None
     unclosed = check_reply(Reply("Thinking on and on.", "stop", 9, think_open=True), settings)

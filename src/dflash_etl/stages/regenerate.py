@@ -229,12 +229,13 @@ def split_reasoning(text: str, think_open: bool | None = None) -> tuple[str, str
     return text[m.end():].strip(), m.group(1).strip() or None
 
 
-def reply_parts(reply: Reply) -> tuple[str, str | None]:
+def reply_parts(reply: Reply, thinking: str = "keep") -> tuple[str, str | None]:
     """(content, reasoning) of a reply; the server's separate reasoning wins where given (its
-    text is then the content, perhaps after a leading think block)."""
+    text is then the content, perhaps after a leading think block). With thinking off no prompt
+    opened a block: a stray </think> stays in the content, where check_reply finds the leak."""
     if reply.reasoning and reply.reasoning.strip():
         return split_reasoning(reply.text, False)[0], reply.reasoning.strip()
-    return split_reasoning(reply.text, reply.think_open)
+    return split_reasoning(reply.text, False if thinking == "off" else reply.think_open)
 
 
 def repetition(text: str, settings: RegenerateSettings) -> str | None:
@@ -267,7 +268,7 @@ def check_reply(reply: Reply, settings: RegenerateSettings) -> tuple[str, str, s
     the news."""
     if reply.error:
         return ("quarantine", Q_GENERATION_FAILED, reply.error)
-    content, reasoning = reply_parts(reply)
+    content, reasoning = reply_parts(reply, settings.thinking)
     for part in (content, reasoning or ""):
         if loop := repetition(part, settings):
             return ("quarantine", Q_DEGENERATE, loop)
@@ -1029,7 +1030,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
             if bad:
                 s["failure"] = bad
                 continue
-            content, reasoning = reply_parts(reply)
+            content, reasoning = reply_parts(reply, settings.thinking)
             message = {"role": "assistant", "content": content, "reasoning": reasoning,
                        "tool_calls": None, "tool_call_id": None, "name": None}
             s["messages"] = [*s["messages"][:pos], message, *s["messages"][pos + 1:]]
