@@ -308,14 +308,13 @@ def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
     layers = inputs["extracted"]["layers"]
     config = inputs["drafter_config"]
     if config is None:
-        from transformers import AutoConfig
-
         from dflash_etl.models.drafter import DrafterConfig
+        from dflash_etl.models.loading import load_config
+        from dflash_etl.models.target import text_config
         from dflash_etl.stages.train import TrainSettings, resolve_mask_token
 
         target = inputs["target"]
-        target_config = AutoConfig.from_pretrained(target, trust_remote_code=False)
-        target_config = getattr(target_config, "text_config", None) or target_config
+        target_config = text_config(load_config(target))
         defaults = TrainSettings()
         mask, _ = resolve_mask_token(target, target_config.vocab_size, defaults.mask_token_id)
         config = DrafterConfig.from_target(

@@ -56,23 +56,23 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, target_config: Any, *, draft_layers: int, target_layer_ids: list[int],
                     mask_token_id: int, block_size: int) -> DrafterConfig:
-        heads = target_config.num_attention_heads
+        # a vision-language target's config is composite: the decoder's shape is its text config
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
             else target_config
+        heads = text.num_attention_heads
         return cls(
-            hidden_size=target_config.hidden_size, num_hidden_layers=draft_layers,
+            hidden_size=text.hidden_size, num_hidden_layers=draft_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None)
-            or target_config.hidden_size // heads,
-            intermediate_size=target_config.intermediate_size,
-            vocab_size=target_config.vocab_size, target_layer_ids=list(target_layer_ids),
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            intermediate_size=text.intermediate_size,
+            vocab_size=text.vocab_size, target_layer_ids=list(target_layer_ids),
             mask_token_id=mask_token_id, block_size=block_size,
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=float(getattr(target_config, "rope_theta", None)
-                             or (getattr(target_config, "rope_parameters", None) or {}).get(
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=float(getattr(text, "rope_theta", None)
+                             or (getattr(text, "rope_parameters", None) or {}).get(
                                  "rope_theta", 1_000_000.0)),
-            target_num_hidden_layers=target_config.num_hidden_layers,
+            target_num_hidden_layers=text.num_hidden_layers,
             max_position_embeddings=int(getattr(text, "max_position_embeddings", None)
                                         or cls.max_position_embeddings))
 

@@ -47,13 +47,26 @@ def parse_layers(spec: str, n_layers: int, k: int) -> list[int]:
     return layers
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's config: a vision-language checkpoint's config is composite (Qwen3.5/3.6's
+    `Qwen3_5Config` keeps num_hidden_layers, hidden_size, ... in `text_config`)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def decoder_layers(model: Any) -> Any:
-    """The model's decoder layer list: the ModuleList as long as config.num_hidden_layers."""
+    """The model's decoder layer list: the language model's (`get_decoder()`, which for a
+    vision-language model is `model.language_model`, never the vision tower), else the first
+    ModuleList as long as the decoder's num_hidden_layers."""
     import torch
 
-    n = model.config.num_hidden_layers
-    for _, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+    n = text_config(model.config).num_hidden_layers
+    with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
+        layers = getattr(model.get_decoder(), "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+            return layers
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and not any(
+                part in name for part in ("visual", "vision", "audio")):
             return module
     raise StageError(f"cannot find the {n} decoder layers of {type(model).__name__}: no "
                      "ModuleList of that length; this architecture needs explicit support")
@@ -83,9 +96,10 @@ class Target:
         except Exception as exc:  # transformers raises many types for a bad directory
             raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
         self.model.to(self.device).eval()
-        self.n_layers = self.model.config.num_hidden_layers
+        config = text_config(self.model.config)
+        self.n_layers = config.num_hidden_layers
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
-        self.hidden = self.model.config.hidden_size
+        self.hidden = config.hidden_size
         self.captured: dict[int, Any] = {}
         self.stop_after: int | None = None  # the layer after which a forward pass may stop
         # transformers renamed past_key_values to cache (5.x); older models know only the first

@@ -45,6 +45,53 @@ def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads
     return out
 
 
+def build_tiny_qwen3_5(out: Path, *, tokenizer_dir: Path, vl: bool = False, hidden_size: int = 32,
+                       layers: int = 4, seed: int = 0) -> Path:
+    """A tiny random-weight Qwen3.5/3.6 (transformers `qwen3_5`: Gated DeltaNet linear attention
+    with a full-attention layer every 2nd layer) with the Qwen3.6 tokenizer: the text-only
+    `Qwen3_5ForCausalLM`, or with `vl` the published layout, `Qwen3_5ForConditionalGeneration`
+    (a composite config whose decoder is `model.language_model` beside a vision tower as deep as
+    the decoder, so a search by length cannot tell them apart). The 248k vocabulary dominates
+    the size: keep `hidden_size` small. A directory holding a config.json is reused."""
+    import torch
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+
+    out, tokenizer_dir = Path(out), Path(tokenizer_dir)
+    if (out / "config.json").exists():
+        return out
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        raise StageError(f"no Qwen3.6 tokenizer at {tokenizer_dir}: pass tokenizer_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name != "config.json":  # the fixture's config names only the architecture
+            shutil.copy(f, out / f.name)
+    eos = json.loads((tokenizer_dir / "generation_config.json").read_text())
+    text = {"vocab_size": 248320, "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size, "num_hidden_layers": layers,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "layer_types": [("linear_attention", "full_attention")[i % 2] for i in range(layers)],
+            "eos_token_id": eos["eos_token_id"], "pad_token_id": eos["pad_token_id"],
+            "bos_token_id": eos["bos_token_id"]}
+    torch.manual_seed(seed)
+    if vl:
+        model: Any = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+            text_config=text, vision_config={
+                "depth": layers, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                "out_hidden_size": hidden_size, "patch_size": 4, "num_position_embeddings": 16}))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    model.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(eos))
+    return out
+
+
 def configured_target(config: PipelineConfig | None, run_dir: str | Path) -> str | None:
     """The target model directory the config's [target] section names: `model = "DIR"`
     (relative to the config), or `tiny = {...}`, build_tiny_qwen2's arguments, built into

@@ -44,7 +44,7 @@ from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
-from dflash_etl.models.target import Target, parse_layers
+from dflash_etl.models.target import Target, parse_layers, text_config
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
@@ -294,12 +294,12 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
 
 
 def _n_layers(model: str) -> int:
-    """The target's decoder layer count, from its config (no weights loaded)."""
+    """The target's decoder layer count, from its (text) config (no weights loaded)."""
     from dflash_etl.models.loading import load_config, refuse_remote_code
 
     refuse_remote_code(model)
     try:
-        return int(load_config(model).num_hidden_layers)
+        return int(text_config(load_config(model)).num_hidden_layers)
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
 

@@ -17,6 +17,7 @@ OpenAI-compatible server, async with bounded concurrency, timeouts and retries) 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -73,6 +74,7 @@ GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
 TRANSPORT_SETTINGS = ("endpoint", "endpoints", "concurrency", "timeout_s", "retries",
                       "cooldown_s", "request_deadline_s", "retry_failed")
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
 DUMMY_MAX_CHARS = 40
 NGRAM_N = 4  # word n-grams of the repetition check
@@ -192,6 +194,9 @@ class Reply:
     new_tokens: int
     reasoning: str | None = None  # when the server returns it separately (reasoning parsers)
     error: str | None = None  # the request could not be rendered or served
+    # the rendered generation prompt ended with an opening think tag (Qwen3.6 with thinking on:
+    # `<think>\n`), so the text starts inside the reasoning; None: unknown (a server rendered it)
+    think_open: bool | None = None
 
 
 Request = tuple[list[dict[str, Any]], list[Any] | None]  # (messages, tools)
@@ -204,18 +209,33 @@ class Backend(Protocol):
 
 
 # ---------------------------------------------------------------- pure core
-def split_reasoning(text: str) -> tuple[str, str | None]:
-    """A leading <think>..</think> block goes to the reasoning field."""
+def split_reasoning(text: str, think_open: bool | None = None) -> tuple[str, str | None]:
+    """(content, reasoning) of a reply's text. A leading <think>..</think> block is reasoning.
+    When the generation prompt opened the block (`think_open`), the text up to the first
+    </think> is reasoning (all of it when the block never closes: a reply cut short). When that
+    is unknown (a server rendered the prompt), a </think> with no <think> before it can only
+    close a block the prompt opened, and splits the same way."""
+    close = text.find(THINK_CLOSE)
+    opened = text.find(THINK_OPEN)
+    if think_open and not text.lstrip().startswith(THINK_OPEN):
+        if close < 0:
+            return "", text.strip() or None
+        return text[close + len(THINK_CLOSE):].strip(), text[:close].strip() or None
+    if think_open is None and close >= 0 and not 0 <= opened < close:
+        return text[close + len(THINK_CLOSE):].strip(), text[:close].strip() or None
     m = THINK_RE.match(text)
     if not m:
         return text.strip(), None
     return text[m.end():].strip(), m.group(1).strip() or None
 
 
-def reply_parts(reply: Reply) -> tuple[str, str | None]:
-    """(content, reasoning) of a reply."""
-    content, reasoning = split_reasoning(reply.text)
-    return content, reply.reasoning.strip() if reply.reasoning else reasoning
+def reply_parts(reply: Reply, thinking: str = "keep") -> tuple[str, str | None]:
+    """(content, reasoning) of a reply; the server's separate reasoning wins where given (its
+    text is then the content, perhaps after a leading think block). With thinking off no prompt
+    opened a block: a stray </think> stays in the content, where check_reply finds the leak."""
+    if reply.reasoning and reply.reasoning.strip():
+        return split_reasoning(reply.text, False)[0], reply.reasoning.strip()
+    return split_reasoning(reply.text, False if thinking == "off" else reply.think_open)
 
 
 def repetition(text: str, settings: RegenerateSettings) -> str | None:
@@ -248,7 +268,7 @@ def check_reply(reply: Reply, settings: RegenerateSettings) -> tuple[str, str, s
     the news."""
     if reply.error:
         return ("quarantine", Q_GENERATION_FAILED, reply.error)
-    content, reasoning = reply_parts(reply)
+    content, reasoning = reply_parts(reply, settings.thinking)
     for part in (content, reasoning or ""):
         if loop := repetition(part, settings):
             return ("quarantine", Q_DEGENERATE, loop)
@@ -257,6 +277,9 @@ def check_reply(reply: Reply, settings: RegenerateSettings) -> tuple[str, str, s
                 f"stopped at max_new_tokens={settings.max_new_tokens} before the end of turn")
     if not content and not reasoning:
         return ("quarantine", Q_EMPTY_RESPONSE, "the model returned an empty reply")
+    if not content and reply.think_open and not reply.reasoning and THINK_CLOSE not in reply.text:
+        return ("quarantine", Q_EMPTY_RESPONSE, "the reply ended inside the think block the "
+                "generation prompt opened: reasoning, no answer")
     if settings.thinking == "off" and ("<think>" in content or "</think>" in content):
         return ("quarantine", Q_REASONING_LEAK,
                 "thinking is off but the reply contains think markup")
@@ -321,8 +344,10 @@ class _LocalTemplate:
                 where.append(k)
             except RenderError as exc:
                 replies[k] = Reply("", "", 0, error=f"the chat template refused: {exc}")
-        for k, reply in zip(where, self.generate_text(prompts) if prompts else [], strict=True):
-            replies[k] = reply
+        for k, prompt, reply in zip(where, prompts, self.generate_text(prompts) if prompts else [],
+                                    strict=True):
+            replies[k] = dataclasses.replace(reply, think_open=prompt.rstrip().endswith(
+                THINK_OPEN))
         return replies
 
     def generate_text(self, prompts: list[str]) -> list[Reply]:
@@ -1008,7 +1033,7 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
             if bad:
                 s["failure"] = bad
                 continue
-            content, reasoning = reply_parts(reply)
+            content, reasoning = reply_parts(reply, settings.thinking)
             message = {"role": "assistant", "content": content, "reasoning": reasoning,
                        "tool_calls": None, "tool_call_id": None, "name": None}
             s["messages"] = [*s["messages"][:pos], message, *s["messages"][pos + 1:]]

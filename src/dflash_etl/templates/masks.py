@@ -87,6 +87,10 @@ R_MASK_VERIFICATION_FAILED = "mask_verification_failed"
 R_RENDER_TIMEOUT = RenderTimeout.code  # "template_render_timeout": over [tokenize] limits
 R_OUTPUT_TOO_LARGE = RenderTooLarge.code  # "template_output_too_large"
 LIMIT_CODES = frozenset({R_RENDER_TIMEOUT, R_OUTPUT_TOO_LARGE})  # final: never retried otherwise
+# a turn that would train two think blocks (an empty prompt block then reasoning, or reasoning
+# left in the content by a splitter that missed a generation prompt's `<think>\n` prefill)
+R_DUPLICATED_THINK = "duplicated_think_markup"
+THINK_TAGS = ("<think>", "</think>")
 
 FILTER_CODES = frozenset(
     {R_NEEDS_RESPONSE, R_NO_ASSISTANT_TURN, R_TOO_FEW_SUPERVISED, R_EXCEEDS_SEQ_LENGTH}
@@ -113,8 +117,14 @@ QUARANTINE_CODES = frozenset(
         R_MASK_VERIFICATION_FAILED,
         R_RENDER_TIMEOUT,
         R_OUTPUT_TOO_LARGE,
+        R_DUPLICATED_THINK,
     }
 )
+
+
+def duplicated_think(text: str) -> str | None:
+    """The think tag `text` holds more than once, or None."""
+    return next((t for t in THINK_TAGS if text.count(t) > 1), None)
 
 
 _PLAIN_VALUE_RE = re.compile(r"^[\w .,:-]{1,60}$")
@@ -484,6 +494,12 @@ def _check_turn(
                 )
             )
             return None
+    eot = probe.eot_text.strip()
+    head = prompt[prompt.rfind(eot) + len(eot):] if eot and eot in prompt else ""
+    if tag_twice := duplicated_think(head + body):
+        failures.append((R_DUPLICATED_THINK, f"{tag}: the turn holds {tag_twice!r} twice: "
+                         f"{(head + body)[:80]!r}"))
+        return None
     if not prep.reasoning_passed.get(i) and LEADING_EMPTY_THINK_RE.match(body):
         failures.append(
             (
@@ -791,6 +807,9 @@ def verify_row(
                 fail(f"truncated span {j} decodes to {got[:60]!r}, not a prefix of the reply")
         elif got != want:
             fail(f"span {j} decodes to {got[:80]!r} but the reply is {want[:80]!r}")
+        if tag_twice := duplicated_think(got):
+            raise MaskRefused(R_DUPLICATED_THINK, f"span {j} holds {tag_twice!r} twice: "
+                              f"{got[:80]!r}")
         s, e = row.char_spans[j]
         if a == 0:
             fail(f"span {j} starts at the first token: no prompt before the reply")

@@ -88,6 +88,20 @@ def _kind(path: Path) -> str | None:
     return None
 
 
+def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
+    """The stages a run directory's manifest records as failed, with their messages: their
+    output is missing (or an older one is stale), so the run is not whole even when every
+    published output passes."""
+    path = run_dir / "manifest.json"
+    try:
+        stages = json.loads(path.read_text()).get("stages", {}) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        return [{"stage": "manifest", "error": f"{path} cannot be read: {exc}"}]
+    return [{"stage": name, "error": str(info.get("error") or "no message recorded")}
+            for name, info in stages.items()
+            if isinstance(info, dict) and info.get("status") == "failed"]
+
+
 def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dict[str, Any]:
     """Check one stage output, or every stage output found in a run directory; `suite` limits
     the check to the outputs of that suite (conversations, tokenized). extract and train
@@ -98,6 +112,9 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
     if not path.exists():
         return {"passed": False, "stages": [], "summary": f"FAIL: {path} does not exist"}
     kind = _kind(path)
+    broken = [] if kind or suite else manifest_failures(path)
+    failed_lines = [f"FAIL {f['stage']} (manifest.json): the stage failed: {f['error']}"
+                    for f in broken]
     targets = [(path, kind)] if kind else [
         (child, _kind(child)) for child in sorted(path.iterdir())
         if child.is_dir() and not child.name.startswith(".")  # .<stage>.partial: unpublished
@@ -107,8 +124,9 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
     if not targets:
         known = ", ".join([f"{k}/ (with {s}/)" for k, (s, _) in LAYOUTS.items()]
                           + [f"{k}/ (with {m})" for k, m in MODEL_STAGES.items()])
-        return {"passed": False, "stages": [],
-                "summary": f"FAIL: no stage output found in {path}; expected one of: {known}"}
+        return {"passed": False, "stages": [], "manifest_failures": broken,
+                "summary": "\n".join([*failed_lines, f"FAIL: no stage output found in {path}; "
+                                      f"expected one of: {known}"])}
     reports = [check_model_stage(p, k) if k in MODEL_STAGES else check_stage(p, k, suites)
                for p, k in targets]
     lines = []
@@ -129,6 +147,8 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
             lines.extend(describe_failure(e) for e in failed[:6])
             if len(failed) > 6:
                 lines.append(f"  … and {len(failed) - 6} more (see --report / --json)")
-    passed = all(r["passed"] for r in reports)
+    lines.extend(failed_lines)
+    passed = all(r["passed"] for r in reports) and not broken
     lines.append("all checks passed" if passed else "checks FAILED")
-    return {"passed": passed, "stages": reports, "summary": "\n".join(lines)}
+    return {"passed": passed, "stages": reports, "manifest_failures": broken,
+            "summary": "\n".join(lines)}

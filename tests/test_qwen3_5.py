@@ -1,0 +1,331 @@
+"""Qwen3.5 / Qwen3.6 (transformers `qwen3_5`: Gated DeltaNet linear attention mixed with full
+attention) end to end on tiny random-weight models with the real Qwen3.6 tokenizer: the
+text-only `Qwen3_5ForCausalLM` and the published vision-language layout
+`Qwen3_5ForConditionalGeneration`, whose config is composite (the decoder's fields sit in
+`text_config`) and whose decoder is `model.language_model` beside a vision tower."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_etl.core.config import load_config
+from dflash_etl.stages import extract, ingest, tokenize
+from dflash_etl.validation.check import check_path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = 4  # the tiny models' decoder (and vision tower) depth
+HIDDEN = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and on a shared CI machine torch's thread pool
+    makes their forward passes many times slower, not faster."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def qwen36_tokenizer(fixtures_dir: Path) -> Path:
+    path = fixtures_dir / "qwen36-tokenizer"
+    if not (path / "tokenizer.json").exists():
+        pytest.skip(f"the Qwen3.6 tokenizer is not at {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, qwen36_tokenizer) -> dict[str, Path]:
+    pytest.importorskip("torch")
+    from dflash_etl.models.tiny_model import build_tiny_qwen3_5
+
+    root = tmp_path_factory.mktemp("qwen3_5")
+    return {kind: build_tiny_qwen3_5(root / kind, tokenizer_dir=qwen36_tokenizer,
+                                     vl=kind == "vl", hidden_size=HIDDEN, layers=LAYERS)
+            for kind in ("text", "vl")}
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, models) -> Path:
+    """Three of the embedded default's sources (multi-turn, tool calls), tokenized with the real
+    Qwen3.6 template (both tiny models carry the same tokenizer: one run serves both)."""
+    root = tmp_path_factory.mktemp("qwen3_5-run")
+    (root / "pipeline.toml").write_text("".join(
+        f'[[sources]]\nname = "{name}"\npath = "{REPO / "data" / "sources" / name}.jsonl"\n'
+        + (f'format = "{fmt}"\n' if fmt else "")
+        for name, fmt in (("openai_tools", "openai"), ("glaive", "glaive"), ("parts", None))))
+    run_dir = root / "run"
+    ingest.run(load_config(root / "pipeline.toml"), run_dir, progress=False)
+    tokenize.run(None, run_dir, progress=False, model=str(models["vl"]))
+    return run_dir
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*", "*train*"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["stages"] = {k: v for k, v in manifest["stages"].items()
+                          if k in ("ingest", "tokenize")}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@functools.cache
+def _reference_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
+
+
+def _reference(model_dir: Path, ids: list[int]):
+    """Each decoder layer's output for one row run alone (no padding), from a model loaded
+    independently of the code under test."""
+    import torch
+
+    model = _reference_model(model_dir)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return [h[0] for h in out[1:]]  # [i] is layer i's output (the last one after the norm)
+
+
+def test_the_vl_layouts_decoder_layers_are_the_language_models(models):
+    """Hooks go on `model.language_model.layers`, never on the vision tower's blocks (as many
+    here: a search for a ModuleList of the decoder's length finds the tower first)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from dflash_etl.models.target import decoder_layers, text_config
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(models["vl"]))
+    assert len(model.model.visual.blocks) == LAYERS
+    assert decoder_layers(model) is model.model.language_model.layers
+    assert text_config(model.config).num_hidden_layers == LAYERS
+
+
+def test_the_vl_checkpoint_loads_as_its_text_decoder_only(models):
+    """The target of a VL checkpoint is its language model: the vision tower is never loaded
+    (nor run) for text rows."""
+    from dflash_etl.models.target import Target, TargetSpec
+
+    target = Target(TargetSpec(model=str(models["vl"]), layers="1,2", device="cpu"))
+    names = [name for name, _ in target.model.named_modules()]
+    assert not any("visual" in name for name in names)
+    assert (target.n_layers, target.hidden) == (LAYERS, HIDDEN)
+
+
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_a_padded_batch_of_different_lengths_equals_unbatched_runs(models, kind):
+    """Rows of 5, 70 and 130 tokens in one right-padded batch (longer than the delta rule's
+    64-token chunks): every layer's states, linear-attention and full-attention alike, equal
+    each row run alone."""
+    import torch
+
+    from dflash_etl.models.target import Target, TargetSpec
+
+    target = Target(TargetSpec(model=str(models[kind]), layers="0,1,2,3", device="cpu"))
+    rows = [[1000 + (7 * i + k) % 5000 for i in range(n)] for k, n in enumerate((5, 70, 130))]
+    _, batched = target.forward(rows)
+    for ids, got in zip(rows, batched, strict=True):
+        want = _reference(models[kind], ids)
+        assert got.shape == (len(ids), LAYERS, HIDDEN)
+        for layer in range(LAYERS - 1):  # the reference's last entry has the final norm applied
+            assert torch.allclose(got[:, layer], want[layer], atol=1e-5), (len(ids), layer)
+
+
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_extract_on_qwen3_5_equals_an_independent_forward_pass(models, tokenized, tmp_path,
+                                                               kind):
+    import datasets
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors import safe_open
+
+    run_dir = _copy(tokenized, tmp_path)
+    doc = extract.run(None, run_dir, progress=False, model=str(models[kind]), layers="0,1,2",
+                      batch_tokens=4096, shard_rows=100)
+    assert doc["total"]["n_layers"] == LAYERS and doc["total"]["hidden_size"] == HIDDEN
+    index = pq.read_table(run_dir / "extract" / "index.parquet").to_pylist()
+    ids = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset")).with_format(None)[
+        "input_ids"]
+    assert len(index) == len(ids)
+    for entry in index[:: max(1, len(index) // 6)]:
+        want = _reference(models[kind], ids[entry["row"]])
+        with safe_open(str(run_dir / "extract" / "hidden_states" / entry["shard"]), "pt") as f:
+            got = f.get_slice("hidden_states")[entry["offset"]:entry["offset"] + entry["length"]]
+        for k in range(3):
+            assert torch.allclose(got[:, k], want[k], atol=1e-5), (entry, k)
+    assert check_path(run_dir, suites=False)["passed"]
+
+
+def test_check_fails_a_run_whose_stage_failed(models, tokenized, tmp_path):
+    """A stage that failed leaves the manifest saying so; `check` on the run directory must not
+    print "all checks passed" over the published stages before it."""
+    run_dir = _copy(tokenized, tmp_path)
+    broken = tmp_path / "broken-model"
+    shutil.copytree(models["vl"], broken)
+    (broken / "config.json").write_text('{"model_type": "qwen3_5", "text_config": 7}')
+    with pytest.raises(Exception, match="cannot read the target's config"):
+        extract.run(None, run_dir, progress=False, model=str(broken))
+    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"][
+        "status"] == "failed"
+    result = check_path(run_dir, suites=False)
+    assert not result["passed"]
+    assert "FAIL extract" in result["summary"] and "cannot read the target's config" in result[
+        "summary"]
+    assert "all checks passed" not in result["summary"]
+
+
+# ---------------------------------------------------------------- thinking on: one think block
+def test_the_splitter_reads_qwen36_replies_that_start_inside_the_think_block():
+    from dflash_etl.stages.regenerate import (
+        RegenerateSettings,
+        Reply,
+        check_reply,
+        reply_parts,
+        split_reasoning,
+    )
+
+    qwen36 = "Add two and two.\n</think>\n\n4."  # after a generation prompt ending "<think>\n"
+    assert split_reasoning(qwen36, think_open=True) == ("4.", "Add two and two.")
+    assert split_reasoning(qwen36) == ("4.", "Add two and two.")  # a server's raw text
+    assert split_reasoning("Still thinking and cut", think_open=True) == (
+        "", "Still thinking and cut")
+    assert split_reasoning("<think>\nR\n</think>\n\nA", think_open=True) == ("A", "R")
+    assert split_reasoning("<think>\nR\n</think>\n\nA") == ("A", "R")
+    assert split_reasoning("plain answer", think_open=False) == ("plain answer", None)
+    # the server's reasoning_content wins; its content is the answer as it is
+    assert reply_parts(Reply("4.", "stop", 3, reasoning="Add.", think_open=None)) == ("4.", "Add.")
+    assert reply_parts(Reply(qwen36, "stop", 9, think_open=True)) == ("4.", "Add two and two.")
+    # thinking off: no prompt opened a block, so a stray closing tag is a leak, not reasoning
+    assert reply_parts(Reply("sure </think> answer", "stop", 3), "off") == (
+        "sure </think> answer", None)
+    settings = RegenerateSettings(model="m", thinking="on")
+    assert check_reply(Reply(qwen36, "stop", 9, think_open=True), settings) is None
+    unclosed = check_reply(Reply("Thinking on and on.", "stop", 9, think_open=True), settings)
+    assert unclosed and unclosed[1] == "empty_response" and "no answer" in unclosed[2]
+
+
+def _turn_texts(text: str) -> list[str]:
+    """Each assistant turn of a rendered Qwen3.6 row, from its header to its end of turn."""
+    return [part.split("<|im_end|>")[0] for part in text.split("<|im_start|>assistant")[1:]]
+
+
+def _conv(*turns: tuple[str, str, str | None]) -> dict:
+    return {"id": "t", "tools": None, "messages": [
+        {"role": role, "content": content, "reasoning": reasoning, "tool_calls": None,
+         "tool_call_id": None, "name": None} for role, content, reasoning in turns]}
+
+
+def test_tokenize_never_renders_two_think_blocks_in_one_turn(qwen36_tokenizer):
+    """Reasoning left in the content (`R\\n</think>\\n\\nA`, the splitter's old failure) was
+    rendered after the thinking-off prompt's empty block: `<think>\\n\\n</think>\\n\\n<think>
+    \\nR\\n</think>\\n\\nA`. Such a turn is refused (duplicated_think_markup) or rendered with one
+    block; content with two blocks of its own is refused."""
+    from dflash_etl.models.tokenizer import load_tokenizer
+    from dflash_etl.templates import probe_template
+    from dflash_etl.templates.masks import R_DUPLICATED_THINK, MaskRefused, tokenize_conversation
+
+    tok = load_tokenizer(str(qwen36_tokenizer))
+    probe = probe_template(tok)
+    leaked = _conv(("user", "Hi", None), ("assistant", "Let me think.\n</think>\n\nHello!", None))
+    for row in tokenize_conversation(leaked, tok, probe):
+        for turn in _turn_texts(tok.decode(row.input_ids)):
+            assert turn.count("<think>") <= 1 and turn.count("</think>") <= 1, turn
+    twice = _conv(("user", "Hi", None),
+                  ("assistant", "<think>\na\n</think>\n\n<think>\nb\n</think>\n\nHello!", None))
+    with pytest.raises(MaskRefused) as refused:
+        tokenize_conversation(twice, tok, probe)
+    assert refused.value.code == R_DUPLICATED_THINK
+
+
+@pytest.fixture()
+def prompts_run(tmp_path) -> Path:
+    rows = [{"id": f"p{k}", "prompt": p} for k, p in enumerate(
+        ["Name three colours.", "What is the capital of France?", "Say something about rivers."])]
+    rows.append({"id": "c1", "messages": [
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Tell me about trees."},
+        {"role": "assistant", "content": "Trees are tall plants."}]})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "mixed"\npath = "rows.jsonl"\n')
+    run_dir = tmp_path / "run"
+    ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
+    return run_dir
+
+
+@pytest.mark.parametrize("backend", ["transformers", "openai"])
+def test_thinking_on_regenerate_then_tokenize_supervises_one_think_block(models, prompts_run,
+                                                                         monkeypatch, backend):
+    """Thinking on with the real Qwen3.6 template: the generation prompt ends in `<think>\\n`,
+    so the target's reply is `reasoning\\n</think>\\n\\nanswer`. The generation is scripted
+    (a random model writes no think markup); the template, the backends (the openai one over
+    real HTTP to the devserver, which returns the raw text), the splitter and tokenize are
+    real. The stored turn holds the reasoning apart, and the supervised text has one block."""
+    import hashlib
+
+    import datasets
+    import polars as pl
+
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.tokenizer import load_tokenizer
+    from dflash_etl.stages import regenerate
+    from dflash_etl.stages.regenerate import Reply, TransformersBackend
+
+    prompts_seen: list[str] = []
+
+    def scripted(self, prompts: list[str]) -> list[Reply]:
+        prompts_seen.extend(prompts)
+        out = []
+        for p in prompts:
+            tag = hashlib.sha256(p.encode()).hexdigest()[:6]
+            out.append(Reply(f"I weigh the question {tag}.\n</think>\n\nMy answer is {tag}.",
+                             "stop", 12))
+        return out
+
+    monkeypatch.setattr(TransformersBackend, "generate_text", scripted)
+    kw = {"progress": False, "thinking": "on", "mode": "all", "dummy_min_repeats": 99}
+    if backend == "openai":
+        with DevServer(str(models["text"])) as server:
+            regenerate.run(None, prompts_run, backend="openai", endpoint=server.url,
+                           model=str(models["text"]), **kw)
+    else:
+        regenerate.run(None, prompts_run, model=str(models["text"]), **kw)
+    assert prompts_seen and all(p.endswith("<think>\n") for p in prompts_seen)
+    frame = pl.read_parquet(prompts_run / "regenerate" / "conversations" / "*.parquet")
+    replies = [m for c in frame.to_dicts() for m in c["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 5
+    for m in replies:
+        assert m["reasoning"].startswith("I weigh the question") and "think>" not in m["content"]
+        assert m["content"].startswith("My answer is")
+
+    tokenize.run(None, prompts_run, progress=False, model=str(models["text"]))
+    tok = load_tokenizer(str(models["text"]))
+    dataset = datasets.load_from_disk(str(prompts_run / "tokenize" / "dataset")).with_format(None)
+    assert len(dataset) >= 4
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
+        supervised = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        assert supervised.count("</think>") == supervised.count("My answer is") >= 1, supervised
+        for turn in _turn_texts(tok.decode(ids)):
+            assert turn.count("<think>") <= 1 and turn.count("</think>") <= 1, turn
+
+
+def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
+    """train on a VL checkpoint's extract: the drafter is shaped from the text config (the
+    composite config has no hidden_size of its own) and tau is measured."""
+    from dflash_etl.stages import train
+
+    run_dir = _copy(tokenized, tmp_path)
+    extract.run(None, run_dir, progress=False, model=str(models["vl"]), layers="1,2")
+    doc = train.run(None, run_dir, progress=False, target=str(models["vl"]), steps=2,
+                    batch_rows=2, anchors_per_row=4, block_size=4, draft_layers=1,
+                    eval_prompts=1, eval_new_tokens=4)
+    config = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
+    assert config["hidden_size"] == HIDDEN and config["num_target_layers"] == LAYERS
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2]
+    assert 1 <= doc["total"]["tau_final"] <= 4
