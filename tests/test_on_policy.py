@@ -74,20 +74,29 @@ def prompts_run(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("thinking", ["on", "off"])
 def test_regenerated_with_thinking_on_then_tokenized_off_policy_fails_naming_both(
-        prompts_run, tmp_path, thinking):
-    """A random target given `<think>` by the thinking-on generation prompt writes no reasoning,
-    like a server without its reasoning parser: tokenize must then render those replies behind
-    the thinking-off prompt, which serving with thinking on never shows. With thinking off the
-    same data is on-policy, and the report says how to serve."""
+        prompts_run, tmp_path, monkeypatch, thinking):
+    """With thinking on, Qwen3.6's generation prompt ends in `<think>\n`; a target that skips
+    its reasoning closes the block at once (`\n</think>\n\nanswer`). Such a reply has no
+    reasoning, so tokenize renders it behind the thinking-off prompt (an empty think block in the
+    prompt), which serving with thinking on never shows: off-policy. With thinking off the same
+    answers are on-policy, and the report says how to serve. The replies are scripted (a random
+    model writes no think markup); template, prompts, splitter and tokenize are real."""
     import shutil
 
     from dflash_etl.stages import regenerate, tokenize
+    from dflash_etl.stages.regenerate import Reply, TransformersBackend
 
+    def scripted(self, prompts):
+        opened = "\n</think>\n\n" if thinking == "on" else ""
+        return [Reply(f"{opened}The answer is number {k}.", "stop", 9)
+                for k, _ in enumerate(prompts)]
+
+    monkeypatch.setattr(TransformersBackend, "generate_text", scripted)
     source, target = prompts_run
     run = tmp_path / "run"
     shutil.copytree(source, run)
-    regenerate.run(None, run, progress=False, model=str(target), max_new_tokens=8,
-                   keep_truncated=True, thinking=thinking)
+    regenerate.run(None, run, progress=False, model=str(target), max_new_tokens=16,
+                   thinking=thinking, dummy_min_repeats=99)
     if thinking == "on":
         with pytest.raises(StageError) as caught:
             tokenize.run(None, run, workers=1, progress=False, model=str(QWEN), seq_length=512)
