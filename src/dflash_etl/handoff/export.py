@@ -15,6 +15,7 @@ into place; `<out>/export.json` records what was exported and the command.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -123,7 +124,7 @@ def _link(source: Path, dest: Path, how: str) -> str:
             os.link(source, dest)
             return "hard"
         except OSError as exc:
-            if exc.errno not in (18, 1, 95):  # EXDEV, EPERM, EOPNOTSUPP
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP):
                 raise
             how = "symlink"
     if how == "symlink":
