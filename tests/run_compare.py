@@ -27,11 +27,12 @@ def _files(run: Path) -> set[str]:
     return {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
 
 
-def _without_varying(value):
+def without_keys(value, keys: set[str]):
+    """`value` (parsed JSON) with every dict entry named in `keys` dropped, at any depth."""
     if isinstance(value, dict):
-        return {k: _without_varying(v) for k, v in value.items() if k not in VARYING}
+        return {k: without_keys(v, keys) for k, v in value.items() if k not in keys}
     if isinstance(value, list):
-        return [_without_varying(v) for v in value]
+        return [without_keys(v, keys) for v in value]
     return value
 
 
@@ -52,8 +53,8 @@ def differing_files(a: Path, b: Path) -> list[str]:
         if not (fa.is_file() and fb.is_file()):
             out.append(f"{name} (only in {'the first' if fa.is_file() else 'the second'} run)")
         elif Path(name).name in REPORTS:
-            if _without_varying(json.loads(fa.read_text())) != _without_varying(
-                    json.loads(fb.read_text())):
+            if without_keys(json.loads(fa.read_text()), VARYING) != without_keys(
+                    json.loads(fb.read_text()), VARYING):
                 out.append(name)
         elif Path(name).name == FILES_JSON:
             if _listing(fa) != _listing(fb):

@@ -19,6 +19,11 @@ from dflash_etl.cli.main import main
 from dflash_etl.core.config import ConfigError
 from dflash_etl.validation import suite_helper, suites
 
+try:
+    from tests.run_compare import without_keys
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from run_compare import without_keys
+
 DEFAULT_LIMITS = {"max_quarantine_rate_per_source": {"openai_chat": 0.10}}
 
 
@@ -284,11 +289,7 @@ def test_docs_command_rebuilds_the_report(default_run_dir, tmp_path, capsys):
 
 def _without_timing(value):
     """A suite result without what differs between two validations of the same data."""
-    if isinstance(value, dict):
-        return {k: _without_timing(v) for k, v in value.items() if k not in VARYING}
-    if isinstance(value, list):
-        return [_without_timing(v) for v in value]
-    return value
+    return without_keys(value, VARYING)
 
 
 VARYING = {"seconds", "run_id", "run_time", "validation_time", "batch_id", "active_batch_id",

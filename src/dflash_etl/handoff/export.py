@@ -111,9 +111,10 @@ def _dataset(tokenize_dir: Path) -> Any:
     """The tokenized rows as one memory-mapped Arrow table (row i = the dataset's row i)."""
     import pyarrow as pa
 
-    tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all()
-              for p in _dataset_files(tokenize_dir)]
-    return pa.concat_tables(tables).select(["input_ids", "loss_mask"])
+    from dflash_etl.validation.contracts import read_arrow
+
+    return pa.concat_tables([read_arrow(p).select(["input_ids", "loss_mask"])
+                             for p in _dataset_files(tokenize_dir)])
 
 
 def _link(source: Path, dest: Path, how: str) -> str:
@@ -157,6 +158,7 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     (partial / "hidden_states").mkdir()
     table = _dataset(tok)
     n_rows = table.num_rows
+    input_ids = table.column("input_ids")
     layers, stored = extracted["layers"], extracted.get("stored_layers") or extracted["layers"]
     hidden = extracted["hidden_size"]
     missing, problems = 0, []
@@ -169,7 +171,7 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
                 continue
             with safe_open(str(source), framework="pt") as f:
                 shape = f.get_slice("hidden_states").get_shape()
-            seq = len(table.column("input_ids")[row])
+            seq = len(input_ids[row])
             if list(shape) != [seq, len(stored), hidden] and len(problems) < 5:
                 problems.append(f"hs_{row}.safetensors: shape {list(shape)}, expected "
                                 f"[{seq}, {len(stored)}, {hidden}]")
@@ -256,6 +258,7 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     tok, ext, extracted = inputs["tokenize"], inputs["extract"], inputs["extracted"]
     table = _dataset(tok)
     n_rows = table.num_rows
+    input_ids, loss_mask = table.column("input_ids"), table.column("loss_mask")
     layers, hidden = extracted["layers"], extracted["hidden_size"]
     features = partial / "features"
     written, filtered, problems = 0, 0, []
@@ -264,8 +267,8 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         for row, states, token_ids in _states_by_row(ext, extracted):
             bar.advance()
             seen.add(row)
-            ids = table.column("input_ids")[row].as_py()
-            mask = table.column("loss_mask")[row].as_py()
+            ids = input_ids[row].as_py()
+            mask = loss_mask[row].as_py()
             if token_ids.tolist() != ids or tuple(states.shape) != (len(ids), len(layers),
                                                                     hidden):
                 if len(problems) < 5:

@@ -356,26 +356,27 @@ class TokenizeStage(BatchStage):
                ) -> dict[str, Any]:
         doc = _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
                       ctx.state["probe_doc"], ctx.fingerprint)
-        _check_on_policy(ctx.run.manifest(), ctx.settings, doc, ctx.partial)
+        _check_on_policy(ctx.run, ctx.settings, doc, ctx.partial)
         return doc
 
 
-def _check_on_policy(manifest: dict[str, Any], settings: TokenizeSettings, doc: dict[str, Any],
+def _check_on_policy(run: RunDir, settings: TokenizeSettings, doc: dict[str, Any],
                      partial: Path) -> None:
     """Rows rendered in another thinking mode than the replies were generated in fail the stage,
-    naming both (see validation/on_policy.py); the report is kept in stats.json either way."""
+    naming both (see validation/on_policy.py); the report goes into the stats either way (on a
+    failure into the partial directory's stats.json, for the user to read)."""
     generated = None
-    regenerate = manifest.get("stages", {}).get("regenerate", {})
-    stats = partial.parent / "regenerate" / "stats.json"
-    if regenerate.get("status") == "complete" and stats.is_file():
+    stats = run.stage_dir("regenerate") / "stats.json"
+    if run.manifest().get("stages", {}).get("regenerate", {}).get("status") == "complete" \
+            and stats.is_file():
         generated = json.loads(stats.read_text()).get("generation")
     total = doc["total"]
     report = on_policy_report(generated, settings.supervise_reasoning, total["rows_written"],
                               total.get("generation_prompt_kwargs") or {},
                               settings.max_off_policy_share)
     doc["on_policy"] = report
-    write_json_atomic(partial / "stats.json", doc)
     if report["problems"]:
+        write_json_atomic(partial / "stats.json", doc)
         raise StageError("on-policy check: " + "; ".join(report["problems"]) + ". Tokenize with "
                          "the thinking mode the replies were generated in (or regenerate in the "
                          "mode you will serve), or raise [tokenize] max_off_policy_share")
