@@ -96,10 +96,21 @@ def _one_template(path: Path) -> tuple[str, dict]:
                 else [(r.input_ids, r.loss_mask, r.turn, r.strategy) for r in many])
         if many != one:
             res["batch_differs"].append(c["id"])
+    # the shortcuts the probe allowed (one render for tag templates, N+1 renders for N replies)
+    # change no row and no refusal against rendering every turn
+    slow = tokenize_conversations(convs, tok, probe, chat_template=src, fast=False)
+    res["fast_differs"] = [c["id"] for c, f, s in zip(convs, together, slow, strict=True)
+                           if _outcome(f) != _outcome(s)]
     if res["used"] - {probe.strategy}:  # e.g. render_diff, but some conversations per turn
         res["strategy"] = f"{probe.strategy} (rows: {'/'.join(sorted(res['used']))})"
     res["seconds"] = time.perf_counter() - t0
     return name, res
+
+
+def _outcome(result):
+    if isinstance(result, MaskRefused):
+        return result.code
+    return [(r.input_ids, r.loss_mask, r.turn, r.strategy, r.normalizations) for r in result]
 
 
 ALL = os.environ.get("DFLASH_CONFORMANCE") != "sample"
@@ -202,6 +213,11 @@ def test_conformance_templates(conformance):
         assert len(results) >= 25, "expected every fourth of the ~109 fixture templates"
     differs = {name: v["batch_differs"] for name, v in results.items() if v["batch_differs"]}
     assert not differs, f"tokenize_conversations differs from one at a time: {differs}"
+    fast_differs = {name: v["fast_differs"] for name, v in results.items() if v.get("fast_differs")}
+    assert not fast_differs, f"the shortcuts change rows: {fast_differs}"
+    shortcut = [name for name, v in results.items()
+                if v["probe"] is not None and any(v["probe"].fast_paths.values())]
+    assert len(shortcut) >= 0.5 * len(results), f"shortcuts used on only {shortcut}"
     wrong = {name: v["wrong"][:2] for name, v in results.items() if v["wrong"]}
     assert summary["wrong"] == 0, f"silently wrong rows: {wrong}"
     # ≥95% over all templates (recorded in the report); a quarter of them is a sample, so 90%.

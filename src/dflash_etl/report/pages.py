@@ -20,10 +20,10 @@ HIST_LABELS = {
 PROBE_KEYS = ("strategy", "reason", "template_sha256", "template_source", "system_mode",
               "tool_role", "tool_call_args", "reasoning_placement", "prefix_stable",
               "prefix_detail", "generation_prompt", "accepted_role_orders",
-              "rejected_role_orders")
+              "rejected_role_orders", "fast_paths")
 POLICY_KEYS = ("strategy", "include_eot", "supervise_reasoning", "turns", "seq_length",
                "truncation", "min_supervised_tokens", "draft_vocab_size", "chat_template",
-               "model")
+               "model", "cross_check")
 
 
 # --------------------------------------------------------------- pieces
@@ -45,7 +45,8 @@ def accounting_section(stage: StageInfo) -> str:
         ("quarantined (by reason)", escape(_reasons(total.get("quarantine_reasons")))),
         ("filtered (by reason)", escape(_reasons(total.get("rows_filtered")))),
     ]
-    for extra in ("rows_written", "tokens", "supervised_tokens", "rows_truncated"):
+    for extra in ("rows_written", "tokens", "supervised_tokens", "rows_truncated",
+                  "cross_checked"):
         if extra in total:
             rows.append((extra.replace("_", " "), f'<span data-key="{key}-{extra}">'
                          f"{total[extra]}</span>"))

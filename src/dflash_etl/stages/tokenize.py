@@ -74,6 +74,10 @@ class TokenizeSettings:
     max_off_policy_share: float = setting(
         0.01, min=0, max=1, help="rows rendered in another thinking mode than regenerate "
         "generated with, as a share of rows, before the on-policy check fails the stage")
+    cross_check: float = setting(
+        0.01, min=0, max=1, help="share of conversations (chosen by id) also tokenized without "
+        "the shortcuts the probe allowed (one render for {% generation %} templates, N+1 "
+        "renders for N replies) and quarantined if the rows differ")
     render_timeout_s: float = setting(10.0, above=0, help="seconds one render of a conversation "
                                       "may take (template_render_timeout)")
     render_size_factor: float = setting(10.0, min=0, help="a render may make render_size_factor "
@@ -152,12 +156,14 @@ def tokenize_rows(
     source_col: list[str] = []
     turn_col: list[int] = []
     results = tokenize_conversations(conversations, tokenizer, template_probe, policy,
-                                     chat_template=chat_template)
+                                     chat_template=chat_template,
+                                     cross_check=settings.cross_check)
     for conv, made in zip(conversations, results, strict=True):
         stats = per_source.get(conv["source"])
         if stats is None:
             stats = per_source[conv["source"]] = Stats(extra={
                 "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
+                "cross_checked": 0,
                 "strategies": Counter(), "normalizations": Counter(),
                 "generation_prompt_kwargs": Counter()})
         stats.rows_in += 1
@@ -172,6 +178,7 @@ def tokenize_rows(
             continue
         stats.rows_out += 1
         extra = stats.extra
+        extra["cross_checked"] += int(made[0].cross_checked)
         for row in made:
             ids_lists.append(row.input_ids)
             mask_lists.append(row.loss_mask)

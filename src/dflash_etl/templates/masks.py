@@ -31,9 +31,11 @@ Decisions (documented so reviewers can check them):
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import operator
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -57,6 +59,7 @@ from dflash_etl.templates.render import (
     inline_reasoning,
     parse_json_list,
     render,
+    render_generation_spans,
 )
 
 # --- reason codes -----------------------------------------------------------------------------
@@ -172,6 +175,7 @@ class TokenizedRow:
     eos_appended: bool = False
     truncated: bool = False
     split_at: int | None = None  # per-turn rows: prompt and reply are encoded separately here
+    cross_checked: bool = False  # also made without shortcuts, and equal (`cross_check`)
 
 
 @dataclass
@@ -208,13 +212,17 @@ def _render_prefix(
 ) -> str:
     """The first `n` messages rendered, once per conversation: the last turn's render-diff
     render is the full conversation's render, and each render is the stage's largest cost."""
-    key = (n, generation_prompt, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    key = _render_key(n, generation_prompt, kwargs)
     if key not in prep.renders:
         prep.renders[key] = render(
             tokenizer, prep.messages[:n], chat_template=template, tools=prep.tools,
             add_generation_prompt=generation_prompt, kwargs=kwargs,
         )
     return prep.renders[key]
+
+
+def _render_key(n: int, generation_prompt: bool, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    return n, generation_prompt, tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
 
 
 # --- preparation ------------------------------------------------------------------------------
@@ -407,8 +415,13 @@ def _render_turn(
     base: dict[str, Any],
     policy: MaskPolicy,
     template: str | None,
+    next_prompt_at: int | None = None,
 ) -> _Turn:
-    """Prompt (history<i + generation prompt) and the reply of message i rendered as final turn."""
+    """Prompt (history<i + generation prompt) and the reply of message i rendered as final turn.
+
+    With `next_prompt_at` (the next target turn's index, whose prompt was rendered first, on a
+    template prefix-stable under these kwargs) the history up to this turn is read off that
+    prompt instead of rendered: N+1 renders for N replies, not 2N."""
     failures: list[tuple[str, str]] = []
 
     passed_reasoning = prep.reasoning_passed.get(i, False)
@@ -416,7 +429,10 @@ def _render_turn(
         kw = {**probe.render_kwargs, **base, **variant}
         try:
             prompt = _render_prefix(tokenizer, prep, i, True, kw, template)
-            upto = _render_prefix(tokenizer, prep, i + 1, False, kw, template)
+            upto = (_upto_from_next_prompt(probe, prep, i, next_prompt_at, prompt, kw)
+                    if next_prompt_at is not None else None)
+            if upto is None:
+                upto = _render_prefix(tokenizer, prep, i + 1, False, kw, template)
         except RenderLimitExceeded:
             raise  # the conversation's verdict: another variant would only spend the limit again
         except RenderError as exc:
@@ -437,6 +453,55 @@ def _render_turn(
         f"assistant turn {ordinal}: {message}"
         + (f" (all tries: {detail})" if len(failures) > 1 else ""),
     )
+
+
+def _strings_in(value: Any) -> list[str]:
+    """Every string inside a message (its content, reasoning, tool-call names and arguments)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _strings_in(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in _strings_in(v)]
+    return []
+
+
+def _turn_end(text: str, start: int, probe: TemplateProbe) -> int | None:
+    """Where the turn that starts at `start` ends in `text` (after its end-of-turn marker and the
+    text the template puts after it), if its first marker is its end."""
+    eot, post = probe.eot_text.strip(), probe.post_eot
+    at = text.find(eot, start) if eot else -1
+    if at < 0:
+        return None
+    end = at + len(eot)
+    if post and not text.startswith(post, end):
+        return None
+    return end + len(post)
+
+
+def _upto_from_next_prompt(
+    probe: TemplateProbe,
+    prep: _Prepared,
+    i: int,
+    next_at: int,
+    prompt: str,
+    kwargs: dict[str, Any],
+) -> str | None:
+    """render(history <= i), read off the next target turn's prompt render (made first, with the
+    same kwargs): on a prefix-stable template it starts with this turn's prompt, then holds this
+    reply up to its end-of-turn marker. None (render it) unless the probe found this shortcut
+    exact on its sample, the template ends turns with its own marker and the message's own text
+    holds no such marker (the first one after the prompt is then the turn's end)."""
+    if not probe.fast_paths.get(FAST_TURN_END) or probe.eot_source != "template":
+        return None
+    following = prep.renders.get(_render_key(next_at, True, kwargs))
+    eot = probe.eot_text.strip()
+    if following is None or not eot or not following.startswith(prompt):
+        return None
+    if any(eot in text for text in _strings_in(prep.messages[i])):
+        return None
+    end = _turn_end(following, len(prompt), probe)
+    return following[:end] if end is not None else None
 
 
 def _check_turn(
@@ -868,6 +933,8 @@ def tokenize_conversations(
     policy: MaskPolicy | None = None,
     *,
     chat_template: str | None = None,
+    fast: bool = True,
+    cross_check: float = 0.0,
 ) -> list[list[TokenizedRow] | MaskRefused]:
     """`tokenize_conversation` for many conversations: for each, its rows or why it is refused.
 
@@ -881,7 +948,7 @@ def tokenize_conversations(
         prep = None
         try:
             prep = _prepare(conv, probe, policy)
-            planned.append(_plan(prep, tokenizer, probe, policy, chat_template))
+            planned.append(_plan(prep, tokenizer, probe, policy, chat_template, fast))
         except (MaskRefused, RenderError) as exc:
             planned.append(_refusal(exc, prep, tokenizer, probe, chat_template))
     pieces = [piece for item in planned if isinstance(item, _Planned)
@@ -898,7 +965,41 @@ def tokenize_conversations(
             results.append(_build_planned(item, tokenizer, probe, policy, encoded))
         except (MaskRefused, RenderError) as exc:
             results.append(_refusal(exc, item.prep, tokenizer, probe, chat_template))
+    if fast and cross_check > 0 and probe.fast_paths:
+        for k, conv in enumerate(convs):
+            if zlib.crc32(str(conv.get("id")).encode()) < cross_check * 2**32:
+                results[k] = _cross_checked(results[k], conv, tokenizer, probe, policy,
+                                            chat_template)
     return results
+
+
+def _cross_checked(
+    result: list[TokenizedRow] | MaskRefused,
+    conv: dict[str, Any],
+    tokenizer: Any,
+    probe: TemplateProbe,
+    policy: MaskPolicy,
+    template: str | None,
+) -> list[TokenizedRow] | MaskRefused:
+    """The conversation tokenized again without shortcuts (every turn rendered, HF's tag mask
+    compared): rows that differ are quarantined, since one of the two is wrong."""
+    (slow,) = tokenize_conversations([conv], tokenizer, probe, policy, chat_template=template,
+                                     fast=False)
+    if _outcome(slow) != _outcome(result):
+        return MaskRefused(R_MASK_VERIFICATION_FAILED, (
+            f"cross-check: the shortcut gives {_describe(result)} but rendering every turn "
+            f"gives {_describe(slow)}; set [tokenize] strategy = \"render_diff\" for this "
+            "template and report it"))
+    for row in () if isinstance(result, MaskRefused) else result:
+        row.cross_checked = True
+    return result
+
+
+def _describe(result: list[TokenizedRow] | MaskRefused) -> str:
+    if isinstance(result, MaskRefused):
+        return f"a refusal ({result.code})"
+    return f"{len(result)} row(s) of {[len(r.input_ids) for r in result]} tokens, " \
+        f"{[sum(r.loss_mask) for r in result]} supervised"
 
 
 def _refusal(
@@ -963,8 +1064,11 @@ def _plan(
     probe: TemplateProbe,
     policy: MaskPolicy,
     template: str | None,
+    fast: bool = True,
 ) -> _Planned:
-    """Render what the strategy needs and plan the conversation's rows (see module doc)."""
+    """Render what the strategy needs and plan the conversation's rows (see module doc).
+    `fast`: take the shortcuts the probe found exact (`fast_paths_for`); off, every turn is
+    rendered as in the render diff's definition (what the cross-check compares with)."""
     targets = prep.assistant_idx if policy.turns == "all" else prep.assistant_idx[-1:]
     ordinals = {i: k for k, i in enumerate(prep.assistant_idx)}
 
@@ -978,15 +1082,32 @@ def _plan(
             R_GENERATION_TAGS_UNUSABLE, "template has no usable {% generation %} tags"
         )
 
+    if strategy == STRATEGY_GENERATION and fast and probe.fast_paths.get(FAST_GENERATION):
+        row = _generation_row(tokenizer, probe, prep, policy, template, targets, ordinals)
+        if row is not None:
+            return _Planned(prep, [row], lambda _why: _plan(
+                prep, tokenizer, probe, policy, template, fast=False).rows)
+
     cache: dict[str, list[_Turn]] = {}
 
     def turns_for(base: dict[str, Any]) -> list[_Turn]:
         key = json.dumps(base, sort_keys=True)
         if key not in cache:
-            cache[key] = [
-                _render_turn(tokenizer, probe, prep, ordinals[i], i, base, policy, template)
-                for i in targets
-            ]
+            stable = probe.prefix_stable if not base else base == probe.stable_kwargs
+            made: list[_Turn | Exception] = []
+            following: int | None = None
+            for i in reversed(targets):  # the last first: its prompt gives the one before's end
+                try:
+                    made.append(_render_turn(tokenizer, probe, prep, ordinals[i], i, base, policy,
+                                             template, following if fast and stable else None))
+                except (MaskRefused, RenderError) as exc:
+                    made.append(exc)
+                following = i
+            made.reverse()
+            for turn in made:  # the first turn's refusal, as when rendered in order
+                if isinstance(turn, Exception):
+                    raise turn
+            cache[key] = made  # type: ignore[assignment]
         return cache[key]
 
     label = (
@@ -1041,6 +1162,55 @@ def _plan(
     return _Planned(prep, per_turn(single_failure))
 
 
+def _generation_row(
+    tokenizer: Any,
+    probe: TemplateProbe,
+    prep: _Prepared,
+    policy: MaskPolicy,
+    template: str | None,
+    targets: list[int],
+    ordinals: dict[int, int],
+) -> _RowPlan | None:
+    """The one-row plan of a {% generation %}-tag template from one render of the conversation.
+
+    Each tag block marks a reply; the text before it must end with the generation prompt (what
+    the model sees before it generates), and the reply is checked as every render-diff reply is
+    (its end-of-turn marker, the message's content in it, no duplicated think markup). None when
+    any of that does not hold: the caller then plans as before (render diff + HF's mask)."""
+    if probe.thinking_kwargs or not probe.prefix_stable or not probe.generation_prompt:
+        return None
+    made = render_generation_spans(tokenizer, prep.messages, chat_template=template,
+                                   tools=prep.tools, kwargs=dict(probe.render_kwargs))
+    if made is None:
+        return None
+    full, blocks = made
+    if len(blocks) != len(prep.assistant_idx):
+        return None
+    block_of = dict(zip(prep.assistant_idx, blocks, strict=True))
+    turns: list[_Turn] = []
+    for i in targets:
+        start, _ = block_of[i]
+        prompt = full[:start]
+        end = _turn_end(full, start, probe)
+        if end is None or not prompt.endswith(probe.generation_prompt):
+            return None
+        if any(probe.eot_text.strip() in text for text in _strings_in(prep.messages[i])):
+            return None
+        ok = _check_turn(probe, prep, i, prompt, full[:end], policy, [], {})
+        if ok is None or ok[1]:
+            return None
+        turns.append(_Turn(ordinals[i], i, prompt, ok[0], False, {}, ok[2]))
+    spans = _spans_in(full, turns)
+    if isinstance(spans, str):
+        return None
+    norms = list(prep.normalizations)
+    for t in turns:
+        norms.extend(n for n in t.notes if n not in norms)
+    turn_id = -1 if len(turns) > 1 else turns[0].ordinal
+    return _RowPlan(full[: spans[-1][1]], spans, [t.reply for t in turns], False, turn_id, norms,
+                    STRATEGY_GENERATION)
+
+
 def _single_row(
     tokenizer: Any,
     probe: TemplateProbe,
@@ -1078,7 +1248,8 @@ def _single_row(
             norms.extend(n for n in t.notes if n not in norms)
         turn_id = -1 if len(turns) > 1 else turns[0].ordinal
         if strategy == STRATEGY_GENERATION:
-            _check_generation_mask(tokenizer, prep, full_kw, template, spans, text)
+            _check_generation_mask(tokenizer, probe, prep, full_kw, template, spans, text,
+                                   [t.index for t in turns])
         name = STRATEGY_GENERATION if strategy == STRATEGY_GENERATION else STRATEGY_RENDER_DIFF
         return _RowPlan(text, spans, [t.reply for t in turns], False, turn_id, norms, name)
     return why
@@ -1099,13 +1270,17 @@ def _spans_in(full: str, turns: list[_Turn]) -> list[tuple[int, int]] | str:
 
 def _check_generation_mask(
     tokenizer: Any,
+    probe: TemplateProbe,
     prep: _Prepared,
     kw: dict[str, Any],
     template: str | None,
     spans: list[tuple[int, int]],
     text: str,
+    indices: list[int],
 ) -> None:
-    """HF's {% generation %} mask must cover exactly the render-diff replies (content part)."""
+    """HF's {% generation %} mask must cover the render-diff replies of the supervised turns
+    (`indices`: with turns = "last" HF still marks every turn), with or without the end-of-turn
+    marker (the policy's `include_eot` decides that, not the tags)."""
     try:
         out = guarded_call(
             prep.messages, prep.tools, tokenizer.apply_chat_template,
@@ -1123,14 +1298,89 @@ def _check_generation_mask(
         raise MaskRefused(R_GENERATION_TAGS_UNUSABLE, f"HF assistant mask failed: {exc}") from exc
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     got = [tokenizer.decode(ids[a:b], skip_special_tokens=False) for a, b in _runs(mask)]
+    if len(got) == len(prep.assistant_idx):
+        got = [g for g, i in zip(got, prep.assistant_idx, strict=True) if i in indices]
     want = [text[s:e] for s, e in spans]
+    eot = probe.eot_text.strip()
+
+    def bare(reply: str) -> str:
+        reply = reply.strip()
+        return reply.removesuffix(eot).rstrip() if eot else reply
+
     if len(got) != len(want) or any(
-        w.strip() and g.strip() and g.strip() not in w for g, w in zip(got, want, strict=False)
+        w.strip() and g.strip() and g.strip() not in w and bare(g) != bare(w)
+        for g, w in zip(got, want, strict=False)
     ):
         raise MaskRefused(
             R_MASK_VERIFICATION_FAILED,
             f"{{% generation %}} mask spans {got!r} disagree with the render diff {want!r}",
         )
+
+
+# --- the shortcuts, checked ------------------------------------------------------------------
+
+FAST_GENERATION = "generation_one_render"  # a tag template's mask from one render
+FAST_TURN_END = "turn_end_from_next_prompt"  # render diff: N+1 renders for N replies
+
+
+def _sample_conversations(probe: TemplateProbe) -> list[dict[str, Any]]:
+    """Canonical conversations the shortcuts must agree on: several turns, a system turn, a
+    tool round trip and reasoning where the template renders them."""
+    def turn(role: str, text: str, **extra: Any) -> dict[str, Any]:
+        return {"role": role, "content": text, **extra}
+
+    convs = [
+        [turn("user", "What is the capital of France?"), turn("assistant", "Paris."),
+         turn("user", "And of Italy?"), turn("assistant", "Rome, since 1871."),
+         turn("user", "Thanks!"), turn("assistant", "You are welcome.")],
+        [turn("system", "You are terse."), turn("user", "Two plus two?"),
+         turn("assistant", "Four."), turn("user", "Times three?"), turn("assistant", "Twelve.")],
+        [turn("user", "Think first: 7 * 6?"), turn("assistant", "42.", reasoning="7 * 6 = 42."),
+         turn("user", "And 6 * 9?"), turn("assistant", "54.", reasoning="6 * 9 = 54.")],
+    ]
+    if probe.tool_call_args is not None and probe.tool_role == "native":
+        call = [{"type": "function", "id": "call_1",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+        convs.append([turn("user", "Weather in Paris?"),
+                      turn("assistant", "", tool_calls=json.dumps(call)),
+                      turn("tool", "18 C, sunny", tool_call_id="call_1", name="get_weather"),
+                      turn("assistant", "It is 18 C and sunny in Paris.")])
+    return [{"id": f"probe-{k}", "source": "probe", "messages": m,
+             "tools": json.dumps([{"type": "function", "function": {
+                 "name": "get_weather", "description": "Weather for a city",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])
+             if k == 3 else None} for k, m in enumerate(convs)]
+
+
+def _outcome(result: list[TokenizedRow] | MaskRefused) -> Any:
+    if isinstance(result, MaskRefused):
+        return result.code
+    return [(r.input_ids, r.loss_mask, r.turn, r.normalizations, r.strategy) for r in result]
+
+
+def fast_paths_for(tokenizer: Any, probe: TemplateProbe, template: str | None
+                   ) -> dict[str, Any]:
+    """Which shortcuts give exactly the rows of the full render diff on this template, tried on
+    the sample conversations with both turn policies and both end-of-turn policies. A shortcut
+    that changes any row (or any refusal) there is off for the run."""
+    convs = _sample_conversations(probe)
+    policies = [MaskPolicy(turns=t, include_eot=e) for t in ("all", "last") for e in (True, False)]
+    out: dict[str, Any] = {}
+    names = [FAST_TURN_END] + ([FAST_GENERATION] if probe.strategy == STRATEGY_GENERATION
+                               else [])
+    for name in names:
+        trial = dataclasses.replace(probe, fast_paths={name: True})
+        try:
+            same = all(
+                [_outcome(r) for r in tokenize_conversations(convs, tokenizer, trial, policy,
+                                                              chat_template=template)]
+                == [_outcome(r) for r in tokenize_conversations(
+                    convs, tokenizer, probe, policy, chat_template=template, fast=False)]
+                for policy in policies)
+        except RenderLimitExceeded:
+            same = False
+        out[name] = same
+    return out
 
 
 __all__ = [

@@ -114,6 +114,9 @@ class TemplateProbe:
     strategy: str
     reason: str
     notes: list[str] = field(default_factory=list)
+    # the shortcuts tokenize may take on this template, each checked on the probe's sample
+    # conversations against the full render diff (masks.fast_paths_for): name -> bool
+    fast_paths: dict[str, Any] = field(default_factory=dict)
 
     @property
     def message_format(self) -> MessageFormat:
@@ -451,7 +454,7 @@ def probe_template(
     strategy, reason = _choose_strategy(
         has_tags, mask_usable, prefix_stable, stable_kwargs, prefix_detail, prefill, eot_source
     )
-    return TemplateProbe(
+    probe = TemplateProbe(
         template_sha256=hashlib.sha256(source.encode("utf-8")).hexdigest(),
         template_source=template_source,
         render_kwargs=kwargs,
@@ -490,6 +493,10 @@ def probe_template(
         reason=reason,
         notes=notes,
     )
+    from dflash_etl.templates.masks import fast_paths_for  # masks imports this module
+
+    probe.fast_paths = fast_paths_for(tokenizer, probe, chat_template)
+    return probe
 
 
 def _mid_tail(text: str | None) -> str:

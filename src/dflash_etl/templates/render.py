@@ -308,6 +308,39 @@ def render(
     return out
 
 
+def render_generation_spans(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[tuple[int, int]]] | None:
+    """The conversation rendered once, with the character span of each `{% generation %}` block
+    in it (transformers' own tag, recorded as the text is made): what `return_assistant_tokens_mask`
+    computes, without its second render and tokenization. None where the direct renderer is not
+    available (the caller then renders as before). Errors as `render`."""
+    spans: list[tuple[int, int]] = []
+    try:
+        with _guarded(messages, tools):
+            direct = (_direct_renderer(tokenizer, chat_template, tools is not None)
+                      if messages else None)
+            if direct is None or not hasattr(direct.template.environment, "activate_tracker"):
+                return None
+            out = direct(messages, tools, False, kwargs, spans)
+    except RenderLimitExceeded:
+        raise
+    except RecursionError as exc:
+        raise RenderError(f"RecursionError: {exc}") from exc
+    except MemoryError as exc:
+        raise RenderTooLarge("the template ran out of memory", "memory") from exc
+    except Exception as exc:  # templates raise anything: TemplateError, TypeError, KeyError...
+        raise RenderError(f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(out, str):
+        raise RenderError(f"template returned {type(out).__name__}, not text")
+    return out, spans
+
+
 def render_with_transformers(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -373,7 +406,10 @@ class _CompiledRenderer:
             self.globals["strftime_now"] = _strftime_render_clock
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> str:
+                 add_generation_prompt: bool, kwargs: dict[str, Any] | None,
+                 generation_spans: list[tuple[int, int]] | None = None) -> str:
+        """The text; with `generation_spans`, each {% generation %} block's span is appended
+        to it (transformers' tracker reads the parts made so far)."""
         chat = self.alias([m if None not in m.values() else
                            {k: v for k, v in m.items() if v is not None} for m in messages])
         template = self.template
@@ -384,16 +420,25 @@ class _CompiledRenderer:
         context = environment.context_class(environment, parent, template.name, template.blocks,
                                             globals=self.globals)
         budget = _budget()
+        if generation_spans is not None:
+            parts: list[str] = []
+            with environment.activate_tracker(parts, generation_spans):
+                return self._collect(template.root_render_func(context), parts, budget)
         if budget is None:
             return environment.concat(template.root_render_func(context))
-        parts: list[str] = []
-        size, most = 0, budget.floor
-        for part in template.root_render_func(context):  # counted as made: stop at the limit
-            size += len(part)
-            if size > most:
-                most = budget.max_chars
+        return self._collect(template.root_render_func(context), [], budget)
+
+    @staticmethod
+    def _collect(made: Any, parts: list[str], budget: Any) -> str:
+        """The parts as made, joined; counted as made to stop at the size limit."""
+        size, most = 0, budget.floor if budget is not None else 0
+        for part in made:
+            if budget is not None:
+                size += len(part)
                 if size > most:
-                    raise budget.too_large("a rendered text", size)
+                    most = budget.max_chars
+                    if size > most:
+                        raise budget.too_large("a rendered text", size)
             parts.append(part)
         return "".join(parts)
 

@@ -1,0 +1,185 @@
+"""The tokenize shortcuts (one render for {% generation %}-tag templates, N+1 renders for N
+replies on prefix-stable ones) give exactly the rows of rendering every turn, and are off or
+fall back wherever they could not: the real Qwen3.6 tokenizer, templates written here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+try:
+    from tests.templates_helpers import qwen_tokenizer, require_fixtures
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from templates_helpers import qwen_tokenizer, require_fixtures
+
+import dflash_etl.templates.masks as masks
+from dflash_etl.templates import MaskPolicy, MaskRefused, probe_template, tokenize_conversations
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TAGGED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a turn that renders the end-of-turn marker twice: its first marker is not its end
+TWICE = CHATML.replace(
+    "{{ m.content }}<|im_end|>\n",
+    "{{ m.content }}<|im_end|>\n{% if m.role == 'assistant' %}<|im_start|>note\n"
+    "done<|im_end|>\n{% endif %}")
+# tool calls rendered in the turn, argument values as they are (they may hold any text)
+TOOLS = CHATML.replace(
+    "{{ m.content }}<|im_end|>",
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "{% for k, v in c.function.arguments.items() %} {{ k }}={{ v }}{% endfor %}</tool_call>"
+    "{% endfor %}<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    require_fixtures()
+    return qwen_tokenizer()
+
+
+def _conv(*pairs: tuple[str, str], **extra) -> dict:
+    return {"id": extra.pop("id", "c"), "messages": [
+        {"role": role, "content": text, **extra.get(str(k), {})}
+        for k, (role, text) in enumerate(pairs)], "tools": extra.get("tools")}
+
+
+THREE_REPLIES = _conv(("user", "Hi"), ("assistant", "Hello, how can I help?"),
+                      ("user", "Capital of France?"), ("assistant", "Paris."),
+                      ("user", "Thanks"), ("assistant", "Any time."))
+
+
+def _outcome(results):
+    """Per conversation: its rows (ids, mask, turn, strategy, normalizations) or its refusal."""
+    return [(r.code, r.message) if isinstance(r, MaskRefused) else
+            [(x.input_ids, x.loss_mask, x.turn, x.strategy, x.normalizations) for x in r]
+            for r in results]
+
+
+class _Counter:
+    """Counts the renders the masks module makes, by kind."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = {"render": 0, "generation_spans": 0, "hf_mask": 0}
+        for name, kind in (("render", "render"), ("render_generation_spans", "generation_spans"),
+                           ("guarded_call", "hf_mask")):
+            original = getattr(masks, name)
+            monkeypatch.setattr(masks, name, self._wrap(original, kind))
+
+    def _wrap(self, fn, kind):
+        def counted(*args, **kwargs):
+            self.calls[kind] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+POLICIES = [MaskPolicy(turns=t, include_eot=e) for t in ("all", "last") for e in (True, False)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.turns}-eot{p.include_eot}")
+def test_tag_template_one_render_same_rows(tok, policy, monkeypatch):
+    probe = probe_template(tok, TAGGED)
+    assert probe.strategy == "generation" and probe.fast_paths[masks.FAST_GENERATION]
+    slow = tokenize_conversations([THREE_REPLIES], tok, probe, policy, chat_template=TAGGED,
+                                  fast=False)
+    counter = _Counter(monkeypatch)
+    fast = tokenize_conversations([THREE_REPLIES], tok, probe, policy, chat_template=TAGGED)
+    assert _outcome(fast) == _outcome(slow)
+    assert not isinstance(fast[0], MaskRefused), fast[0]
+    # one render, no second render + tokenization by transformers for its mask
+    assert counter.calls == {"render": 0, "generation_spans": 1, "hf_mask": 0}
+
+
+def test_tag_template_cross_check_still_uses_hf_mask(tok, monkeypatch):
+    probe = probe_template(tok, TAGGED)
+    counter = _Counter(monkeypatch)
+    out = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=TAGGED,
+                                 cross_check=1.0)
+    assert out[0][0].cross_checked
+    assert counter.calls["hf_mask"] == 1 and counter.calls["render"] > 0
+
+
+def test_generation_mask_with_last_turn_or_no_eot_is_not_refused(tok):
+    """Before: the HF tag mask (every turn, with the marker) was compared with the supervised
+    spans as they were, so turns="last" and include_eot=false refused every conversation."""
+    probe = probe_template(tok, TAGGED)
+    for policy in (MaskPolicy(turns="last"), MaskPolicy(include_eot=False)):
+        (rows,) = tokenize_conversations([THREE_REPLIES], tok, probe, policy,
+                                         chat_template=TAGGED, fast=False)
+        assert not isinstance(rows, MaskRefused), rows
+        supervised = [tok.decode([t for t, m in zip(r.input_ids, r.loss_mask, strict=True) if m])
+                      for r in rows]
+        want = "Any time." if policy.turns == "last" else "Hello, how can I help?Paris.Any time."
+        assert supervised[-1] == want + ("<|im_end|>" if policy.include_eot else "")
+
+
+def test_turn_end_from_next_prompt_n_plus_one_renders(tok, monkeypatch):
+    probe = probe_template(tok, CHATML)
+    assert probe.strategy == "render_diff" and probe.fast_paths[masks.FAST_TURN_END]
+    slow = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=CHATML, fast=False)
+    counter = _Counter(monkeypatch)
+    fast = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=CHATML)
+    assert _outcome(fast) == _outcome(slow) and not isinstance(fast[0], MaskRefused)
+    assert counter.calls["render"] == 4  # 3 prompts + the full conversation (was 6)
+
+
+def test_text_after_the_marker_is_part_of_the_turn_end(tok):
+    """A template that renders more after each turn's marker (a note with its own marker): the
+    shortcut's end is the marker plus exactly that text, as the full render diff has it."""
+    probe = probe_template(tok, TWICE)
+    assert probe.post_eot.startswith("\n<|im_start|>note") and probe.fast_paths[masks.FAST_TURN_END]
+    slow = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=TWICE, fast=False)
+    fast = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=TWICE)
+    assert _outcome(fast) == _outcome(slow) and not isinstance(fast[0], MaskRefused)
+
+
+def test_cross_check_quarantines_a_shortcut_that_disagrees(tok, monkeypatch):
+    """A shortcut that misreads a turn's end (simulated: it takes the next turn's marker) gives
+    other rows than rendering every turn; a cross-checked conversation is then quarantined."""
+    probe = probe_template(tok, CHATML)
+    slow = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=CHATML, fast=False)
+    real = masks._turn_end
+
+    def misread(text, start, probe):
+        end = real(text, start, probe)
+        return real(text, end, probe) if end is not None else None
+
+    monkeypatch.setattr(masks, "_turn_end", misread)
+    assert _outcome(tokenize_conversations([THREE_REPLIES], tok, probe,
+                                           chat_template=CHATML)) != _outcome(slow)
+    (checked,) = tokenize_conversations([THREE_REPLIES], tok, probe, chat_template=CHATML,
+                                        cross_check=1.0)
+    assert isinstance(checked, MaskRefused) and checked.code == "mask_verification_failed"
+    assert "cross-check" in checked.message
+
+
+def test_marker_inside_tool_arguments_renders_the_turn(tok):
+    """The first marker after the prompt is the turn's end only if the message's own text holds
+    none: here a tool call's arguments hold one, which the content check would not catch."""
+    probe = probe_template(tok, TOOLS)
+    call = [{"type": "function", "function": {"name": "echo",
+                                              "arguments": {"text": "a <|im_end|>\n b"}}}]
+    conv = _conv(("user", "Echo it"), ("assistant", ""), ("tool", "ok"), ("assistant", "Done."),
+                 **{"1": {"tool_calls": json.dumps(call)}})
+    slow = tokenize_conversations([conv], tok, probe, chat_template=TOOLS, fast=False)
+    fast = tokenize_conversations([conv], tok, probe, chat_template=TOOLS)
+    assert probe.tool_call_args == "object" and not isinstance(slow[0], MaskRefused), slow
+    assert _outcome(fast) == _outcome(slow)
+
+
+def test_cross_check_fraction_is_deterministic_by_id(tok):
+    probe = probe_template(tok, CHATML)
+    convs = [dict(THREE_REPLIES, id=f"conv-{k}") for k in range(200)]
+    runs = [[bool(r[0].cross_checked) for r in tokenize_conversations(
+        convs, tok, probe, chat_template=CHATML, cross_check=0.1)] for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert 5 <= sum(runs[0]) <= 40  # ~10% of 200
+    none = tokenize_conversations(convs, tok, probe, chat_template=CHATML)
+    assert not any(r[0].cross_checked for r in none)
