@@ -16,6 +16,7 @@ helper process included).
 Writes benchmarks/results/tokenize.{json,md}.
 
     python benchmarks/bench_tokenize.py [--conversations 20000] [--repeats 2] [--base REV]
+    python benchmarks/bench_tokenize.py --peer PEER   # against speculators: bench_tokenize_peer
 """
 
 from __future__ import annotations
@@ -197,9 +198,19 @@ def run_stage(run_dir: Path, model: Path, src: Path = REPO / "src") -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=2, help="stage runs per tokenizer")
+    parser.add_argument("--repeats", type=int, help="stage runs per tokenizer (default 2; 3 "
+                        "alternating pairs with --peer)")
     parser.add_argument("--base", help="also run the stage of this git revision, alternating")
+    parser.add_argument("--peer", type=Path, metavar="PEER",
+                        help="instead: against speculators 0.7.0.2 in PEER (../shared/peer), "
+                        "see bench_tokenize_peer.py")
     args = parser.parse_args()
+    if args.peer:
+        import bench_tokenize_peer
+
+        bench_tokenize_peer.main(args.peer.resolve(), args.conversations, args.repeats or 3)
+        return
+    args.repeats = args.repeats or 2
     base_src = None
     if args.base:
         base_src = WORK / "base" / "src"
