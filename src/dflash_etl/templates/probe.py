@@ -114,6 +114,12 @@ class TemplateProbe:
     strategy: str
     reason: str
     notes: list[str] = field(default_factory=list)
+    # the reasoning opener ("<think>\n") a generation prompt leaves open while the template's
+    # rendered turns lack it, and the kwargs under which it does (R1 distills, QwQ, MiniMax-M2)
+    prefill_reasoning: str | None = None
+    prefill_reasoning_kwargs: dict[str, Any] | None = None
+    # the token appended to every reply when the template has no end-of-turn marker, and why
+    eos_appended: dict[str, Any] | None = None
 
     @property
     def message_format(self) -> MessageFormat:
@@ -451,6 +457,14 @@ def probe_template(
     strategy, reason = _choose_strategy(
         has_tags, mask_usable, prefix_stable, stable_kwargs, prefix_detail, prefill, eot_source
     )
+    opener, opener_kwargs = _open_reasoning_prefill(r, u1, base_u, ua, thinking_kwargs)
+    if opener is not None and (placement == "never" or not opener_kwargs):
+        # the opener decides how reasoning turns are masked (not merely a thinking switch whose
+        # prompt the template's own reasoning render continues)
+        reason += _prefill_reasoning_reason(opener, opener_kwargs or {}, thinking_kwargs)
+    eos_appended = None
+    if eot_source != "template":
+        eos_appended = _eos_appended(eos_tok, eos_id, eos_src, tail)
     return TemplateProbe(
         template_sha256=hashlib.sha256(source.encode("utf-8")).hexdigest(),
         template_source=template_source,
@@ -489,7 +503,75 @@ def probe_template(
         strategy=strategy,
         reason=reason,
         notes=notes,
+        prefill_reasoning=opener,
+        prefill_reasoning_kwargs=opener_kwargs,
+        eos_appended=eos_appended,
     )
+
+
+_OPEN_REASONING_END_RE = re.compile(r"<(think|thinking|thought|reasoning)>\n?\Z")
+
+
+def _open_reasoning_prefill(
+    r: Any, u1: dict[str, Any], base_u: str | None, ua: str, thinking_kwargs: list[str]
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The reasoning opener a generation prompt ends with (by default, else with a thinking
+    kwarg on) that the template's rendered assistant turn lacks, and those kwargs."""
+    if base_u is None or not ua.startswith(base_u):
+        return None, None
+    turn = ua[len(base_u):]
+    for extra in [{}] + [{k: True} for k in thinking_kwargs]:
+        text, _ = r([u1], gen=True, **extra)
+        if not text or not text.startswith(base_u):
+            continue
+        m = _OPEN_REASONING_END_RE.search(text)
+        if m is None:
+            continue
+        at = m.start() - len(base_u)
+        if at >= 0 and turn.startswith(text[len(base_u) : m.start()]) and not turn.startswith(
+            m.group(0).strip(), at
+        ):
+            return m.group(0), extra
+    return None, None
+
+
+def _prefill_reasoning_reason(
+    opener: str, kwargs: dict[str, Any], thinking_kwargs: list[str]
+) -> str:
+    when = f" with {kwargs}" if kwargs else ""
+    without = (
+        "takes the generation prompt with " + ", ".join(f"{k}=False" for k in thinking_kwargs)
+        if thinking_kwargs
+        else "is refused (prefill_needs_reasoning)"
+    )
+    return (
+        f"; the generation prompt{when} opens {opener!r}, which rendered turns lack: a turn with "
+        "reasoning is a row of the prompt with that opener, then the supervised rest of the "
+        f"reasoning, the closing tag, the content and the end of turn; a turn without reasoning "
+        f"{without}"
+    )
+
+
+def _eos_appended(
+    token: str | None, token_id: int | None, source: str, tail: str
+) -> dict[str, Any]:
+    """What probe.json says about the eos appended to replies when the template has no
+    end-of-turn marker (a reviewer would otherwise read it as a token after the turn)."""
+    where = {
+        "tokenizer_eos": "the tokenizer's eos_token",
+        "generation_config_eos": "generation_config.json's eos_token_id",
+        "none": "no eos token: the tokenizer and generation_config.json have none",
+    }[source]
+    if token is None:
+        why = (f"the template renders no end-of-turn marker after the assistant content (it "
+               f"renders {tail!r}) and there is {where}; with include_eot every turn is refused "
+               "(no_eos_token)")
+    else:
+        why = (f"the template renders no end-of-turn marker after the assistant content (it "
+               f"renders {tail!r}), so the model stops by emitting {where}: it is appended to "
+               "each reply and supervised (include_eot), one row per turn so that no eos enters "
+               "a history the target would not see")
+    return {"token": token, "id": token_id, "source": source, "why": why}
 
 
 def _mid_tail(text: str | None) -> str:
