@@ -38,6 +38,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
 from dflash_etl.templates import (
     MaskPolicy,
     MaskRefused,
+    TemplateUnusable,
     probe_template,
     tokenize_conversation,
     verify_row,
@@ -254,6 +255,24 @@ def test_a_template_that_still_cannot_be_made_exact_is_refused_with_its_reason(t
         tokenize_conversation(conv, tok, probe, chat_template=src)
     assert e.value.code == "generation_prompt_mismatch"
     assert "generation prompt ends" in e.value.message
+
+
+# Llama Guard's shape (its template is not among the fixtures; this one is written here): the
+# conversation is quoted inside one user turn, then the task, then the assistant header always.
+GUARD_SHAPED = (
+    "<|start_header_id|>user<|end_header_id|>\n\nTask: Check if there is unsafe content in "
+    "the conversation.\n\n<BEGIN CONVERSATION>\n\n{% for m in messages %}"
+    "{{ ('User' if m['role'] == 'user' else 'Agent') + ': ' + m['content'] + '\\n\\n' }}"
+    "{% endfor %}<END CONVERSATION>\n\nProvide your safety assessment: 'safe' or 'unsafe'."
+    "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+
+
+def test_a_classifier_template_that_quotes_the_turns_is_refused_whole(tok):
+    with pytest.raises(TemplateUnusable) as e:
+        probe_template(tok, GUARD_SHAPED)
+    assert "quotes the conversation inside its prompt" in e.value.reason
+    assert "<END CONVERSATION>" in e.value.reason  # the text that gave it away
 
 
 def test_verification_checks_the_prefill(tok, reasoning_rows):

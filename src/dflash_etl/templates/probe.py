@@ -327,6 +327,14 @@ def probe_template(
 
     # 4. generation prompt and what it pre-fills compared with a rendered assistant turn
     gen_text = renders.get("user+generation_prompt")
+    if eot_source != "template" and _quotes_turns(ua, gen_text):
+        raise TemplateUnusable(
+            "the template quotes the conversation inside its prompt, as a classifier such as "
+            "Llama Guard or Granite Guardian does: the text after an assistant turn "
+            f"({tail[:80]!r}) is the text after the user turn of a generation prompt, so the "
+            "model's reply is a verdict about the conversation, not its assistant turn, and "
+            "there is no turn to supervise (use the chat model's own template)"
+        )
     generation_prompt = prefill = ""
     if gen_text is not None and base_u is not None and gen_text.startswith(base_u):
         generation_prompt = gen_text[len(base_u) :]
@@ -572,6 +580,19 @@ def _eos_appended(
                "each reply and supervised (include_eot), one row per turn so that no eos enters "
                "a history the target would not see")
     return {"token": token, "id": token_id, "source": source, "why": why}
+
+
+def _quotes_turns(ua: str, gen_text: str | None) -> bool:
+    """[user, assistant] renders the same text after the assistant's content as [user] with a
+    generation prompt does after the user's, and that is more than an end-of-turn marker: the
+    assistant content sits where a prompt's does (Llama Guard: "Agent: ...", then the task)."""
+    if not gen_text or _A1 not in ua or _U1 not in gen_text:
+        return False
+    after_answer = ua[ua.rfind(_A1) + len(_A1) :]
+    after_question = gen_text[gen_text.rfind(_U1) + len(_U1) :]
+    return after_answer == after_question and LEADING_MARKER_RE.match(after_answer) is None and (
+        len(after_answer.strip()) > 0
+    )
 
 
 def _mid_tail(text: str | None) -> str:
