@@ -580,6 +580,7 @@ def _check_turn(
 
 # A reasoning block the generation prompt opens and leaves open (R1 distills, QwQ: "<think>\n").
 _OPEN_REASONING_AT_END_RE = re.compile(r"<(?P<tag>think|thinking|thought|reasoning)>\n?\Z")
+_OPENER_MAX = 16  # characters: the longest opener it matches, "<reasoning>\n", fits
 
 
 def _turn_variants(probe: TemplateProbe, prep: _Prepared, i: int) -> list[dict[str, Any]]:
@@ -600,7 +601,7 @@ def _thinking_on_drops_reasoning(
         any(v is True for v in variant.values())
         and bool(prep.raw_reasoning.get(i))
         and not prep.reasoning_passed.get(i, False)
-        and _OPEN_REASONING_AT_END_RE.search(prompt) is None
+        and _OPEN_REASONING_AT_END_RE.search(prompt[-_OPENER_MAX:]) is None
     )
 
 
@@ -608,7 +609,8 @@ def _open_reasoning_prefill(prompt: str, upto: str) -> tuple[int, str] | None:
     """(where the opener starts in `prompt`, its tag) when the prompt ends by opening a reasoning
     block and the turn, rendered as the final one, matches the prompt up to that opener but
     lacks it (the template strips or never renders reasoning)."""
-    m = _OPEN_REASONING_AT_END_RE.search(prompt)
+    offset = max(0, len(prompt) - _OPENER_MAX)  # the opener is at the end: search only there
+    m = _OPEN_REASONING_AT_END_RE.search(prompt, offset)
     if m is None or not upto.startswith(prompt[: m.start()]):
         return None
     if upto.startswith(f"<{m.group('tag')}>", m.start()):
