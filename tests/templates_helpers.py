@@ -194,6 +194,26 @@ def representative_conversations() -> list[dict[str, Any]]:
     return rows
 
 
+def prefill_conversations() -> list[dict[str, Any]]:
+    """Real rows whose assistant turn has reasoning and an answer (no tool call, no think markup
+    in the text), their tool specs dropped (templates such as the R1 distills render none): three
+    single-turn conversations and two of two rounds (one row's turns, then the next row's user
+    and reply). The representative set's reasoning rows all carry tools."""
+    rows = []
+    for r in load_rows("agentic_reasoning_tool_use.jsonl"):
+        a = r["messages"][-1]
+        markup = any(t in (a[k] or "") for k in ("content", "reasoning")
+                     for t in ("<think>", "</think>"))
+        if len(r["messages"]) == 3 and not a["tool_calls"] and a["reasoning"] and not markup:
+            rows.append({**r, "tools": None})
+    chained = [
+        {"id": f"{a['id']}+{b['id']}", "tools": None,
+         "messages": [dict(m) for m in a["messages"] + b["messages"][1:]]}
+        for a, b in ((rows[0], rows[1]), (rows[2], rows[3]))
+    ]
+    return rows[:3] + chained
+
+
 # --- independent checks ------------------------------------------------------------------------
 
 _MARKER_END = re.compile(

@@ -4,12 +4,15 @@ Each row is either masked correctly (re-checked here independently of dflash_etl
 verification) or refused with a reason code. Every template is checked (~20 s on 2 cores);
 `DFLASH_CONFORMANCE=sample` checks every fourth (sorted by path) plus Qwen3.6, and
 `DFLASH_CONFORMANCE=report pytest tests/test_template_conformance.py` also writes
-benchmarks/results/template_conformance.md.
+benchmarks/results/template_conformance.md and .json (per template: correct, rows, refusals);
+with `DFLASH_CONFORMANCE_BASELINE=old.json` the per-family table shows those counts as "before".
+`DFLASH_CONFORMANCE_OUT=DIR` writes both into DIR instead.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import multiprocessing as mp
 import os
 import time
@@ -22,6 +25,7 @@ try:
     from tests.templates_helpers import (
         TEMPLATES_DIR,
         independent_problems,
+        prefill_conversations,
         qwen_tokenizer,
         representative_conversations,
         require_fixtures,
@@ -30,6 +34,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
     from templates_helpers import (
         TEMPLATES_DIR,
         independent_problems,
+        prefill_conversations,
         qwen_tokenizer,
         representative_conversations,
         require_fixtures,
@@ -43,7 +48,21 @@ from dflash_etl.templates import (
     tokenize_conversations,
 )
 
-REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "template_conformance.md"
+REPORT = (Path(os.environ.get("DFLASH_CONFORMANCE_OUT") or
+              Path(__file__).resolve().parents[1] / "benchmarks" / "results")
+          / "template_conformance.md")
+# Template families named in issue 19 (their generation prompt pre-fills markup the rendered
+# turns lack), matched on the lower-cased template path. EXAONE-Deep, Granite Guardian and
+# Llama Guard have no template among the fixtures.
+FAMILIES = {
+    "DeepSeek-R1 distills (incl. DeepCoder's R1-Distill-Qwen template)": (
+        "r1-distill", "deepseek-r1", "deepseekr1"),
+    "QwQ": ("qwq",),
+    "MiniMax-M2": ("minimax-m2",),
+    "EXAONE-Deep": ("exaone",),
+    "Granite Guardian": ("guardian",),
+    "Llama Guard": ("llama-guard", "llamaguard"),
+}
 QWEN36 = "qwen36/Qwen3.6-27B.official-reconstructed.jinja"
 
 
@@ -101,6 +120,8 @@ def _one_template(path: Path) -> tuple[str, dict]:
     slow = tokenize_conversations(convs, tok, probe, chat_template=src, fast=False)
     res["fast_differs"] = [c["id"] for c, f, s in zip(convs, together, slow, strict=True)
                            if _outcome(f) != _outcome(s)]
+    if _family_of(name, probe.generation_prefill) in FAMILIES:
+        res["prefill_set"] = _prefill_set(tok, probe, src)
     if res["used"] - {probe.strategy}:  # e.g. render_diff, but some conversations per turn
         res["strategy"] = f"{probe.strategy} (rows: {'/'.join(sorted(res['used']))})"
     res["seconds"] = time.perf_counter() - t0
@@ -194,9 +215,137 @@ def _write_report(convs, results) -> dict[str, int]:
         for name, v in results.items():
             for cid, probs in v["wrong"]:
                 lines.append(f"- {name} / {cid}: {_md('; '.join(probs))}")
+    lines += _family_lines(results)
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    REPORT.with_suffix(".json").write_text(
+        json.dumps(_counts(results), indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return summary
+
+
+def _prefill_set(tok, probe, src) -> dict:
+    """The named families on reasoning rows without tools (the representative set has none)."""
+    out = {"correct": 0, "refused": collections.Counter(), "wrong": [], "with_reasoning": 0}
+    for c in prefill_conversations():
+        try:
+            rows = tokenize_conversation(c, tok, probe, chat_template=src)
+        except MaskRefused as exc:
+            out["refused"][exc.code] += 1
+            continue
+        bad = [p for r in rows for p in independent_problems(c, r, tok, probe)]
+        if bad:
+            out["wrong"].append((c["id"], bad[:3]))
+        else:
+            out["correct"] += 1
+            out["with_reasoning"] += all(_supervises_reasoning(c, r, tok) for r in rows)
+    return out
+
+
+def _supervises_reasoning(conv, row, tok) -> bool:
+    """The row's supervised text holds its turn's reasoning (not dropped for a thinking-off
+    prompt)."""
+    turns = [m for m in conv["messages"] if m["role"] == "assistant"]
+    turns = turns if row.turn < 0 else [turns[row.turn]]
+    text = tok.decode([t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m])
+    return all((m["reasoning"] or "").strip()[:60] in text for m in turns)
+
+
+def _counts(results) -> dict[str, dict]:
+    """Per template: what the table shows, as data (the next report's baseline)."""
+    return {
+        name: {"correct": v["correct"], "rows": v["rows"], "wrong": len(v["wrong"]),
+               "refused": dict(v["refused"]), "unusable": v["unusable"],
+               "strategy": v["strategy"],
+               "prefill": v["probe"].generation_prefill if v["probe"] else None,
+               **({"prefill_set": {"correct": v["prefill_set"]["correct"],
+                                   "with_reasoning": v["prefill_set"]["with_reasoning"],
+                                   "wrong": len(v["prefill_set"]["wrong"]),
+                                   "refused": dict(v["prefill_set"]["refused"])}}
+                  if v.get("prefill_set") else {})}
+        for name, v in results.items()
+    }
+
+
+def _family_of(name: str, prefill: str | None) -> str:
+    low = name.lower()
+    for family, keys in FAMILIES.items():
+        if any(k in low for k in keys):
+            return family
+    return "other templates whose generation prompt pre-fills text" if prefill else "the rest"
+
+
+def _family_lines(results) -> list[str]:
+    """Per family: conversations correct / refused (by reason), and before, from a baseline."""
+    now = _counts(results)
+    base_path = os.environ.get("DFLASH_CONFORMANCE_BASELINE")
+    before = json.loads(Path(base_path).read_text(encoding="utf-8")) if base_path else None
+    fams: dict[str, list[str]] = {f: [] for f in FAMILIES}
+    for name, v in now.items():
+        fams.setdefault(_family_of(name, v["prefill"]), []).append(name)
+
+    def tally(counts: dict[str, dict], names: list[str], key: str | None = None
+              ) -> tuple[int, int, str]:
+        refused: collections.Counter = collections.Counter()
+        picked = [(counts[n].get(key) if key else counts[n]) for n in names if n in counts]
+        picked = [p for p in picked if p]
+        for p in picked:
+            refused.update(p["refused"])
+        correct = sum(p["correct"] for p in picked)
+        wrong = sum(p["wrong"] for p in picked)
+        return correct, wrong, ", ".join(f"{k} {c}" for k, c in refused.most_common())
+
+    lines = ["", "## Per template family (conversations)", ""]
+    if before is not None:
+        lines += [f"Before: the counts in `{Path(base_path).name}` (this generator run on "
+                  "an earlier commit).", ""]
+        lines += ["| family | templates | correct before → after | refused before | "
+                  "refused after | wrong after |", "|---|---|---:|---|---|---:|"]
+    else:
+        lines += ["| family | templates | correct | refused (by reason) | wrong |",
+                  "|---|---|---:|---|---:|"]
+    for family, names in fams.items():
+        if not names:
+            lines.append(f"| {family} | none among the fixtures | | | |"
+                         + (" |" if before is not None else ""))
+            continue
+        shown = ", ".join(sorted(names)) if len(names) <= 8 else f"{len(names)} templates"
+        correct, wrong, refused = tally(now, names)
+        if before is not None:
+            b_correct, _, b_refused = tally(before, names)
+            lines.append(f"| {family} | {_md(shown)} | {b_correct} → {correct} | {b_refused} | "
+                         f"{refused} | {wrong} |")
+        else:
+            lines.append(f"| {family} | {_md(shown)} | {correct} | {refused} | {wrong} |")
+    n_set = len(prefill_conversations())
+    lines += ["", f"The named families on {n_set} more real conversations whose replies have "
+              "reasoning (3 single-turn, 2 of two rounds; tool specs dropped, no tool calls): "
+              "the set above has reasoning only in rows with tools, which the R1 templates "
+              "do not render. Per template:", ""]
+    lines += ["*with reasoning*: correct conversations whose rows supervise each turn's "
+              "reasoning (the others drop it for a thinking-off prompt).", ""]
+    if before is not None:
+        lines += ["| template | correct before → after | with reasoning before → after | "
+                  "refused before | refused after | wrong after |",
+                  "|---|---:|---:|---|---|---:|"]
+    else:
+        lines += ["| template | correct | with reasoning | refused (by reason) | wrong |",
+                  "|---|---:|---:|---|---:|"]
+
+    def reasoned(counts: dict[str, dict], name: str) -> int:
+        return (counts.get(name, {}).get("prefill_set") or {}).get("with_reasoning", 0)
+
+    for family in FAMILIES:
+        for name in sorted(fams.get(family, [])):
+            correct, wrong, refused = tally(now, [name], "prefill_set")
+            if before is not None:
+                b_correct, _, b_refused = tally(before, [name], "prefill_set")
+                lines.append(f"| {_md(name)} | {b_correct} → {correct} | "
+                             f"{reasoned(before, name)} → {reasoned(now, name)} | {b_refused} | "
+                             f"{refused} | {wrong} |")
+            else:
+                lines.append(f"| {_md(name)} | {correct} | {reasoned(now, name)} | {refused} | "
+                             f"{wrong} |")
+    return lines
 
 
 def _md(s: str) -> str:
@@ -225,6 +374,18 @@ def test_conformance_templates(conformance):
     assert summary["ok"] >= share * summary["renderable"], (
         f"only {summary['ok']}/{summary['renderable']} templates mask a row correctly"
     )
+
+
+def test_prefill_families_mask_reasoning_rows(conformance):
+    """The families whose generation prompt opens "<think>\n" mask reasoning rows, none wrong."""
+    _tok, _convs, results = conformance
+    checked = {name: v["prefill_set"] for name, v in results.items() if v.get("prefill_set")}
+    wrong = {name: s["wrong"] for name, s in checked.items() if s["wrong"]}
+    assert not wrong, f"silently wrong rows: {wrong}"
+    n = len(prefill_conversations())
+    for name in ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "Qwen-QwQ-32B.jinja"):
+        if name in checked:  # the sample may leave a template out
+            assert checked[name]["correct"] == n, (name, checked[name]["refused"])
 
 
 def test_qwen36_masks_reasoning_and_tool_calls(conformance):

@@ -19,8 +19,8 @@ HIST_LABELS = {
 }
 PROBE_KEYS = ("strategy", "reason", "template_sha256", "template_source", "system_mode",
               "tool_role", "tool_call_args", "reasoning_placement", "prefix_stable",
-              "prefix_detail", "generation_prompt", "accepted_role_orders",
-              "rejected_role_orders", "fast_paths")
+              "prefix_detail", "generation_prompt", "prefill_reasoning", "eos_appended",
+              "accepted_role_orders", "rejected_role_orders", "fast_paths")
 POLICY_KEYS = ("strategy", "include_eot", "supervise_reasoning", "turns", "seq_length",
                "truncation", "min_supervised_tokens", "draft_vocab_size", "chat_template",
                "model", "cross_check")
@@ -96,11 +96,27 @@ def charts_section(stage: StageInfo) -> str:
     return f'<div class="charts">{"".join(figures)}</div>'
 
 
+def eos_appended_note(probe: dict[str, Any], settings: dict[str, Any] | None) -> str:
+    """Say which token is appended to every reply and why: without it a reviewer reads the
+    supervised eos as a token after the turn."""
+    eos = probe.get("eos_appended")
+    if not isinstance(eos, dict):
+        return ""
+    if settings and settings.get("include_eot") is False:
+        return ('<p class="eos-appended"><b>No end of turn:</b> the template renders none, and '
+                "include_eot = false: nothing is appended or supervised after the replies.</p>")
+    token = "no token" if eos.get("token") is None else f"<code>{escape(str(eos['token']))}</code>"
+    ident = "" if eos.get("id") is None else f" (id {esc(eos['id'])}, {esc(eos.get('source'))})"
+    return (f'<p class="eos-appended"><b>Appended end of turn:</b> {token}{ident}: '
+            f"{esc(eos.get('why'))}</p>")
+
+
 def tokenize_section(stage: StageInfo) -> str:
     html = ""
     if stage.probe:
         probe_rows = [(k, stage.probe.get(k)) for k in PROBE_KEYS if k in stage.probe]
         html += "<h3>Template probe and mask strategy</h3>" + table(["", "value"], probe_rows)
+        html += eos_appended_note(stage.probe, stage.settings)
     if stage.settings:
         policy = [(k, stage.settings.get(k)) for k in POLICY_KEYS if k in stage.settings]
         html += "<h3>Mask policy (settings)</h3>" + table(["", "value"], policy)

@@ -19,10 +19,19 @@ Decisions (documented so reviewers can check them):
   start by closing an empty think block is rejected.
 - A generation prompt that pre-fills a *closed empty* think block the rendered turn lacks
   (QwQ / DeepSeek-R1 distills with thinking off) is prompt: the row is that prompt + the reply as
-  rendered. Any other pre-fill mismatch is refused (`generation_prompt_mismatch`), never guessed.
+  rendered.
+- A generation prompt that leaves a reasoning block *open* (`<think>\n`: DeepSeek-R1 distills,
+  QwQ and DeepCoder with thinking on) while the template strips reasoning from its turns: the row
+  is that prompt, opener included, + what the model writes after it, the rest of the reasoning,
+  `\n</think>\n\n` (the layout `inline_reasoning` gives), then the turn as rendered (content,
+  end of turn); one row per turn, `TokenizedRow.prefill` names the opener and `verify_row` checks
+  the prompt ends with it and the reply closes it once. A turn without reasoning there is refused
+  (`prefill_needs_reasoning`); any other pre-fill mismatch is refused
+  (`generation_prompt_mismatch`), never guessed.
 - Without a template end-of-turn marker the eos token (tokenizer, else generation_config.json) is
-  appended and supervised when `include_eot`; such rows are always one row per turn, so no eos is
-  ever inserted into a history the target would not see.
+  appended and supervised when `include_eot` (probe.json `eos_appended` says which and why); such
+  rows are always one row per turn, so no eos is ever inserted into a history the target would
+  not see.
 - `turns="all"`: one row for the whole conversation when every turn's prompt+reply is a prefix of
   the full render (by default, else with the template's stable kwarg such as
   `preserve_thinking=True`); otherwise one row per assistant turn with its exact history.
@@ -93,6 +102,9 @@ LIMIT_CODES = frozenset({R_RENDER_TIMEOUT, R_OUTPUT_TOO_LARGE})  # final: never 
 # a turn that would train two think blocks (an empty prompt block then reasoning, or reasoning
 # left in the content by a splitter that missed a generation prompt's `<think>\n` prefill)
 R_DUPLICATED_THINK = "duplicated_think_markup"
+# the generation prompt opens a reasoning block (R1 distills: "<think>\n") the template's turns
+# lack, and the turn has no reasoning: what the model writes before closing the block is unknown
+R_PREFILL_NEEDS_REASONING = "prefill_needs_reasoning"
 THINK_TAGS = ("<think>", "</think>")
 
 FILTER_CODES = frozenset(
@@ -121,6 +133,7 @@ QUARANTINE_CODES = frozenset(
         R_RENDER_TIMEOUT,
         R_OUTPUT_TOO_LARGE,
         R_DUPLICATED_THINK,
+        R_PREFILL_NEEDS_REASONING,
     }
 )
 
@@ -176,6 +189,7 @@ class TokenizedRow:
     truncated: bool = False
     split_at: int | None = None  # per-turn rows: prompt and reply are encoded separately here
     cross_checked: bool = False  # also made without shortcuts, and equal (`cross_check`)
+    prefill: str = ""  # the reasoning opener the prompt ends with; the reply continues after it
 
 
 @dataclass
@@ -189,6 +203,7 @@ class _Turn:
     append_eos: bool
     kwargs: dict[str, Any]
     notes: list[str]
+    prefill: str = ""  # the pre-filled reasoning opener the prompt ends with, when supervised after
 
 
 @dataclass
@@ -200,6 +215,8 @@ class _Prepared:
     pieces: dict[int, list[str]]  # per message index: texts that must appear in its reply
     reasoning_passed: dict[int, bool]
     renders: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    # per message index: the reasoning the policy supervises, rendered by the template or not
+    raw_reasoning: dict[int, str] = field(default_factory=dict)
 
 
 def _render_prefix(
@@ -268,6 +285,7 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
     msgs: list[dict[str, Any]] = []
     pieces: dict[int, list[str]] = {}
     reasoning_passed: dict[int, bool] = {}
+    raw_reasoning: dict[int, str] = {}
     pending_system: str | None = None
     for pos, m in enumerate(raw):
         role = m["role"]
@@ -323,6 +341,8 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
         orig_content = content
         reasoning = (m.get("reasoning") or "").strip()
         passed = False
+        if reasoning and policy.supervise_reasoning:
+            raw_reasoning[idx] = reasoning
         if reasoning:
             if not policy.supervise_reasoning:
                 norms.append("reasoning_dropped:policy")
@@ -355,7 +375,8 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
     if pending_system is not None:
         raise MaskRefused(R_DROPS_SYSTEM, "system turn could not be merged: no user turn follows")
     assistant_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    return _Prepared(msgs, tools, norms, assistant_idx, pieces, reasoning_passed)
+    return _Prepared(msgs, tools, norms, assistant_idx, pieces, reasoning_passed,
+                     raw_reasoning=raw_reasoning)
 
 
 def _normalize_calls(
@@ -424,8 +445,7 @@ def _render_turn(
     prompt instead of rendered: N+1 renders for N replies, not 2N."""
     failures: list[tuple[str, str]] = []
 
-    passed_reasoning = prep.reasoning_passed.get(i, False)
-    for variant in _variants(probe, passed_reasoning):
+    for variant in _turn_variants(probe, prep, i):
         kw = {**probe.render_kwargs, **base, **variant}
         try:
             prompt = _render_prefix(tokenizer, prep, i, True, kw, template)
@@ -440,12 +460,12 @@ def _render_turn(
             continue
         ok = _check_turn(probe, prep, i, prompt, upto, policy, failures, variant)
         if ok is not None:
-            reply, append_eos, notes = ok
+            reply, append_eos, notes, prefill = ok
             if variant:
                 notes.append(
                     "generation_prompt_kwargs:" + ",".join(f"{k}={v}" for k, v in variant.items())
                 )
-            return _Turn(ordinal, i, prompt, reply, append_eos, variant, notes)
+            return _Turn(ordinal, i, prompt, reply, append_eos, variant, notes, prefill)
     code, message = failures[0] if failures else (R_RENDER_ERROR, "no variant rendered")
     detail = "; ".join(f"[{c}] {m}" for c, m in failures)
     raise MaskRefused(
@@ -513,11 +533,15 @@ def _check_turn(
     policy: MaskPolicy,
     failures: list[tuple[str, str]],
     variant: dict[str, Any],
-) -> tuple[str, bool, list[str]] | None:
-    """(reply, append_eos, notes) for one variant, or None after recording why it failed."""
+) -> tuple[str, bool, list[str], str] | None:
+    """(reply, append_eos, notes, prefill) for one variant, or None after recording why it failed.
+    `prefill` is the reasoning opener the prompt ends with when the reply is supervised after it."""
     tag = str(variant or "default")
     notes: list[str] = []
+    prefill = ""
     h = common_prefix_len(prompt, upto)
+    if _thinking_on_drops_reasoning(prep, i, prompt, variant):
+        return None  # a try made only for an opener that is not there: not the turn's verdict
     if h == len(prompt):  # the prompt is a prefix of the history-with-this-turn render
         body = upto[h:]
     else:
@@ -550,6 +574,12 @@ def _check_turn(
             # reasoning steps:"); the model continues with the reasoning as the template renders it
             body = upto[at:]
             notes.append("generation_prompt_prefill_is_prompt")
+        elif (opened := _open_reasoning_prefill(prompt, upto)) is not None:
+            after = _reply_after_prefill(prep, i, prompt, upto, opened, tag, failures)
+            if after is None:
+                return None
+            body, prefill = after
+            notes.append(f"reasoning_supervised_after_prefill:{prefill!r}")
         else:
             failures.append(
                 (
@@ -610,7 +640,82 @@ def _check_turn(
     if not reply:
         failures.append((R_REPLY_MISSING_CONTENT, f"{tag}: empty reply"))
         return None
-    return reply, append_eos, notes
+    return reply, append_eos, notes, prefill
+
+
+# A reasoning block the generation prompt opens and leaves open (R1 distills, QwQ: "<think>\n").
+_OPEN_REASONING_AT_END_RE = re.compile(r"<(?P<tag>think|thinking|thought|reasoning)>\n?\Z")
+_OPENER_MAX = 16  # characters: the longest opener it matches, "<reasoning>\n", fits
+
+
+def _turn_variants(probe: TemplateProbe, prep: _Prepared, i: int) -> list[dict[str, Any]]:
+    """`_variants`, thinking-on first for a turn whose reasoning the template never renders: a
+    generation prompt that opens a reasoning block lets the row supervise it after that opener."""
+    if prep.raw_reasoning.get(i) and not prep.reasoning_passed.get(i, False):
+        on = [{k: True} for k in probe.thinking_kwargs]
+        return on + [v for v in _variants(probe, False) if v not in on]
+    return _variants(probe, prep.reasoning_passed.get(i, False))
+
+
+def _thinking_on_drops_reasoning(
+    prep: _Prepared, i: int, prompt: str, variant: dict[str, Any]
+) -> bool:
+    """A thinking-on variant tried for unrendered reasoning whose prompt opens no reasoning
+    block: the row would pair a thinking-on prompt with a reply lacking the reasoning."""
+    return (
+        any(v is True for v in variant.values())
+        and bool(prep.raw_reasoning.get(i))
+        and not prep.reasoning_passed.get(i, False)
+        and _OPEN_REASONING_AT_END_RE.search(prompt[-_OPENER_MAX:]) is None
+    )
+
+
+def _open_reasoning_prefill(prompt: str, upto: str) -> tuple[int, str] | None:
+    """(where the opener starts in `prompt`, its tag) when the prompt ends by opening a reasoning
+    block and the turn, rendered as the final one, matches the prompt up to that opener but
+    lacks it (the template strips or never renders reasoning)."""
+    offset = max(0, len(prompt) - _OPENER_MAX)  # the opener is at the end: search only there
+    m = _OPEN_REASONING_AT_END_RE.search(prompt, offset)
+    if m is None or not upto.startswith(prompt[: m.start()]):
+        return None
+    if upto.startswith(f"<{m.group('tag')}>", m.start()):
+        return None
+    return m.start(), m.group("tag")
+
+
+def _reply_after_prefill(
+    prep: _Prepared,
+    i: int,
+    prompt: str,
+    upto: str,
+    opened: tuple[int, str],
+    tag: str,
+    failures: list[tuple[str, str]],
+) -> tuple[str, str] | None:
+    """(body, prefill): what the model writes after the pre-filled opener, in the layout
+    `inline_reasoning` gives (the rest of the reasoning, the closing tag, a blank line) and then
+    the turn as the template renders it (content, end of turn). None after recording why not."""
+    start, think = opened
+    prefill = prompt[start:]
+    rendered = upto[start:]
+    reasoning = prep.raw_reasoning.get(i, "")
+    if not reasoning:
+        dropped = "reasoning_dropped:policy" in prep.normalizations
+        failures.append((R_PREFILL_NEEDS_REASONING, (
+            f"{tag}: the generation prompt pre-fills {prefill!r}, which the template's turns "
+            "lack, and this turn has no reasoning"
+            + (" (supervise_reasoning = false drops it)" if dropped else "")
+            + ": what the model writes before closing the block is unknown (give the turn its "
+            "reasoning, e.g. regenerate it with the target, or use a template or kwarg that "
+            "does not open the block)")))
+        return None
+    if reasoning[:40] in rendered:  # rendered in some other form: joining it again would guess
+        failures.append((R_GENERATION_PROMPT_MISMATCH, (
+            f"{tag}: the generation prompt pre-fills {prefill!r} but the turn renders its "
+            f"reasoning without it: {rendered[:60]!r}")))
+        return None
+    lead = "" if prefill.endswith("\n") else "\n"
+    return f"{lead}{reasoning}\n</{think}>\n\n{rendered}", prefill
 
 
 def _reasoning_text(prep: _Prepared, i: int) -> str:
@@ -755,6 +860,7 @@ class _RowPlan:
     norms: list[str]
     strategy: str
     split_at: int | None = None  # per-turn rows: prompt and reply are encoded apart here
+    prefill: str = ""  # see TokenizedRow.prefill
 
     def pieces(self) -> tuple[str, ...]:
         return _pieces(self.text, self.split_at)
@@ -793,7 +899,7 @@ def _build_row(
         exp[-1] = exp[-1] + str(probe.eos_fallback_token)
     row = TokenizedRow(
         ids, mask, plan.turn, list(plan.norms), plan.strategy, text, list(spans), exp, append_eos,
-        False, plan.split_at,
+        False, plan.split_at, prefill=plan.prefill,
     )
     if policy.seq_length is not None and len(ids) > policy.seq_length:
         if policy.truncation == "drop":
@@ -886,6 +992,30 @@ def verify_row(
             fail(f"span {j}: the first token after the turn starts inside the reply")
         if row.loss_mask[a - 1] != 0 or (b < n and row.loss_mask[b] != 0):
             fail(f"span {j}: boundary tokens are supervised")
+    if row.prefill:
+        _verify_prefill(row, tokenizer, runs, fail)
+
+
+def _verify_prefill(
+    row: TokenizedRow, tokenizer: Any, runs: list[tuple[int, int]], fail: Callable[[str], None]
+) -> None:
+    """A reply supervised after a pre-filled reasoning opener: the prompt tokens end with the
+    opener (the model saw it), the reply does not open the block again, and it closes it."""
+    m = _OPEN_REASONING_AT_END_RE.search(row.prefill)
+    if m is None or m.start() != 0:
+        fail(f"pre-fill {row.prefill!r} is not a reasoning opener")
+        return
+    close = f"</{m.group('tag')}>"
+    window = len(row.prefill) + 4  # tokens enough to hold the opener's characters
+    for j, (a, b) in enumerate(runs):
+        if not _decode(tokenizer, row.input_ids[max(0, a - window):a]).endswith(row.prefill):
+            fail(f"span {j}: the prompt does not end with the pre-fill {row.prefill!r}")
+        got = _decode(tokenizer, row.input_ids[a:b])
+        if got.lstrip().startswith(row.prefill.strip()):
+            fail(f"span {j} opens the pre-filled block again: {got[:60]!r}")
+        cut = row.truncated and j == len(runs) - 1 and b == len(row.input_ids)
+        if not cut and got.count(close) != 1:
+            fail(f"span {j} does not close the pre-filled block exactly once with {close!r}")
 
 
 # --- public entry -----------------------------------------------------------------------------
@@ -1124,7 +1254,8 @@ def _plan(
             if len(targets) > 1:
                 norms = [*norms, "per_turn_rows:" + why[:120]]
             plans.append(_RowPlan(text, [(len(t.prompt), len(text))], [t.reply], t.append_eos,
-                                  t.ordinal, norms, label, split_at=len(t.prompt)))
+                                  t.ordinal, norms, label, split_at=len(t.prompt),
+                                  prefill=t.prefill))
         return plans
 
     # Bases worth a single-row attempt: the default when the probe found the template
@@ -1197,7 +1328,7 @@ def _generation_row(
         if any(probe.eot_text.strip() in text for text in _strings_in(prep.messages[i])):
             return None
         ok = _check_turn(probe, prep, i, prompt, full[:end], policy, [], {})
-        if ok is None or ok[1]:
+        if ok is None or ok[1] or ok[3]:  # an appended eos or a pre-fill: the full path
             return None
         turns.append(_Turn(ordinals[i], i, prompt, ok[0], False, {}, ok[2]))
     spans = _spans_in(full, turns)
@@ -1229,6 +1360,8 @@ def _single_row(
     """
     if any(t.append_eos for t in turns):
         return "turns need an appended eos (no end-of-turn marker): one row per turn instead"
+    if any(t.prefill for t in turns):
+        return "replies continue a pre-filled reasoning opener the full render lacks: per turn"
     kw = {**probe.render_kwargs, **base}
     tries = [kw]
     if turns[-1].index == len(prep.messages) - 1 and turns[-1].kwargs:

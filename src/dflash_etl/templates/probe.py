@@ -114,6 +114,12 @@ class TemplateProbe:
     strategy: str
     reason: str
     notes: list[str] = field(default_factory=list)
+    # the reasoning opener ("<think>\n") a generation prompt leaves open while the template's
+    # rendered turns lack it, and the kwargs under which it does (R1 distills, QwQ, MiniMax-M2)
+    prefill_reasoning: str | None = None
+    prefill_reasoning_kwargs: dict[str, Any] | None = None
+    # the token appended to every reply when the template has no end-of-turn marker, and why
+    eos_appended: dict[str, Any] | None = None
     # the shortcuts tokenize may take on this template, each checked on the probe's sample
     # conversations against the full render diff (masks.fast_paths_for): name -> bool
     fast_paths: dict[str, Any] = field(default_factory=dict)
@@ -324,6 +330,14 @@ def probe_template(
 
     # 4. generation prompt and what it pre-fills compared with a rendered assistant turn
     gen_text = renders.get("user+generation_prompt")
+    if eot_source != "template" and _quotes_turns(ua, gen_text):
+        raise TemplateUnusable(
+            "the template quotes the conversation inside its prompt, as a classifier such as "
+            "Llama Guard or Granite Guardian does: the text after an assistant turn "
+            f"({tail[:80]!r}) is the text after the user turn of a generation prompt, so the "
+            "model's reply is a verdict about the conversation, not its assistant turn, and "
+            "there is no turn to supervise (use the chat model's own template)"
+        )
     generation_prompt = prefill = ""
     if gen_text is not None and base_u is not None and gen_text.startswith(base_u):
         generation_prompt = gen_text[len(base_u) :]
@@ -454,6 +468,14 @@ def probe_template(
     strategy, reason = _choose_strategy(
         has_tags, mask_usable, prefix_stable, stable_kwargs, prefix_detail, prefill, eot_source
     )
+    opener, opener_kwargs = _open_reasoning_prefill(r, u1, base_u, ua, thinking_kwargs)
+    if opener is not None and (placement == "never" or not opener_kwargs):
+        # the opener decides how reasoning turns are masked (not merely a thinking switch whose
+        # prompt the template's own reasoning render continues)
+        reason += _prefill_reasoning_reason(opener, opener_kwargs or {}, thinking_kwargs)
+    eos_appended = None
+    if eot_source != "template":
+        eos_appended = _eos_appended(eos_tok, eos_id, eos_src, tail)
     probe = TemplateProbe(
         template_sha256=hashlib.sha256(source.encode("utf-8")).hexdigest(),
         template_source=template_source,
@@ -492,11 +514,92 @@ def probe_template(
         strategy=strategy,
         reason=reason,
         notes=notes,
+        prefill_reasoning=opener,
+        prefill_reasoning_kwargs=opener_kwargs,
+        eos_appended=eos_appended,
     )
     from dflash_etl.templates.masks import fast_paths_for  # masks imports this module
 
     probe.fast_paths = fast_paths_for(tokenizer, probe, chat_template)
     return probe
+
+
+_OPEN_REASONING_END_RE = re.compile(r"<(think|thinking|thought|reasoning)>\n?\Z")
+
+
+def _open_reasoning_prefill(
+    r: Any, u1: dict[str, Any], base_u: str | None, ua: str, thinking_kwargs: list[str]
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The reasoning opener a generation prompt ends with (by default, else with a thinking
+    kwarg on) that the template's rendered assistant turn lacks, and those kwargs."""
+    if base_u is None or not ua.startswith(base_u):
+        return None, None
+    turn = ua[len(base_u):]
+    for extra in [{}] + [{k: True} for k in thinking_kwargs]:
+        text, _ = r([u1], gen=True, **extra)
+        if not text or not text.startswith(base_u):
+            continue
+        m = _OPEN_REASONING_END_RE.search(text)
+        if m is None:
+            continue
+        at = m.start() - len(base_u)
+        if at >= 0 and turn.startswith(text[len(base_u) : m.start()]) and not turn.startswith(
+            m.group(0).strip(), at
+        ):
+            return m.group(0), extra
+    return None, None
+
+
+def _prefill_reasoning_reason(
+    opener: str, kwargs: dict[str, Any], thinking_kwargs: list[str]
+) -> str:
+    when = f" with {kwargs}" if kwargs else ""
+    without = (
+        "takes the generation prompt with " + ", ".join(f"{k}=False" for k in thinking_kwargs)
+        if thinking_kwargs
+        else "is refused (prefill_needs_reasoning)"
+    )
+    return (
+        f"; the generation prompt{when} opens {opener!r}, which rendered turns lack: a turn with "
+        "reasoning is a row of the prompt with that opener, then the supervised rest of the "
+        f"reasoning, the closing tag, the content and the end of turn; a turn without reasoning "
+        f"{without}"
+    )
+
+
+def _eos_appended(
+    token: str | None, token_id: int | None, source: str, tail: str
+) -> dict[str, Any]:
+    """What probe.json says about the eos appended to replies when the template has no
+    end-of-turn marker (a reviewer would otherwise read it as a token after the turn)."""
+    where = {
+        "tokenizer_eos": "the tokenizer's eos_token",
+        "generation_config_eos": "generation_config.json's eos_token_id",
+        "none": "no eos token: the tokenizer and generation_config.json have none",
+    }[source]
+    if token is None:
+        why = (f"the template renders no end-of-turn marker after the assistant content (it "
+               f"renders {tail!r}) and there is {where}; with include_eot every turn is refused "
+               "(no_eos_token)")
+    else:
+        why = (f"the template renders no end-of-turn marker after the assistant content (it "
+               f"renders {tail!r}), so the model stops by emitting {where}: it is appended to "
+               "each reply and supervised (include_eot), one row per turn so that no eos enters "
+               "a history the target would not see")
+    return {"token": token, "id": token_id, "source": source, "why": why}
+
+
+def _quotes_turns(ua: str, gen_text: str | None) -> bool:
+    """[user, assistant] renders the same text after the assistant's content as [user] with a
+    generation prompt does after the user's, and that is more than an end-of-turn marker: the
+    assistant content sits where a prompt's does (Llama Guard: "Agent: ...", then the task)."""
+    if not gen_text or _A1 not in ua or _U1 not in gen_text:
+        return False
+    after_answer = ua[ua.rfind(_A1) + len(_A1) :]
+    after_question = gen_text[gen_text.rfind(_U1) + len(_U1) :]
+    return after_answer == after_question and LEADING_MARKER_RE.match(after_answer) is None and (
+        len(after_answer.strip()) > 0
+    )
 
 
 def _mid_tail(text: str | None) -> str:
