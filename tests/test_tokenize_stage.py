@@ -331,3 +331,28 @@ def test_forked_workers_and_a_resumed_run_write_the_rows_of_one_process(tmp_path
     doc = tokenize.run(config, tmp_path / "resumed", workers=1, **kw)
     assert redone == [] and doc["total"]["rows_in"] == 600
     assert dataset("resumed") == dataset("one")
+
+
+def test_a_chunks_result_holds_no_per_token_counts(run_dir):
+    """What a worker sends the parent per chunk stays small whatever the vocabulary: the token
+    frequencies are counted from the row files (per-chunk counts kept by the parent grew it by
+    ~1.5 kB per conversation, 1.5 GB at 1M conversations)."""
+    import pyarrow as pa
+
+    settings = tokenize.TokenizeSettings(model=str(QWEN))
+    worker = tokenize.TokenizeStage.setup(settings, tokenize.probe(settings))
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
+             for _ in range(300)]
+    batch = pa.Table.from_pylist([{
+        "id": f"c{k}", "source": "s", "file": "f", "line": k, "tools": None,
+        "messages": [{"role": "user", "content": words[k]},
+                     {"role": "assistant", "content": " ".join(words[k:k + 40])}]}
+        for k in range(100)])
+    out = tokenize.TokenizeStage.process_batch(worker, batch, None)
+    assert out.rows.num_rows == 100
+    distinct = len(set(pa.compute.list_flatten(out.rows.column("input_ids")).to_pylist()))
+    assert distinct > 300
+    assert len(json.dumps(out.extra)) < 100

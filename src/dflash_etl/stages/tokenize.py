@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
@@ -333,11 +334,12 @@ class TokenizeStage(BatchStage):
 
         settings: TokenizeSettings = worker["settings"]
         with render_limits(settings.render_limits):  # in the worker: a hung render ends here
-            rows, quarantine, per_source, freq = tokenize_rows(
+            rows, quarantine, per_source, _ = tokenize_rows(
                 batch.to_pylist(), worker["tokenizer"], worker["probe"], settings,
                 worker["template"])
-        return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE), per_source,
-                           {"freq": {str(k): v for k, v in freq.items()}})
+        # the token frequencies are counted from the row files when they are joined (a
+        # chunk's counts, kept per result, grew the parent by ~1.5 kB per conversation)
+        return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE), per_source)
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         settings: TokenizeSettings = ctx.settings
@@ -408,11 +410,9 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
             units_dir: Path, vocab_size: int, probe_doc: dict[str, Any], fingerprint: str
             ) -> dict[str, Any]:
     per_source: dict[str, Stats] = {}
-    freq: Counter[int] = Counter()
     for result in results:
         for name, data in result["sources"].items():
             per_source.setdefault(name, Stats()).merge(Stats.from_dict(data))
-        freq.update({int(k): v for k, v in result["freq"].items()})
     total = Stats()
     for stats in per_source.values():
         total.merge(stats)
@@ -429,7 +429,10 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
             f"({probe_doc['reason']}). See {partial / 'quarantine.parquet'}; "
             "'needs_response' means the conversations have no reply yet (run regenerate)."
         )
-    _save_dataset(row_files, partial / "dataset", fingerprint)
+    counts = _save_dataset(row_files, partial / "dataset", fingerprint)
+    tokens = np.flatnonzero(counts)
+    freq: Counter[int] = Counter(dict(zip(tokens.tolist(), counts[tokens].tolist(),
+                                          strict=True)))
     model_vocab, model_vocab_from = model_vocab_size(settings.model, vocab_size)
     draft = _save_vocab(freq, settings.draft_vocab_size, vocab_size, model_vocab,
                         model_vocab_from, partial)
@@ -457,17 +460,18 @@ SHARD_BYTES = 500 * 2**20  # datasets' own default max_shard_size for save_to_di
 
 
 def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
-                  shard_bytes: int = SHARD_BYTES) -> None:
+                  shard_bytes: int = SHARD_BYTES) -> np.ndarray:
     """A `datasets` save_to_disk directory (Arrow stream shards, dataset_info.json, state.json),
     written with pyarrow from the chunk files as they are read: one copy of the rows, and no
     `datasets` import (Dataset.from_parquet + save_to_disk wrote them twice, ~1 s of the stage's
-    serial end on 20k rows)."""
+    serial end on 20k rows). Returns how often each token id is supervised, counted on the way."""
     shutil.rmtree(out, ignore_errors=True)  # a failed attempt's shards
     out.mkdir(parents=True)
     schema = ROWS.with_metadata({"huggingface": json.dumps({"info": {"features": FEATURES}})})
     shards: list[Path] = []
     writer: pa.RecordBatchStreamWriter | None = None
     rows = size = in_shard = 0
+    counts = np.zeros(0, np.int64)
     for path in row_files:
         table = pq.read_table(path, schema=ROWS).replace_schema_metadata(schema.metadata)
         if writer is None or (in_shard and in_shard + table.nbytes > shard_bytes):
@@ -477,6 +481,9 @@ def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
             writer = pa.ipc.new_stream(str(shards[-1]), schema)
             in_shard = 0
         writer.write_table(table, max_chunksize=1000)  # datasets' writer batch size
+        ids = pc.list_flatten(table.column("input_ids")).to_numpy()
+        supervised = pc.list_flatten(table.column("loss_mask")).to_numpy().astype(bool)
+        counts = _add_counts(counts, np.bincount(ids[supervised]))
         rows += table.num_rows
         size += table.nbytes
         in_shard += table.nbytes
@@ -499,6 +506,14 @@ def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
         "_format_columns": ["input_ids", "loss_mask", "seq_len"], "_format_kwargs": {},
         "_format_type": "torch", "_output_all_columns": True, "_split": "train",
     })
+    return counts
+
+
+def _add_counts(total: np.ndarray, more: np.ndarray) -> np.ndarray:
+    if len(more) > len(total):
+        total, more = more.astype(np.int64), total
+    total[: len(more)] += more
+    return total
 
 
 def _save_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
