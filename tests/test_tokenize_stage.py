@@ -356,3 +356,29 @@ def test_a_chunks_result_holds_no_per_token_counts(run_dir):
     distinct = len(set(pa.compute.list_flatten(out.rows.column("input_ids")).to_pylist()))
     assert distinct > 300
     assert len(json.dumps(out.extra)) < 100
+
+
+def test_contract_checks_a_shard_slice_by_slice_and_names_rows_in_the_shard(run_dir, tmp_path,
+                                                                         monkeypatch):
+    """A 500 MB Arrow shard is validated in slices (bounded memory); a bad row in a later
+    slice is reported by its row number in the shard."""
+    import pyarrow as pa
+
+    from dflash_etl.validation import contracts
+
+    (shard,) = sorted((run_dir / "tokenize" / "dataset").glob("*.arrow"))
+    table = contracts.read_arrow(shard)
+    rows = [{**row, "id": f"r{k}"} for k, row in enumerate(table.to_pylist() * 40)]
+    bad = 97
+    rows[bad] = {**rows[bad], "loss_mask": [0] * len(rows[bad]["loss_mask"])}  # none supervised
+    big = pa.Table.from_pylist(rows, schema=table.schema)
+    path = tmp_path / "data-00000-of-00001.arrow"
+    with pa.ipc.new_stream(str(path), big.schema) as writer:
+        writer.write_table(big, max_chunksize=10)
+    monkeypatch.setattr(contracts, "SLICE_BYTES", 4096)
+    assert len(list(contracts._slices(path))) > 5
+    params = {"vocab_size": len(load_tokenizer(str(DEFAULT_TOKENIZER))), "seq_length": 512,
+              "min_supervised_tokens": 2}
+    report = contracts.validate_files(contracts.load_contract("tokenized", params), [path])
+    assert report["rows"] == len(rows) and not report["passed"]
+    assert {r for f in report["failures"] for r in f["rows"]} == {bad}, report["failures"]

@@ -227,6 +227,33 @@ def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
     return frame.select(columns) if columns else frame
 
 
+SLICE_BYTES = 64 * 2**20
+
+
+def _slices(path: Path, max_bytes: int | None = None) -> Any:
+    """A shard as polars frames of about `max_bytes` each: an Arrow stream shard (500 MB, as
+    datasets writes them) is read batch by batch from its memory map, so the checks' working
+    memory is a slice's, not the shard's. Parquet shards (bounded by [run] shard_rows) whole."""
+    if str(path).endswith(".parquet"):
+        yield read_table(path)
+        return
+    import pyarrow as pa_arrow
+
+    max_bytes = max_bytes or SLICE_BYTES
+    with pa_arrow.memory_map(str(path)) as source:
+        reader = pa_arrow.ipc.open_stream(source)
+        batches: list[Any] = []
+        size, made = 0, False
+        for batch in reader:
+            batches.append(batch)
+            size += batch.nbytes
+            if size >= max_bytes:
+                yield pl.from_arrow(pa_arrow.Table.from_batches(batches))
+                batches, size, made = [], 0, True
+        if batches or not made:
+            yield pl.from_arrow(pa_arrow.Table.from_batches(batches, schema=reader.schema))
+
+
 def validate_files(contract: Contract, files: list[Path]) -> dict[str, Any]:
     """Run a contract shard by shard (bounded memory) plus the cross-shard checks."""
     from pandera.config import ValidationDepth, config_context
@@ -236,12 +263,15 @@ def validate_files(contract: Contract, files: list[Path]) -> dict[str, Any]:
     rows = 0
     with config_context(validation_depth=ValidationDepth.SCHEMA_AND_DATA):
         for path in files:
-            frame = read_table(path)
-            rows += frame.height
-            try:
-                contract.schema.validate(frame, lazy=True)
-            except (SchemaErrors, SchemaError) as exc:
-                failures.extend(_failures(exc, path.name))
+            for frame in _slices(path):
+                try:
+                    contract.schema.validate(frame, lazy=True)
+                except (SchemaErrors, SchemaError) as exc:
+                    found = _failures(exc, path.name)
+                    for failure in found:  # row numbers within the shard, not the slice
+                        failure["rows"] = [rows + r for r in failure.get("rows") or []]
+                    failures.extend(found)
+                rows += frame.height
     for key in contract.unique:
         if not files:
             break
