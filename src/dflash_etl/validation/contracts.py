@@ -227,20 +227,21 @@ def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
     return frame.select(columns) if columns else frame
 
 
-SLICE_BYTES = 64 * 2**20
+SLICE_BYTES = 16 * 2**20
 
 
 def _slices(path: Path, max_bytes: int | None = None) -> Any:
     """A shard as polars frames of about `max_bytes` each: an Arrow stream shard (500 MB, as
-    datasets writes them) is read batch by batch from its memory map, so the checks' working
-    memory is a slice's, not the shard's. Parquet shards (bounded by [run] shard_rows) whole."""
+    datasets writes them) is read batch by batch (read, not memory-mapped: mapped pages stay in
+    the process until the map closes), so the checks' working memory (~5x the slice) is a
+    slice's, not the shard's. Parquet shards (bounded by [run] shard_rows) are read whole."""
     if str(path).endswith(".parquet"):
         yield read_table(path)
         return
     import pyarrow as pa_arrow
 
     max_bytes = max_bytes or SLICE_BYTES
-    with pa_arrow.memory_map(str(path)) as source:
+    with pa_arrow.OSFile(str(path)) as source:
         reader = pa_arrow.ipc.open_stream(source)
         batches: list[Any] = []
         size, made = 0, False
