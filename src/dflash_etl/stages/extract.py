@@ -385,46 +385,55 @@ class ExtractStage(Stage):
         barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        settings: ExtractSettings = ctx.settings
         rows = ctx.state["rows"]
-        run, partial = ctx.run, ctx.partial
-        # loaded only when there is work: a big target takes minutes
-        target = Target(replace(settings, device=device_for_rank(settings.device)))
-        tokens = sum(len(r["input_ids"]) for r in rows)
-        stored = stored_layers(target.layers, target.n_layers, settings.format)
-        if ctx.rank == 0:
-            need = _check_disk(partial, tokens, len(stored), target.hidden, settings.dtype)
-            run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
-                             stored_layers=stored, n_layers=target.n_layers,
-                             estimated_bytes=need, ranks=ctx.world)
         lengths = [len(r["input_ids"]) for r in rows]
-        shards = shard_plan(lengths, settings.shard_rows)
-        costs = [shard_cost([lengths[i] for i in m], settings.batch_tokens) for m in shards]
-        mine = assign_shards(costs, ctx.world)[ctx.rank]
-        done_dir = partial / "shards"
-        done_dir.mkdir(exist_ok=True)
-        error = None
+        shards = shard_plan(lengths, ctx.settings.shard_rows)
+        target, error = None, None
         try:
-            with progress_bar("extract", total=len(mine),
-                              enabled=ctx.progress if ctx.rank == 0 else False) as bar:
-                for n in mine:
-                    marker = done_dir / f"shard-{n:05d}.json"
-                    if not marker.exists():  # else done before: resume
-                        got, quarantined, padded_tokens, health = _write_shard(
-                            target, settings, [rows[i] for i in shards[n]], marker.stem,
-                            partial)
-                        write_json_atomic(marker, {"index": got, "quarantine": quarantined,
-                                                   "padded": padded_tokens, "health": health})
-                    bar.advance(1)
+            target = _extract_share(ctx, rows, shards)
         except Exception as exc:  # every rank hears of it, and rank 0 records it
             error = exc
         agree(error, ctx.world, STAGE)
         if ctx.rank != 0:
             return {}  # rank 0 merges, checks and publishes
-        return _merge(ctx, rows, shards, target, stored, tokens)
+        assert target is not None
+        stored = stored_layers(target.layers, target.n_layers, ctx.settings.format)
+        return _merge(ctx, rows, shards, target, stored, sum(lengths))
 
     def cleanup(self, ctx: StageContext) -> None:
         shutil.rmtree(ctx.partial / "shards", ignore_errors=True)
+
+
+def _extract_share(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]]
+                   ) -> Target:
+    """This rank's shards (all of them in one process), each written with its done marker;
+    those marked before are skipped (resume). Returns the loaded target."""
+    settings: ExtractSettings = ctx.settings
+    partial = ctx.partial
+    # loaded only when there is work: a big target takes minutes
+    target = Target(replace(settings, device=device_for_rank(settings.device)))
+    lengths = [len(r["input_ids"]) for r in rows]
+    stored = stored_layers(target.layers, target.n_layers, settings.format)
+    if ctx.rank == 0:
+        need = _check_disk(partial, sum(lengths), len(stored), target.hidden, settings.dtype)
+        ctx.run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
+                             stored_layers=stored, n_layers=target.n_layers,
+                             estimated_bytes=need, ranks=ctx.world)
+    costs = [shard_cost([lengths[i] for i in m], settings.batch_tokens) for m in shards]
+    mine = assign_shards(costs, ctx.world)[ctx.rank]
+    done_dir = partial / "shards"
+    done_dir.mkdir(exist_ok=True)
+    with progress_bar("extract", total=len(mine),
+                      enabled=ctx.progress if ctx.rank == 0 else False) as bar:
+        for n in mine:
+            marker = done_dir / f"shard-{n:05d}.json"
+            if not marker.exists():  # else done before: resume
+                got, quarantined, padded_tokens, health = _write_shard(
+                    target, settings, [rows[i] for i in shards[n]], marker.stem, partial)
+                write_json_atomic(marker, {"index": got, "quarantine": quarantined,
+                                           "padded": padded_tokens, "health": health})
+            bar.advance(1)
+    return target
 
 
 def _merge(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]],
