@@ -311,7 +311,9 @@ def test_online_and_speculators_format_states_train_like_native_ones(extracted, 
     train.run(None, offline, progress=False, target=str(target), **settings)
     online = _copy(extracted, tmp_path / "online")
     shutil.rmtree(online / "extract")
-    doc = train.run(None, online, progress=False, target=str(target), online=True, **settings)
+    # online takes [extract]'s layers (no config: extract's default, K = 5); name extract's here
+    doc = train.run(None, online, progress=False, target=str(target), online=True, layers="2",
+                    **settings)
     assert doc["total"]["target_layers"] == [2] and doc["total"]["online"] is True
     speculators = _copy(extracted, tmp_path / "speculators")  # per-row files + the last layer
     extract.run(None, speculators, force=True, progress=False, model=str(target),
@@ -384,23 +386,30 @@ def test_errors_name_the_cause(extracted, target, tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
-def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path):
+@pytest.mark.parametrize("mode", ["offline", pytest.param("online", marks=pytest.mark.slow)])
+def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path, mode):
     """`torchrun --nproc-per-node 2 -m -- dflash_etl.stages.train`: DDP over gloo on CPU; each rank
     takes half of every batch, rank 0 writes, and the drafter equals one process's on the whole
-    batches (the loss is normalised by the whole batch's weight total on every rank)."""
+    batches (the loss is normalised by the whole batch's weight total on every rank). Online,
+    each rank holds a target replica and computes its half's states per batch: the drafter
+    still equals one process's trained offline on the extracted states of the same batches."""
     run_dir = _copy(extracted, tmp_path)
+    online = ["--online", "--layers", "2"] if mode == "online" else []
+    if online:
+        shutil.rmtree(run_dir / "extract")  # nothing but the target gives the states
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(29500 + os.getpid() % 1000), "-m", "--", "dflash_etl.stages.train",
          "--run", str(run_dir), "--target", str(target), "--draft-layers", "1",
          "--block-size", "8", "--steps", "4", "--batch-rows", "4", "--anchors-per-row", "8",
-         "--eval-prompts", "2", "--eval-new-tokens", "4"],
+         "--eval-prompts", "2", "--eval-new-tokens", "4", *online],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("train done") == 1  # rank 0 wrote and reports
     stats = json.loads((run_dir / "train" / "stats.json").read_text())["total"]
     assert stats["steps"] == 4
+    assert (stats["online"], stats["target_layers"]) == (mode == "online", [2])
     # the same steps in one process on the whole batches: the same drafter
     from safetensors.torch import load_file
 
@@ -410,8 +419,38 @@ def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path):
     a = load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
     b = load_file(str(single / "train" / "drafter" / "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
-    log = (run_dir / "train" / "log.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4]
+    log = [json.loads(x) for x in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2, 3, 4]
+    alone = [json.loads(x) for x in (single / "train" / "log.jsonl").read_text().splitlines()]
+    assert np.allclose([x["loss"] for x in log], [x["loss"] for x in alone], atol=1e-4)
+
+
+def test_online_and_offline_take_their_target_layers_by_one_rule(extracted, target, tmp_path):
+    """Before: offline trained on the layers extract chose ([extract] draft_layers = 1: [2]),
+    online on layers its own draft_layers chose (2: [1]), so one config gave two drafters
+    reading different target layers. Now online resolves [extract] as extract does, offline
+    refuses train layers the extract output does not hold, and the stats say where they came
+    from."""
+    config_path = tmp_path / "pipeline.toml"
+    (tmp_path / "chat.jsonl").write_text("")
+    config_path.write_text('[[sources]]\nname = "chat"\npath = "chat.jsonl"\n\n'
+                           "[extract]\ndraft_layers = 1\n")
+    config = load_config(config_path)
+    settings = {**SMALL, "draft_layers": 2, "steps": 1, "eval_prompts": 2, "eval_new_tokens": 4}
+    offline = _copy(extracted, tmp_path / "offline")
+    with pytest.raises(StageError, match=r"train --layers 1 \(\[1\]\) but the extract output "
+                                         r"holds layers \[2\]"):
+        train.run(config, offline, progress=False, target=str(target), layers="1", **settings)
+    doc = train.run(config, offline, progress=False, target=str(target), **settings)
+    assert doc["total"]["target_layers"] == [2]
+    assert doc["total"]["target_layers_from"] == "the extract output (extract/stats.json)"
+    online = _copy(extracted, tmp_path / "online")
+    shutil.rmtree(online / "extract")
+    doc = train.run(config, online, progress=False, target=str(target), online=True, **settings)
+    assert doc["total"]["target_layers"] == [2]
+    assert "[extract] layers = 'auto', draft_layers = 1" in doc["total"]["target_layers_from"]
+    manifest = json.loads((online / "manifest.json").read_text())["stages"]["train"]
+    assert manifest["layers"] == [2] and manifest["layers_from"].startswith("[extract]")
 
 
 def test_drafter_layers_compute_what_speculators_dflash_layers_compute():

@@ -57,6 +57,12 @@ def _run_one(spec: StageSpec, args: argparse.Namespace) -> int:
         options.update(workers=args.workers, **_executor(args))
     if spec.settings_class is not None:
         options.update(_overrides(args, spec.settings_class))
+    if spec.name == "extract":  # --launcher torchrun: the command again, under torchrun
+        from dflash_etl.stages.extract import relaunch
+
+        code = relaunch(config, options, getattr(args, "argv", None))
+        if code is not None:
+            return code
     doc = spec.module().run(config, args.run, **options)
     return SUMMARIES.get(spec.name, _summary)(spec.name, Path(args.run), doc)
 
@@ -109,6 +115,8 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
 
 
 def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
+    if not doc:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     out = run / "extract"
     total = doc["total"]
     _say(f"extract {_state(doc)}: rows {_counts_line(total)}")
@@ -352,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     _start_suite_helper(command, argv)
-    return execute(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if command in {s.name for s in STAGES}:  # its own arguments: what --launcher torchrun reruns
+        args.argv = argv[:argv.index(command)] + argv[argv.index(command) + 1:]
+    return execute(args)
 
 
 def stage_main(name: str, argv: list[str] | None = None) -> int:
@@ -361,7 +372,9 @@ def stage_main(name: str, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _start_suite_helper(name, argv)
     parser = argparse.ArgumentParser(prog=f"python -m {spec.module_path}", description=spec.help)
-    return execute(_stage_parser(parser, spec).parse_args(argv))
+    args = _stage_parser(parser, spec).parse_args(argv)
+    args.argv = argv  # what --launcher torchrun runs again
+    return execute(args)
 
 
 if __name__ == "__main__":

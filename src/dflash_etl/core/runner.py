@@ -11,12 +11,12 @@ import contextlib
 import errno
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.distributed import rank_world
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
@@ -31,10 +31,6 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _rank() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, *,
               force: bool = False, progress: bool | None = None, workers: int | None = None,
               executor: str | None = None, ray_address: str | None = None,
@@ -46,7 +42,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
 
         suite_helper.start()  # the gate's great_expectations loads meanwhile
     run = RunDir(run_dir)
-    rank, world = _rank()
+    rank, world = rank_world()
     run_config = config.run if config else None
     ctx = StageContext(
         name=stage.name, run=run, config=config, progress=progress, workers=workers,

@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
-from dataclasses import asdict, dataclass
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ from dflash_etl.core.config import (
     setting,
     stage_settings,
 )
+from dflash_etl.core.distributed import agree, barrier, device_for_rank, join, under_launcher
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
@@ -80,6 +84,13 @@ class ExtractSettings:
                           help="where the target runs")
     format: str = setting("native", choices=("native", "speculators"),
                           help="the hidden states' file layout")
+    launcher: str = setting("none", choices=("none", "torchrun"),
+                            help="torchrun: re-run this command under `python -m "
+                                 "torch.distributed.run --standalone` (data parallel, one node)")
+    nproc_per_node: int = setting(0, min=0, help="--launcher torchrun: processes (0: one per "
+                                                 "visible GPU, at least one)")
+    dist_timeout_s: int = setting(1800, min=1, help="under torchrun: seconds a rank waits for "
+                                                    "the others before the run fails")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -127,6 +138,30 @@ def length_batches(lengths: list[int], batch_tokens: int,
 def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
     padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     return 1 - sum(lengths) / padded if padded else 0.0
+
+
+def shard_plan(lengths: list[int], shard_rows: int) -> list[list[int]]:
+    """Row indices per shard: rows sorted by length, `shard_rows` at a time, so each shard's
+    batches pad little. The plan depends on the rows alone, never on the number of ranks: a
+    shard (and its file) is the same whoever extracts it."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[k:k + shard_rows] for k in range(0, len(order), shard_rows)]
+
+
+def shard_cost(lengths: list[int], batch_tokens: int) -> int:
+    """The padded tokens a shard's forward passes run: what its extraction costs."""
+    return sum(max(lengths[i] for i in b) * len(b) for b in length_batches(lengths, batch_tokens))
+
+
+def assign_shards(costs: list[int], world: int) -> list[list[int]]:
+    """Shard numbers per rank, balanced by cost: the costliest shard first, each to the least
+    loaded rank (the lowest on a tie). Deterministic, so every rank computes the same plan."""
+    loads, mine = [0] * world, [[] for _ in range(world)]
+    for n in sorted(range(len(costs)), key=lambda n: (-costs[n], n)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        mine[r].append(n)
+        loads[r] += costs[n]
+    return [sorted(m) for m in mine]
 
 
 # ---------------------------------------------------------------- shell
@@ -293,6 +328,20 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
     return problems
 
 
+# how the work is launched, not what it computes: a rerun with other values resumes
+LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s")
+
+
+def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
+    return {k: v for k, v in asdict(settings).items() if k not in LAUNCH_SETTINGS}
+
+
+def resolve_layers(settings: ExtractSettings) -> list[int]:
+    """The target layers extract stores: `layers` ('auto': DFlash's rule for `draft_layers`)
+    on the target's decoder. train --online resolves its layers with this same rule."""
+    return parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
+
+
 def _n_layers(model: str) -> int:
     """The target's decoder layer count, from its (text) config (no weights loaded)."""
     from dflash_etl.models.loading import load_config, refuse_remote_code
@@ -324,103 +373,167 @@ class ExtractStage(Stage):
         rows = table.to_pylist()
         for position, row in enumerate(rows):
             row["row"] = position
-        layers = parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
+        layers = resolve_layers(settings)
         ctx.state["rows"] = rows
-        return {"settings": asdict(settings), "layers": layers,
+        # under torchrun every rank prepares; joining the group waits for rank 0's recovery
+        ctx.rank, ctx.world = join(settings.dist_timeout_s)
+        return {"settings": fingerprinted(settings), "layers": layers,
                 "inputs": [sha256_file(f) for f in files],
                 "model": model_identity(settings.model)}
 
+    def begin(self, ctx: StageContext) -> None:
+        barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
+
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        settings: ExtractSettings = ctx.settings
         rows = ctx.state["rows"]
-        run, partial = ctx.run, ctx.partial
-        target = Target(settings)  # loaded only when there is work: a big target takes minutes
-        tokens = sum(len(r["input_ids"]) for r in rows)
-        stored = stored_layers(target.layers, target.n_layers, settings.format)
-        need = _check_disk(partial, tokens, len(stored), target.hidden, settings.dtype)
-        run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
-                         stored_layers=stored, n_layers=target.n_layers, estimated_bytes=need)
         lengths = [len(r["input_ids"]) for r in rows]
-        # shards hold rows of similar length (sorted), so each shard's batches pad little
-        order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
-        size = settings.shard_rows
-        shards = [order[k:k + size] for k in range(0, len(order), size)]
-        done_dir = partial / "shards"
-        done_dir.mkdir(exist_ok=True)
-        per_source: dict[str, Stats] = {}
-        index: list[dict[str, Any]] = []
-        padded = 0
-        healths: list[list[dict[str, Any]]] = []
-        references: list[dict[str, Any]] = []
-        unhealthy: list[str] = []
-        with progress_bar("extract", total=len(shards), enabled=ctx.progress) as bar:
-            for n, members in enumerate(shards):
-                name = f"shard-{n:05d}"
-                marker = done_dir / f"{name}.json"
-                if marker.exists():  # resume
-                    result = json.loads(marker.read_text())
-                else:
-                    shard_rows = [rows[i] for i in members]
-                    got, quarantined, padded_tokens, health = _write_shard(
-                        target, settings, shard_rows, name, partial)
-                    result = {"index": got, "quarantine": quarantined, "padded": padded_tokens,
-                              "health": health}
-                    write_json_atomic(marker, result)
-                index.extend(result["index"])
-                padded += result["padded"]
-                healths.append(result["health"]["layers"])
-                if result["health"]["reference"]:
-                    references.append(result["health"]["reference"])
-                unhealthy += [f"{name}: {p}" for p in result["health"]["problems"]]
-                bad = {(q["id"], q["turn"]): q["reason"] for q in result["quarantine"]}
-                for i in members:
-                    stats = per_source.setdefault(rows[i]["source"], Stats(extra={"tokens": 0}))
-                    stats.rows_in += 1
-                    if (rows[i]["id"], rows[i]["turn"]) in bad:
-                        stats.quarantine(bad[rows[i]["id"], rows[i]["turn"]])
-                    else:
-                        stats.rows_out += 1
-                        stats.extra["tokens"] += lengths[i]
-                bar.advance(1)
-        pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
-                       partial / "index.parquet")
-        doc = stats_document(per_source, STAGE)
-        doc["total"].update({"layers": target.layers, "stored_layers": stored,
-                             # the same layers in both conventions (README: which ids go where)
-                             "target_layer_ids": target.layers,
-                             "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(
-                                 target.layers),
-                             "n_layers": target.n_layers,
-                             "hidden_size": target.hidden, "dtype": settings.dtype,
-                             "format": settings.format,
-                             "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
-        doc["health"] = {"layers": summarize(healths), "limits": asdict(
-            HealthLimits.for_dtype(settings.dtype)), "reference_rows": len(references),
-            "reference_max_rel": max((r["max_rel"] for r in references), default=None),
-            "problems": unhealthy}
-        if unhealthy:
-            write_json_atomic(partial / "stats.json", doc)
-            raise ContractError(
-                "the extract health check failed (their rows are quarantined "
-                f"{Q_UNHEALTHY}):\n  - " + "\n  - ".join(unhealthy[:20])
-                + "\nStates that are zeros or differ from the same row run alone are wrong even "
-                "though finite: check the target's architecture support, or --batch-tokens 1 "
-                "to rule padding out", {"problems": unhealthy})
-        if not index:
-            raise StageError(f"extract kept no rows of {len(rows)}: every row's hidden states "
-                             f"were non-finite ({Q_NON_FINITE}); try --dtype fp32")
-        problems = verify(partial, {r["row"]: r["input_ids"] for r in rows},
-                          len(stored), target.hidden)
-        write_json_atomic(partial / "contract.json", {"passed": not problems,
-                                                      "problems": problems})
-        if problems:
-            raise ContractError("the extract contract failed:\n  - " + "\n  - ".join(problems),
-                                {"problems": problems})
-        write_json_atomic(partial / "stats.json", doc)
-        return doc
+        shards = shard_plan(lengths, ctx.settings.shard_rows)
+        target, error = None, None
+        try:
+            target = _extract_share(ctx, rows, shards)
+        except Exception as exc:  # every rank hears of it, and rank 0 records it
+            error = exc
+        agree(error, ctx.world, STAGE)
+        if ctx.rank != 0:
+            return {}  # rank 0 merges, checks and publishes
+        assert target is not None
+        stored = stored_layers(target.layers, target.n_layers, ctx.settings.format)
+        return _merge(ctx, rows, shards, target, stored, sum(lengths))
 
     def cleanup(self, ctx: StageContext) -> None:
         shutil.rmtree(ctx.partial / "shards", ignore_errors=True)
+
+
+def _extract_share(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]]
+                   ) -> Target:
+    """This rank's shards (all of them in one process), each written with its done marker;
+    those marked before are skipped (resume). Returns the loaded target."""
+    settings: ExtractSettings = ctx.settings
+    partial = ctx.partial
+    # loaded only when there is work: a big target takes minutes
+    target = Target(replace(settings, device=device_for_rank(settings.device)))
+    lengths = [len(r["input_ids"]) for r in rows]
+    stored = stored_layers(target.layers, target.n_layers, settings.format)
+    if ctx.rank == 0:
+        need = _check_disk(partial, sum(lengths), len(stored), target.hidden, settings.dtype)
+        ctx.run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
+                             stored_layers=stored, n_layers=target.n_layers,
+                             estimated_bytes=need, ranks=ctx.world)
+    costs = [shard_cost([lengths[i] for i in m], settings.batch_tokens) for m in shards]
+    mine = assign_shards(costs, ctx.world)[ctx.rank]
+    done_dir = partial / "shards"
+    done_dir.mkdir(exist_ok=True)
+    with progress_bar("extract", total=len(mine),
+                      enabled=ctx.progress if ctx.rank == 0 else False) as bar:
+        for n in mine:
+            marker = done_dir / f"shard-{n:05d}.json"
+            if not marker.exists():  # else done before: resume
+                got, quarantined, padded_tokens, health = _write_shard(
+                    target, settings, [rows[i] for i in shards[n]], marker.stem, partial)
+                write_json_atomic(marker, {"index": got, "quarantine": quarantined,
+                                           "padded": padded_tokens, "health": health})
+            bar.advance(1)
+    return target
+
+
+def _merge(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]],
+           target: Target, stored: list[int], tokens: int) -> dict[str, Any]:
+    """Every shard's result, in shard order whichever rank wrote it: one index (by row, as one
+    process writes it), the accounting, the health figures and the gates."""
+    settings: ExtractSettings = ctx.settings
+    partial = ctx.partial
+    lengths = [len(r["input_ids"]) for r in rows]
+    per_source: dict[str, Stats] = {}
+    index: list[dict[str, Any]] = []
+    padded = 0
+    healths: list[list[dict[str, Any]]] = []
+    references: list[dict[str, Any]] = []
+    unhealthy: list[str] = []
+    for n, members in enumerate(shards):
+        name = f"shard-{n:05d}"
+        marker = partial / "shards" / f"{name}.json"
+        try:
+            result = json.loads(marker.read_text())
+        except (OSError, ValueError) as exc:
+            raise StageError(f"extract: {marker} (shard {n}) is missing or unreadable after "
+                             f"every rank finished ({exc}); rerun to redo it") from exc
+        index.extend(result["index"])
+        padded += result["padded"]
+        healths.append(result["health"]["layers"])
+        if result["health"]["reference"]:
+            references.append(result["health"]["reference"])
+        unhealthy += [f"{name}: {p}" for p in result["health"]["problems"]]
+        bad = {(q["id"], q["turn"]): q["reason"] for q in result["quarantine"]}
+        for i in members:
+            stats = per_source.setdefault(rows[i]["source"], Stats(extra={"tokens": 0}))
+            stats.rows_in += 1
+            if (rows[i]["id"], rows[i]["turn"]) in bad:
+                stats.quarantine(bad[rows[i]["id"], rows[i]["turn"]])
+            else:
+                stats.rows_out += 1
+                stats.extra["tokens"] += lengths[i]
+    pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
+                   partial / "index.parquet")
+    doc = stats_document(per_source, STAGE)
+    doc["total"].update({"layers": target.layers, "stored_layers": stored,
+                         # the same layers in both conventions (README: which ids go where)
+                         "target_layer_ids": target.layers,
+                         "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(
+                             target.layers),
+                         "n_layers": target.n_layers,
+                         "hidden_size": target.hidden, "dtype": settings.dtype,
+                         "format": settings.format,
+                         "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
+    doc["health"] = {"layers": summarize(healths), "limits": asdict(
+        HealthLimits.for_dtype(settings.dtype)), "reference_rows": len(references),
+        "reference_max_rel": max((r["max_rel"] for r in references), default=None),
+        "problems": unhealthy}
+    if unhealthy:
+        write_json_atomic(partial / "stats.json", doc)
+        raise ContractError(
+            "the extract health check failed (their rows are quarantined "
+            f"{Q_UNHEALTHY}):\n  - " + "\n  - ".join(unhealthy[:20])
+            + "\nStates that are zeros or differ from the same row run alone are wrong even "
+            "though finite: check the target's architecture support, or --batch-tokens 1 "
+            "to rule padding out", {"problems": unhealthy})
+    if not index:
+        raise StageError(f"extract kept no rows of {len(rows)}: every row's hidden states "
+                         f"were non-finite ({Q_NON_FINITE}); try --dtype fp32")
+    problems = verify(partial, {r["row"]: r["input_ids"] for r in rows},
+                      len(stored), target.hidden)
+    write_json_atomic(partial / "contract.json", {"passed": not problems,
+                                                  "problems": problems})
+    if problems:
+        raise ContractError("the extract contract failed:\n  - " + "\n  - ".join(problems),
+                            {"problems": problems})
+    write_json_atomic(partial / "stats.json", doc)
+    return doc
+
+
+def relaunch(config: PipelineConfig | None, overrides: dict[str, Any],
+             argv: list[str] | None) -> int | None:
+    """`--launcher torchrun`: this extract command again under `python -m torch.distributed.run
+    --standalone` (one node), whose exit status it returns; None when extract runs here (no
+    launcher asked for, or this process already is a rank)."""
+    section = config.section("extract") if config else {}
+    launcher = overrides.get("launcher") or section.get("launcher") or "none"
+    if launcher != "torchrun" or under_launcher():
+        return None
+    if argv is None:
+        raise StageError("[extract] launcher = 'torchrun' re-runs the `dflash-etl extract` "
+                         "command under torchrun; `dflash-etl run` cannot: run `dflash-etl "
+                         "extract --launcher torchrun` on the run, then `dflash-etl run` for the "
+                         "rest (it skips the finished extract)")
+    nproc = overrides.get("nproc_per_node") or section.get("nproc_per_node") or 0
+    if not nproc:
+        import torch
+
+        nproc = torch.cuda.device_count() or 1
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "--", "dflash_etl.stages.extract", *argv]
+    print(f"extract: {shlex.join(command)}", file=sys.stderr, flush=True)
+    # each rank's collectives have a deadline (--dist-timeout-s): a lost rank ends the launch
+    return subprocess.run(command, check=False).returncode
 
 
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,

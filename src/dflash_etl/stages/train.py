@@ -40,6 +40,7 @@ from dflash_etl.core.config import (
     setting,
     stage_settings,
 )
+from dflash_etl.core.distributed import barrier, device_for_rank, join
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import (
@@ -86,8 +87,11 @@ class TrainSettings:
     online: bool = setting(False, help="compute the hidden states from the target (no extract "
                                        "output needed)")
     layers: str = setting("auto", metavar="auto|1,16,31",
-                          help="--online: 'auto' or target layer indices (offline: the layers "
-                               "extract chose)")
+                          help="target layer indices, or 'auto': extract's layers (offline: "
+                               "those it stored; --online: [extract] layers and draft_layers "
+                               "by extract's rule)")
+    dist_timeout_s: int = setting(1800, min=1, help="under torchrun: seconds a rank waits for "
+                                                    "the others before the run fails")
     eval_prompts: int = setting(16, min=0, help="held-out prompts for tau")
     eval_new_tokens: int = setting(48, min=1, help="tokens decoded per prompt")
     eval_every: int = setting(0, min=0, help="steps between evaluations (0: before and after "
@@ -338,19 +342,33 @@ def resolve_mask_token(model_dir: str, embedding_rows: int, explicit: int) -> tu
                      "set [train] mask_token_id (or --mask-token-id) to a token id to use")
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world size); joins the torchrun process group when there is one."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch
-    import torch.distributed as dist
+def target_layers(ctx: StageContext, settings: TrainSettings,
+                  extracted: dict[str, Any] | None) -> tuple[list[int], str]:
+    """The target layers the drafter reads, and where they come from (recorded in the stats).
+    One rule for both modes: extract's. Offline they are the layers the extract output holds
+    (train's explicit --layers must name the same ones); online, train's explicit --layers,
+    else the config's [extract] layers/draft_layers resolved as extract resolves them, so an
+    online run of a config trains on what an offline run of it would."""
+    from dflash_etl.models.target import parse_layers
+    from dflash_etl.stages.extract import ExtractStage, _n_layers, resolve_layers
 
-    if not dist.is_initialized():
-        if torch.cuda.is_available():  # one GPU per process, before NCCL picks one
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world
+    if extracted is not None:
+        stored = list(extracted["layers"])
+        if settings.layers != "auto":
+            asked = parse_layers(settings.layers, int(extracted["n_layers"]), len(stored))
+            if asked != stored:
+                raise StageError(
+                    f"train --layers {settings.layers} ({asked}) but the extract output holds "
+                    f"layers {stored}: drop train's layers (offline training reads what extract "
+                    "stored), re-extract with --layers "
+                    f"{','.join(map(str, asked))}, or train --online")
+        return stored, "the extract output (extract/stats.json)"
+    if settings.layers != "auto":
+        return (parse_layers(settings.layers, _n_layers(settings.target), settings.draft_layers),
+                f"train layers = {settings.layers!r}")
+    ext = ExtractStage().make_settings(ctx.config, ctx.run.root, {"model": settings.target})
+    return (resolve_layers(ext), f"[extract] layers = {ext.layers!r}, draft_layers = "
+            f"{ext.draft_layers} (extract's rule, as an offline run of this config)")
 
 
 def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
@@ -520,9 +538,7 @@ class Trainer:
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
-        device = settings.device
-        if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-            device = f"cuda:{torch.cuda.current_device()}"  # LOCAL_RANK's, set by _distributed
+        device = device_for_rank(settings.device)
         self.target = Target(TargetSpec(model=settings.target, layers=layers,
                                              draft_layers=settings.draft_layers,
                                              dtype=settings.dtype, device=device))
@@ -553,6 +569,7 @@ class Trainer:
         self.states = extracted or OnlineStates(self.target)
         self.rows = rows
         self.log_path = out / "log.jsonl"
+        self.layers_from = "train layers"  # where the target layers came from (the stats say)
 
     def step(self, step: int) -> dict[str, float]:
         """One optimizer step on the step's seeded batch (the same on every rank and rerun)."""
@@ -612,14 +629,18 @@ class Trainer:
 
 
 # settings that do not change the trained drafter: a resumed run may change them
-NOT_FINGERPRINTED = ("device", "save_every", "keep_checkpoints")
+NOT_FINGERPRINTED = ("device", "save_every", "keep_checkpoints", "dist_timeout_s")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
-                         extract_fp: str | None) -> dict[str, Any]:
+                         extract_fp: str | None, layers: list[int] | None = None
+                         ) -> dict[str, Any]:
     kept = {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED}
-    return {"settings": kept, "inputs": [sha256_file(f) for f in files], "extract": extract_fp,
-            "model": model_identity(settings.target)}
+    payload = {"settings": kept, "inputs": [sha256_file(f) for f in files],
+               "extract": extract_fp, "model": model_identity(settings.target)}
+    if layers is not None:  # online: [extract] may choose them (offline: extract_fp covers them)
+        payload["layers"] = layers
+    return payload
 
 
 def _split(rows: list[dict[str, Any]], settings: TrainSettings
@@ -689,7 +710,7 @@ class TrainStage(Stage):
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TrainSettings = ctx.settings
-        ctx.rank, ctx.world = _distributed()
+        ctx.rank, ctx.world = join(settings.dist_timeout_s)
         rows, files = _load_rows(ctx.run)
         extracted = None if settings.online else _extract_info(ctx.run)
         index: list[dict[str, Any]] = []
@@ -697,15 +718,15 @@ class TrainStage(Stage):
             index = _read_index(ctx.run.stage_dir("extract") / "index.parquet")
             indexed = {e["row"] for e in index}
             rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
-        ctx.state.update(rows=rows, extracted=extracted, index=index)
+        layers, layers_from = target_layers(ctx, settings, extracted)
+        ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
+                         layers_from=layers_from)
         return _fingerprint_payload(settings, files,
-                                    extracted["fingerprint"] if extracted else None)
+                                    extracted["fingerprint"] if extracted else None,
+                                    None if extracted else layers)
 
     def begin(self, ctx: StageContext) -> None:
-        if ctx.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()  # rank 0 has prepared the partial directory
+        barrier(ctx.world)  # rank 0 has prepared the partial directory
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         settings: TrainSettings = ctx.settings
@@ -723,9 +744,9 @@ class TrainStage(Stage):
                              f"{settings.eval_prompts}) or check the tokenize stage's masks")
         states = (ExtractedStates(ctx.run.stage_dir("extract"), len(extracted["layers"]),
                                   ctx.state["index"]) if extracted else None)
-        trainer = Trainer(settings, train_rows, states,
-                          extracted["layers"] if extracted else None, ctx.partial, ctx.rank,
-                          ctx.world)
+        trainer = Trainer(settings, train_rows, states, ctx.state["layers"], ctx.partial,
+                          ctx.rank, ctx.world)
+        trainer.layers_from = ctx.state["layers_from"]
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress)
@@ -735,10 +756,7 @@ class TrainStage(Stage):
             trainer.states.close()
 
     def end(self, ctx: StageContext) -> None:
-        if ctx.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()  # rank 0 has published
+        barrier(ctx.world)  # rank 0 has published
         if ctx.rank == 0:
             from dflash_etl.handoff.export import vllm_command
 
@@ -781,7 +799,8 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
 
     if rank == 0:
         run.update_stage(STAGE, settings=asdict(settings), mask_token_id=trainer.mask_token_id,
-                         mask_token=trainer.mask_reason, layers=trainer.target.layers)
+                         mask_token=trainer.mask_reason, layers=trainer.target.layers,
+                         layers_from=trainer.layers_from)
         if not history:
             evaluate(0)
     if start:
@@ -838,6 +857,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         "tau_untrained": evaluation["tau_untrained"], "tau_final": evaluation["tau_final"],
         "eval_prompts": len(prompts), "draft_layers": settings.draft_layers,
         "block_size": settings.block_size, "target_layers": trainer.target.layers,
+        "target_layers_from": trainer.layers_from,
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
         "drafter_parameters": parameter_count(trainer.drafter),
     })

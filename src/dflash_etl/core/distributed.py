@@ -1,0 +1,113 @@
+"""Ranks under torchrun, shared by the runner, extract and train.
+
+torchrun (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) starts one
+process per rank, on one node or many with a shared run directory. Rank 0 alone owns the run
+directory (lock, partial directory, manifest, report); every collective has a deadline (the
+process group's timeout), so a rank that died or hangs makes the others fail instead of wait.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+from dflash_etl.core.errors import StageError
+
+DEFAULT_TIMEOUT_S = 1800
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) from the launcher's environment; (0, 1) without one."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a torchrun (or similar) launch."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """(rank, world size); joins the launcher's process group when there is one: NCCL with one
+    GPU per LOCAL_RANK where CUDA is available, else gloo (CPU). Every collective of the group
+    fails after `timeout_s` rather than wait for a rank that is gone."""
+    rank, world = rank_world()
+    if world == 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():  # one GPU per process, before NCCL picks one
+            torch.cuda.set_device(local_rank())
+        try:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:  # the store or a peer unreachable: torch raises many types
+            raise StageError(
+                f"rank {rank} of {world} could not join the others within {timeout_s:g} s "
+                f"(MASTER_ADDR {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}):"
+                f" {exc}. Start every rank (each node's torchrun) with the same --rdzv/--master"
+                " settings") from exc
+    return dist.get_rank(), world
+
+
+def device_for_rank(device: str) -> str:
+    """The device a rank's model goes to: under a launcher, `auto`/`cuda` mean this rank's GPU
+    (LOCAL_RANK), so the ranks of a node never share one."""
+    import torch
+
+    if rank_world()[1] > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{local_rank()}"
+    return device
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        _collective(dist.barrier)
+
+
+def agree(error: BaseException | None, world: int, stage: str) -> None:
+    """Every rank says whether its work succeeded; when one failed, every rank raises (rank 0
+    then records the failing ranks' messages in the manifest). A rank that died before it got
+    here (killed, out of memory) makes the others fail at the group's timeout at the latest."""
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    from dflash_etl.core.runner import describe_error
+
+    mine = None if error is None else str(error if isinstance(error, StageError)
+                                          else describe_error(error, stage))
+    said: list[Any] = [None] * world
+    _collective(dist.all_gather_object, said, mine)
+    failed = [(r, m) for r, m in enumerate(said) if m is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise StageError(f"{stage}: " + "; ".join(f"rank {r} failed: {m}" for r, m in failed)
+                         + ". The other ranks' finished work is kept: fix that and rerun to "
+                         "resume")
+
+
+def _collective(call: Any, *args: Any) -> Any:
+    """A collective whose failure (a peer gone, the timeout) is a StageError saying so."""
+    try:
+        return call(*args)
+    except StageError:
+        raise
+    except Exception as exc:  # gloo/NCCL raise RuntimeError and its subclasses
+        rank, world = rank_world()
+        raise StageError(
+            f"rank {rank} of {world} lost the other ranks ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): another rank died (killed, out "
+            "of memory) or did not answer within the timeout; see its error above. Finished "
+            "work is kept: rerun to resume") from exc

@@ -1,0 +1,214 @@
+"""Data-parallel extract under torchrun (gloo on CPU, real `python -m torch.distributed.run`
+subprocesses) on a tiny random-weight target and the embedded default's tokenized rows: every
+rank extracts its token-balanced share of the shards, rank 0 merges and publishes, and the output
+is byte-identical to one process's; a rank killed or failing fails the run loudly and leaves it
+resumable, by any number of ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_etl.core.config import load_config
+from dflash_etl.stages import extract, ingest, tokenize
+from dflash_etl.stages.extract import assign_shards, shard_cost, shard_plan
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD_ROWS = 16  # several shards per rank on the default data
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    pytest.importorskip("torch")
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("ddp-target") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ddp-run") / "run"
+    config = load_config(REPO / "data" / "pipeline.toml")
+    ingest.run(config, run_dir, progress=False)
+    tokenize.run(config, run_dir, progress=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def one_process(target, tokenized, tmp_path_factory) -> Path:
+    """The reference: extract in this one process (one thread, as each torchrun rank runs)."""
+    import torch
+
+    run_dir = _copy(tokenized, tmp_path_factory.mktemp("one-process"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        extract.run(None, run_dir, progress=False, model=str(target), shard_rows=SHARD_ROWS)
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*", "docs"))
+    return out
+
+
+def _torchrun(nproc: int, run_dir: Path, target: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "-m", "--", "dflash_etl.stages.extract", "--run", str(run_dir), "--model",
+            str(target), "--shard-rows", str(SHARD_ROWS), "--dist-timeout-s", "60"]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def assert_same_output(run_dir: Path, reference: Path) -> None:
+    """The same index (rows, order, shards, offsets), stats and shard files, byte for byte."""
+    a, b = run_dir / "extract", reference / "extract"
+    assert pq.read_table(a / "index.parquet").equals(pq.read_table(b / "index.parquet"))
+    assert (a / "stats.json").read_bytes() == (b / "stats.json").read_bytes()
+    names = sorted(p.name for p in (b / "hidden_states").iterdir())
+    assert sorted(p.name for p in (a / "hidden_states").iterdir()) == names
+    for name in names:
+        assert (a / "hidden_states" / name).read_bytes() == \
+            (b / "hidden_states" / name).read_bytes(), name
+
+
+def test_balanced_deterministic_shard_assignment():
+    costs = [50, 10, 40, 30, 30, 20]
+    plan = assign_shards(costs, 2)
+    assert plan == assign_shards(costs, 2)
+    assert sorted(n for m in plan for n in m) == list(range(6))
+    loads = [sum(costs[n] for n in m) for m in plan]
+    assert max(loads) - min(loads) <= min(costs)
+    assert assign_shards(costs, 1) == [list(range(6))]
+    assert assign_shards([5], 3) == [[0], [], []]  # a rank without a shard still joins
+
+
+def test_run_does_not_launch_torchrun(tmp_path):
+    """`dflash-etl run` holds the run's lock across its stages: it cannot re-run itself under
+    torchrun, and says what to do instead; without a launcher extract runs in this process."""
+    from dflash_etl.core.errors import StageError
+
+    (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "a"\npath = "a.jsonl"\n\n'
+                                            '[extract]\nlauncher = "torchrun"\n')
+    config = load_config(tmp_path / "pipeline.toml")
+    with pytest.raises(StageError, match="run `dflash-etl extract --launcher torchrun`"):
+        extract.relaunch(config, {}, None)
+    assert extract.relaunch(None, {"launcher": "none"}, ["--run", "x"]) is None
+
+
+def test_torchrun_extract_equals_one_process(target, tokenized, one_process, tmp_path):
+    """`dflash-etl extract --launcher torchrun --nproc-per-node 2` runs itself again under
+    torchrun; rank 0 alone reports and writes the manifest, and the output is one process's."""
+    run_dir = _copy(tokenized, tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_etl.cli.main", "extract", "--run", str(run_dir),
+         "--model", str(target), "--shard-rows", str(SHARD_ROWS), "--launcher", "torchrun",
+         "--nproc-per-node", "2"],
+        capture_output=True, text=True, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.distributed.run --standalone --nproc-per-node 2 -m --" in result.stderr
+    assert result.stdout.count("extract done") == 1
+    manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"]
+    assert (manifest["status"], manifest["ranks"]) == ("complete", 2)
+    reference = json.loads((one_process / "manifest.json").read_text())["stages"]["extract"]
+    assert manifest["fingerprint"] == reference["fingerprint"]  # the launch is not the content
+    assert_same_output(run_dir, one_process)
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the torchrun worker of `rank` working on `run_dir`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if str(run_dir).encode() in cmdline and f"RANK={rank}".encode() in environ \
+                and b"dflash_etl.stages.extract" in cmdline and b"torch.distributed.run" \
+                not in cmdline:
+            return int(proc.name)
+    return None
+
+
+def _plan(run_dir: Path, world: int) -> list[list[int]]:
+    import pyarrow as pa
+
+    from dflash_etl.validation.contracts import read_arrow
+
+    files = sorted((run_dir / "tokenize" / "dataset").glob("*.arrow"))
+    lengths = [len(x) for x in pa.concat_tables([read_arrow(f).select(["input_ids"])
+                                                  for f in files]).column(0).to_pylist()]
+    shards = shard_plan(lengths, SHARD_ROWS)
+    costs = [shard_cost([lengths[i] for i in m], 8192) for m in shards]
+    return assign_shards(costs, world)
+
+
+@pytest.mark.slow
+def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, tokenized, one_process,
+                                                                 tmp_path):
+    """Rank 1 SIGKILLed mid-run: torchrun fails, nothing is published, the finished shards stay.
+    Then rank 1 fails on a shard it cannot write: rank 0 fails too, with rank 1's message in the
+    manifest, after finishing its own shards. Fixed and rerun on 3 ranks: the output is one
+    process's, and the shards written before were not redone."""
+    run_dir = _copy(tokenized, tmp_path)
+    partial = run_dir / ".extract.partial"
+    mine = _plan(run_dir, 2)
+    launch = subprocess.Popen(_torchrun(2, run_dir, target), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 300
+    killed = False
+    while launch.poll() is None and time.monotonic() < deadline:
+        if (partial / "shards" / f"shard-{mine[1][0]:05d}.json").exists():
+            pid = _rank_pid(run_dir, 1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+                break
+        time.sleep(0.02)
+    _, err = launch.communicate(timeout=300)
+    assert killed and launch.returncode != 0, err[-3000:]
+    assert "Signal 9 (SIGKILL)" in err or "SIGKILL" in err
+    assert not (run_dir / "extract").exists()
+    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"][
+        "status"] != "complete"
+    finished = [n for n in range(sum(map(len, mine)))
+                if (partial / "shards" / f"shard-{n:05d}.json").exists()]
+    assert mine[1][0] in finished
+    kept = {f"shard-{n:05d}.safetensors": (partial / "hidden_states" / f"shard-{n:05d}"
+                                            ".safetensors").stat().st_mtime_ns for n in finished}
+
+    # rank 1 cannot write one of its unfinished shards (a directory is in the way)
+    todo = [n for n in mine[1] if not (partial / "shards" / f"shard-{n:05d}.json").exists()]
+    assert todo, "rank 1 finished before it was killed: use smaller shards"
+    blocker = partial / "hidden_states" / f"shard-{todo[-1]:05d}.safetensors"
+    blocker.mkdir()
+    result = subprocess.run(_torchrun(2, run_dir, target), capture_output=True, text=True,
+                            env=ENV, timeout=600)
+    assert result.returncode != 0
+    assert "rank 1 failed: extract: Is a directory" in result.stderr, result.stderr[-3000:]
+    info = json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"]
+    assert info["status"] == "failed" and "rank 1 failed" in info["error"]
+    assert all((partial / "shards" / f"shard-{n:05d}.json").exists() for n in mine[0])
+
+    blocker.rmdir()
+    result = subprocess.run(_torchrun(3, run_dir, target), capture_output=True, text=True,
+                            env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_output(run_dir, one_process)
+    published = run_dir / "extract" / "hidden_states"
+    assert all((published / name).stat().st_mtime_ns == when for name, when in kept.items())
