@@ -329,3 +329,53 @@ def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
     assert config["hidden_size"] == HIDDEN and config["num_target_layers"] == LAYERS
     assert config["dflash_config"]["target_layer_ids"] == [1, 2]
     assert 1 <= doc["total"]["tau_final"] <= 4
+
+
+def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
+    """qwen3_5's cache cannot be cropped, so tau's verify pass re-reads the sequence; the LM head
+    (248k columns) then runs over the anchor and the drafts only, never every position, and
+    tau and the tokens are what full logits give."""
+    import torch
+
+    from dflash_etl.models.acceptance import (
+        _croppable_cache,
+        drafter_proposer,
+        speculative_decode,
+    )
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.target import Target, TargetSpec
+
+    target = Target(TargetSpec(model=str(models["text"]), layers="1", device="cpu"))
+    assert _croppable_cache(target) is None
+    block = 4
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_target(
+        target.model.config, draft_layers=1, target_layer_ids=[1], mask_token_id=248000,
+        block_size=block)).eval()
+    propose = drafter_proposer(target, drafter)
+    prompt = [1000 + (7 * i) % 5000 for i in range(40)]
+    head_positions: list[int] = []
+
+    def count(_module, inputs, _output) -> None:  # the target's calls ([1, k, hidden])
+        if inputs[0].dim() == 3:
+            head_positions.append(inputs[0].shape[1])
+
+    hook = target.model.get_output_embeddings().register_forward_hook(count)
+    try:
+        got = speculative_decode(target, propose, prompt, 12, set())
+    finally:
+        hook.remove()
+    assert head_positions[0] == 1 and head_positions[1:] == [block] * (len(head_positions) - 1)
+
+    class FullLogits(Target):  # the old verify pass: every position's logits, then a slice
+        def forward(self, rows, logits=False, extra_layers=(), logits_keep=0):
+            out, states = Target.forward(self, rows, logits, extra_layers)
+            return ([o[-logits_keep:] for o in out] if out and logits_keep else out), states
+
+    full = FullLogits.__new__(FullLogits)
+    full.__dict__.update(target.__dict__)
+    want = speculative_decode(full, propose, prompt, 12, set())
+    assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+    greedy = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got.tokens == greedy
