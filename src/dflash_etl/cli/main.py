@@ -109,6 +109,8 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
 
 
 def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
+    if doc.get("plan"):
+        return _summary_extract_plan(run, doc)
     out = run / "extract"
     total = doc["total"]
     _say(f"extract {_state(doc)}: rows {_counts_line(total)}")
@@ -117,6 +119,25 @@ def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
          f"padding {total.get('padding_share')}")
     _say(f"  hidden states: {out / 'hidden_states'}  ({total.get('format')})")
     _say(f"  index:         {out / 'index.parquet'}")
+    return 0
+
+
+def _summary_extract_plan(run: Path, doc: dict[str, Any]) -> int:
+    from dflash_etl.stages.extract import PLAN_FILE, size_text
+
+    data, sample, projected = doc["dataset"], doc["measured"], doc["projected"]
+    _say(f"extract plan (a dry run: nothing extracted or published) on {doc['device']}:")
+    _say(f"  dataset: {data['rows']} rows, {data['tokens']} tokens in {data['batches']} batches "
+         f"(padding {doc['padding_share']})")
+    _say(f"  layers {doc['stored_layers']} of {doc['n_layers']} stored, hidden "
+         f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}")
+    _say(f"  measured: {sample['batches']} batches, {sample['tokens']} tokens in "
+         f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
+         f"{size_text(sample['bytes'])} written")
+    _say(f"  projected: {size_text(projected['bytes'])} on disk, {projected['hours']} hours "
+         f"({projected['seconds']} s) on this device")
+    _say(f"  disk: {doc['advice']}")
+    _say(f"  plan: {run / PLAN_FILE}")
     return 0
 
 
