@@ -100,9 +100,17 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
     out = run / "regenerate"
     total = doc["total"]
     _say(f"regenerate {_state(doc)}: conversations {_counts_line(total)}")
-    _say(f"  generated turns: {total.get('generated_turns')}, finish reasons: "
-         f"{total.get('finish_reasons')}")
+    dropped = total.get("dropped_replies") or {}
+    _say(f"  replies: {total.get('generated_replies')} generated, "
+         f"{total.get('generated_turns')} kept, {sum(dropped.values())} filtered or quarantined "
+         f"with their conversations {dropped or ''}".rstrip())
+    _say(f"  finish reasons of the kept: {total.get('finish_reasons')}")
+    for mode, cut in (total.get("truncation") or {}).items():
+        _say(f"  thinking {mode}: {cut['truncated']} of {cut['replies']} replies cut at "
+             f"max_new_tokens ({100 * cut['share']:.0f}%)")
     _say(f"  conversations: {out / 'conversations'}  (tokenize reads these now)")
+    for warning in doc.get("warnings", []):
+        _say(f"  WARNING: {warning}")
     _say(f"  quarantine:    {out / 'quarantine.parquet'}")
     _say(f"  stats:         {out / 'stats.json'}")
     return 0
