@@ -379,3 +379,40 @@ def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
     greedy = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert got.tokens == greedy
+
+
+def test_the_linear_attention_kernels_are_named_once_per_process(models):
+    """Two stages in one process (`dflash-etl run`) load the hybrid target twice and run it:
+    which linear-attention kernels it uses is said once, and transformers' per-function
+    fallback warnings are not repeated after it. The kernel status is the real one here."""
+    import subprocess
+    import sys
+
+    from dflash_etl.models.kernels import kernel_status
+
+    script = (
+        "from dflash_etl.models.target import Target, TargetSpec\n"
+        "for layers in ('1', '2'):\n"
+        f"    t = Target(TargetSpec(model={str(models['text'])!r}, layers=layers, device='cpu'))\n"
+        "    t.forward([[1000, 1001, 1002]], logits=True)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if "linear-attention layers" in line]
+    assert len(said) == 1, result.stderr
+    assert f"{LAYERS // 2} linear-attention layers of {LAYERS}" in said[0]
+    for distribution, version in kernel_status().items():
+        assert (f"{distribution} {version}" if version else distribution) in said[0]
+    if not all(kernel_status().values()):
+        assert "pip install" in said[0] and "falling back" not in result.stderr
+
+
+def test_a_dense_target_says_nothing_about_kernels():
+    import transformers
+
+    from dflash_etl.models.kernels import linear_attention_layers
+
+    assert linear_attention_layers(transformers.Qwen2Config()) == 0
+    assert linear_attention_layers(transformers.Qwen3NextConfig(
+        num_hidden_layers=4, full_attention_interval=2)) == 2
