@@ -101,6 +101,8 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
     total = doc["total"]
     _say(f"regenerate {_state(doc)}: conversations {_counts_line(total)}")
     dropped = total.get("dropped_replies") or {}
+    if "generated_replies" not in total:  # a stage completed by an older version: its counts
+        total = {**total, "generated_replies": total.get("generated_turns")}
     _say(f"  replies: {total.get('generated_replies')} generated, "
          f"{total.get('generated_turns')} kept, {sum(dropped.values())} filtered or quarantined "
          f"with their conversations {dropped or ''}".rstrip())
