@@ -272,3 +272,54 @@ def test_replacing_pytorch_model_bin_redoes_extract(target, tokenized, tmp_path)
     assert not again.get("skipped") and first["total"]["rows_out"] == again["total"]["rows_out"]
     redone = load_file(str(sorted((run_dir / "extract").rglob("*.safetensors"))[0]))
     assert any(not torch.equal(states[k], redone[k]) for k in states if k in redone)
+
+
+def _bytes_on_disk(out: Path) -> int:
+    return sum(f.stat().st_size for f in (out / "hidden_states").iterdir()) + (
+        out / "index.parquet").stat().st_size
+
+
+@pytest.mark.parametrize("fmt", ["native", "speculators"])
+def test_the_plan_projects_the_actual_run_and_publishes_nothing(target, tokenized, tmp_path,
+                                                                fmt):
+    """`extract --plan` measures a few batches of the real run and projects the whole dataset:
+    the bytes within 30% of what the run then writes, the tokens exact; it is a dry run (no
+    output, no partial, no manifest entry), and the real run after it is not changed by it."""
+    run_dir = _copy(tokenized, tmp_path)
+    layers = {"model": str(target), "layers": "0,2", "format": fmt, "batch_tokens": 2048}
+    doc = extract.run(None, run_dir, progress=False, plan=True, plan_batches=3, **layers)
+    assert not (run_dir / "extract").exists() and not list(run_dir.glob(".extract*"))
+    assert "extract" not in json.loads((run_dir / "manifest.json").read_text())["stages"]
+    assert json.loads((run_dir / extract.PLAN_FILE).read_text()) == doc
+    assert doc["measured"]["batches"] == 3 < doc["dataset"]["batches"]
+    assert doc["projected"]["fits"] and doc["advice"].startswith("fits")
+
+    actual = extract.run(None, run_dir, progress=False, **layers)
+    written = _bytes_on_disk(run_dir / "extract")
+    assert abs(doc["projected"]["bytes"] - written) / written < 0.3, (doc["projected"], written)
+    assert doc["dataset"]["tokens"] == actual["total"]["tokens"]
+    assert doc["dataset"]["rows"] == actual["total"]["rows_in"]
+    assert doc["measured"]["tokens_per_s"] > 0 and doc["projected"]["hours"] > 0
+
+
+def test_the_plan_recommends_online_training_when_the_output_would_not_fit(
+        target, tokenized, tmp_path, monkeypatch, capsys):
+    """Free disk smaller than the projected output: the plan says by how much and to train
+    with --online (through the CLI, as a user runs it)."""
+    import collections
+
+    from dflash_etl.cli.main import main
+
+    run_dir = _copy(tokenized, tmp_path)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 10**5, 10**5))
+    code = main(["extract", "--run", str(run_dir), "--model", str(target), "--plan",
+                 "--plan-batches", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    doc = json.loads((run_dir / extract.PLAN_FILE).read_text())
+    assert not doc["projected"]["fits"]
+    assert doc["projected"]["short_by_bytes"] == doc["projected"]["bytes"] - 10**5 > 0
+    assert "does NOT fit" in out and "short by" in out and "--online" in out
+    assert "tokens/s" in out and "hours" in out
+    assert not (run_dir / "extract").exists()

@@ -329,3 +329,90 @@ def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
     assert config["hidden_size"] == HIDDEN and config["num_target_layers"] == LAYERS
     assert config["dflash_config"]["target_layer_ids"] == [1, 2]
     assert 1 <= doc["total"]["tau_final"] <= 4
+
+
+def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
+    """qwen3_5's cache cannot be cropped, so tau's verify pass re-reads the sequence; the LM head
+    (248k columns) then runs over the anchor and the drafts only, never every position, and
+    tau and the tokens are what full logits give."""
+    import torch
+
+    from dflash_etl.models.acceptance import (
+        _croppable_cache,
+        drafter_proposer,
+        speculative_decode,
+    )
+    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.target import Target, TargetSpec
+
+    target = Target(TargetSpec(model=str(models["text"]), layers="1", device="cpu"))
+    assert _croppable_cache(target) is None
+    block = 4
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_target(
+        target.model.config, draft_layers=1, target_layer_ids=[1], mask_token_id=248000,
+        block_size=block)).eval()
+    propose = drafter_proposer(target, drafter)
+    prompt = [1000 + (7 * i) % 5000 for i in range(40)]
+    head_positions: list[int] = []
+
+    def count(_module, inputs, _output) -> None:  # the target's calls ([1, k, hidden])
+        if inputs[0].dim() == 3:
+            head_positions.append(inputs[0].shape[1])
+
+    hook = target.model.get_output_embeddings().register_forward_hook(count)
+    try:
+        got = speculative_decode(target, propose, prompt, 12, set())
+    finally:
+        hook.remove()
+    assert head_positions[0] == 1 and head_positions[1:] == [block] * (len(head_positions) - 1)
+
+    class FullLogits(Target):  # the old verify pass: every position's logits, then a slice
+        def forward(self, rows, logits=False, extra_layers=(), logits_keep=0):
+            out, states = Target.forward(self, rows, logits, extra_layers)
+            return ([o[-logits_keep:] for o in out] if out and logits_keep else out), states
+
+    full = FullLogits.__new__(FullLogits)
+    full.__dict__.update(target.__dict__)
+    want = speculative_decode(full, propose, prompt, 12, set())
+    assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+    greedy = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got.tokens == greedy
+
+
+def test_the_linear_attention_kernels_are_named_once_per_process(models):
+    """Two stages in one process (`dflash-etl run`) load the hybrid target twice and run it:
+    which linear-attention kernels it uses is said once, and transformers' per-function
+    fallback warnings are not repeated after it. The kernel status is the real one here."""
+    import subprocess
+    import sys
+
+    from dflash_etl.models.kernels import kernel_status
+
+    script = (
+        "from dflash_etl.models.target import Target, TargetSpec\n"
+        "for layers in ('1', '2'):\n"
+        f"    t = Target(TargetSpec(model={str(models['text'])!r}, layers=layers, device='cpu'))\n"
+        "    t.forward([[1000, 1001, 1002]], logits=True)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if "linear-attention layers" in line]
+    assert len(said) == 1, result.stderr
+    assert f"{LAYERS // 2} linear-attention layers of {LAYERS}" in said[0]
+    for distribution, version in kernel_status().items():
+        assert (f"{distribution} {version}" if version else distribution) in said[0]
+    if not all(kernel_status().values()):
+        assert "pip install" in said[0] and "falling back" not in result.stderr
+
+
+def test_a_dense_target_says_nothing_about_kernels():
+    import transformers
+
+    from dflash_etl.models.kernels import linear_attention_layers
+
+    assert linear_attention_layers(transformers.Qwen2Config()) == 0
+    assert linear_attention_layers(transformers.Qwen3NextConfig(
+        num_hidden_layers=4, full_attention_interval=2)) == 2

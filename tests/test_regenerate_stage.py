@@ -354,3 +354,47 @@ def test_a_target_directory_the_project_did_not_make_is_never_replaced(tmp_path)
         (tmp_path / "pipeline.toml").read_text().replace("hidden_size = 16", "hidden_size = 8"))
     rebuilt = Path(configured_target(load_config(tmp_path / "pipeline.toml"), run_dir))
     assert json.loads((rebuilt / "config.json").read_text())["hidden_size"] == 8
+
+
+def test_the_summary_counts_replies_that_were_generated_then_filtered(tiny_model, ingested,
+                                                                      capsys):
+    """Every prompt's reply is cut at max_new_tokens (greedy random weights never end a turn)
+    and filtered with its conversation; the complete conversation is kept. The summary and
+    stats.json say 3 replies were generated and why none was kept (it said `generated turns:
+    0`), and the share cut at max_new_tokens per thinking mode, with a warning above the
+    threshold that says what to do."""
+    from dflash_etl.cli.main import main
+
+    args = ["regenerate", "--run", str(ingested), "--model", str(tiny_model),
+            "--max-new-tokens", "3", "--thinking", "on"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "replies: 3 generated, 0 kept, 3 filtered or quarantined with their conversations " \
+           "{'truncated_response': 3}" in out.out
+    assert "thinking on: 3 of 3 replies cut at max_new_tokens (100%)" in out.out
+    assert "WARNING: 3 of 3 replies with thinking on (100%) stopped at max_new_tokens" in out.out
+    assert "raise --max-new-tokens" in out.out and "WARNING" in out.err
+    total = json.loads((ingested / "regenerate" / "stats.json").read_text())
+    assert total["total"]["generated_replies"] == 3 and total["total"]["generated_turns"] == 0
+    assert total["total"]["dropped_replies"] == {"truncated_response": 3}
+    assert total["total"]["truncation"] == {"on": {"replies": 3, "truncated": 3, "share": 1.0}}
+    assert len(total["warnings"]) == 1
+
+    # thinking off, under a threshold it does not pass: counted per mode, no warning
+    assert main([*args[:-1], "off", "--max-truncated-share", "1", "--force"]) == 0
+    out = capsys.readouterr()
+    assert "thinking off: 3 of 3 replies" in out.out and "WARNING" not in out.out + out.err
+    doc = json.loads((ingested / "regenerate" / "stats.json").read_text())
+    assert doc["total"]["truncation"] == {"off": {"replies": 3, "truncated": 3, "share": 1.0}}
+    assert doc["warnings"] == []
+
+
+def test_thinking_mode_of_a_reply_with_the_templates_default():
+    from dflash_etl.stages.regenerate import thinking_mode
+
+    assert thinking_mode(Reply("x", "stop", 1), "on") == "on"
+    assert thinking_mode(Reply("<think>x", "length", 1), "off") == "off"
+    assert thinking_mode(Reply("reasoning", "length", 1, think_open=True), "keep") == "on"
+    assert thinking_mode(Reply(" <think>a</think>b", "stop", 1), "keep") == "on"
+    assert thinking_mode(Reply("b", "stop", 1, reasoning="a"), "keep") == "on"
+    assert thinking_mode(Reply("b", "stop", 1, think_open=False), "keep") == "off"

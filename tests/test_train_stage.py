@@ -592,3 +592,34 @@ def test_the_tiny_target_follows_its_config(tmp_path):
     assert hidden(changed) == 16
     with pytest.raises(StageError, match=r"unknown keys \['hiden_size'\]; known: .*hidden_size"):
         configured_target(config_with("hiden_size = 16"), tmp_path / "run")
+
+
+def test_the_manifests_seconds_count_every_call_of_a_resumed_training(extracted, target,
+                                                                        tmp_path, monkeypatch):
+    """A call that spends >= 1.8 s on its 3 steps before a kill, then a resumed call: the
+    manifest's train seconds are both calls' (it counted the last call only), and say which
+    part was this call's; the checkpoints' state.json stays free of timings (it is data)."""
+    import time
+
+    run_dir = _copy(extracted, tmp_path)
+    real = train.Trainer.step
+
+    def slow_then_killed(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        time.sleep(0.6)
+        return real(self, step)
+
+    monkeypatch.setattr(train.Trainer, "step", slow_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+    monkeypatch.setattr(train.Trainer, "step", real)
+    start = time.perf_counter()
+    train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+    wall = time.perf_counter() - start
+    stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
+    assert stage["seconds"] > wall and stage["seconds"] >= 1.8, (stage, wall)
+    assert stage["seconds_this_run"] <= wall < stage["seconds"]
+    assert stage["steps_this_run"] == 3
+    for ckpt in (run_dir / "train" / "checkpoints").iterdir():
+        assert "seconds" not in json.loads((ckpt / "state.json").read_text())

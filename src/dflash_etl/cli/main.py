@@ -106,9 +106,19 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
     out = run / "regenerate"
     total = doc["total"]
     _say(f"regenerate {_state(doc)}: conversations {_counts_line(total)}")
-    _say(f"  generated turns: {total.get('generated_turns')}, finish reasons: "
-         f"{total.get('finish_reasons')}")
+    dropped = total.get("dropped_replies") or {}
+    if "generated_replies" not in total:  # a stage completed by an older version: its counts
+        total = {**total, "generated_replies": total.get("generated_turns")}
+    _say(f"  replies: {total.get('generated_replies')} generated, "
+         f"{total.get('generated_turns')} kept, {sum(dropped.values())} filtered or quarantined "
+         f"with their conversations {dropped or ''}".rstrip())
+    _say(f"  finish reasons of the kept: {total.get('finish_reasons')}")
+    for mode, cut in (total.get("truncation") or {}).items():
+        _say(f"  thinking {mode}: {cut['truncated']} of {cut['replies']} replies cut at "
+             f"max_new_tokens ({100 * cut['share']:.0f}%)")
     _say(f"  conversations: {out / 'conversations'}  (tokenize reads these now)")
+    for warning in doc.get("warnings", []):
+        _say(f"  WARNING: {warning}")
     _say(f"  quarantine:    {out / 'quarantine.parquet'}")
     _say(f"  stats:         {out / 'stats.json'}")
     return 0
@@ -117,6 +127,8 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
 def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
     if not doc:  # a torchrun rank other than 0: rank 0 reports
         return 0
+    if doc.get("plan"):
+        return _summary_extract_plan(run, doc)
     out = run / "extract"
     total = doc["total"]
     _say(f"extract {_state(doc)}: rows {_counts_line(total)}")
@@ -125,6 +137,25 @@ def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
          f"padding {total.get('padding_share')}")
     _say(f"  hidden states: {out / 'hidden_states'}  ({total.get('format')})")
     _say(f"  index:         {out / 'index.parquet'}")
+    return 0
+
+
+def _summary_extract_plan(run: Path, doc: dict[str, Any]) -> int:
+    from dflash_etl.stages.extract import PLAN_FILE, size_text
+
+    data, sample, projected = doc["dataset"], doc["measured"], doc["projected"]
+    _say(f"extract plan (a dry run: nothing extracted or published) on {doc['device']}:")
+    _say(f"  dataset: {data['rows']} rows, {data['tokens']} tokens in {data['batches']} batches "
+         f"(padding {doc['padding_share']})")
+    _say(f"  layers {doc['stored_layers']} of {doc['n_layers']} stored, hidden "
+         f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}")
+    _say(f"  measured: {sample['batches']} batches, {sample['tokens']} tokens in "
+         f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
+         f"{size_text(sample['bytes'])} written")
+    _say(f"  projected: {size_text(projected['bytes'])} on disk, {projected['hours']} hours "
+         f"({projected['seconds']} s) on this device")
+    _say(f"  disk: {doc['advice']}")
+    _say(f"  plan: {run / PLAN_FILE}")
     return 0
 
 

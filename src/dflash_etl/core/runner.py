@@ -78,7 +78,9 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             doc = stage.execute(ctx)
             if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
                 stage.cleanup(ctx)
-                run.commit(stage.name, doc["total"], timer.seconds, **ctx.timings)
+                # a resumed stage's seconds include the earlier calls' work it resumed from
+                seconds = timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
+                run.commit(stage.name, doc["total"], seconds, **ctx.timings)
         except BaseException as exc:
             error = exc if isinstance(exc, StageError) else describe_error(exc, stage.name)
             if rank == 0 and run.root.is_dir():

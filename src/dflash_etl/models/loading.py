@@ -85,8 +85,12 @@ def load_causal_lm(model_dir: str | Path, **kwargs: Any) -> Any:
     _offline()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
-                                                trust_remote_code=False, **kwargs)
+    from dflash_etl.models.kernels import announce_kernels
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+                                                 trust_remote_code=False, **kwargs)
+    announce_kernels(model)  # a hybrid target: which linear-attention kernels, once a process
+    return model
 
 
 def load_auto_tokenizer(model_dir: str | Path) -> Any:

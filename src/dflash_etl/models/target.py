@@ -122,10 +122,15 @@ class Target:
         return self.forward(rows)[1]
 
     def forward(self, rows: list[list[int]], logits: bool = False,
-                extra_layers: tuple[int, ...] = ()) -> tuple[list[Any] | None, list[Any]]:
+                extra_layers: tuple[int, ...] = (), logits_keep: int = 0
+                ) -> tuple[list[Any] | None, list[Any]]:
         """(logits [seq, vocab] per row when asked, else None; states [seq, layers + extra,
-        hidden] per row). `extra_layers` appends more decoder layers' outputs (hooked too)."""
+        hidden] per row). `extra_layers` appends more decoder layers' outputs (hooked too).
+        `logits_keep` > 0 (one row only): the logits of its last `logits_keep` positions alone,
+        so the LM head does not run over the whole sequence (tau's verify pass)."""
         torch = self.torch
+        if logits_keep and len(rows) != 1:
+            raise ValueError("logits_keep needs a single row (right padding would keep pads)")
         width = max(len(r) for r in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -138,12 +143,14 @@ class Target:
         out = None
         with torch.no_grad(), contextlib.suppress(_EnoughLayers):
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             use_cache=False, logits_to_keep=0 if logits else 1)
+                             use_cache=False, logits_to_keep=logits_keep if logits else 1)
         stacked = torch.stack([self.captured[i] for i in (*self.layers, *extra_layers)],
                               dim=2).cpu()
         states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
         if not logits or out is None:
             return None, states
+        if logits_keep:
+            return [out.logits[0, -logits_keep:]], states
         return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
 
 

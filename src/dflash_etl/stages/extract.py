@@ -40,7 +40,14 @@ from dflash_etl.core.config import (
     setting,
     stage_settings,
 )
-from dflash_etl.core.distributed import agree, barrier, device_for_rank, join, under_launcher
+from dflash_etl.core.distributed import (
+    agree,
+    barrier,
+    device_for_rank,
+    join,
+    rank_world,
+    under_launcher,
+)
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
@@ -91,6 +98,11 @@ class ExtractSettings:
                                                  "visible GPU, at least one)")
     dist_timeout_s: int = setting(1800, min=1, help="under torchrun: seconds a rank waits for "
                                                     "the others before the run fails")
+    plan: bool = setting(False, help="a dry run: measure a few batches, project the whole "
+                                     "dataset's bytes and hours against free disk, write "
+                                     "<run>/extract.plan.json; nothing is published")
+    plan_batches: int = setting(4, min=1, help="--plan: length-bucketed batches to measure "
+                                               "(spread over the length range)")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -105,6 +117,18 @@ class ExtractSettings:
 
 
 register_section("extract", ExtractSettings)
+
+
+PLAN_ONLY = ("plan", "plan_batches")  # settings of the dry run, not of the output
+# how the work is launched, not what it makes: a rerun on another number of ranks resumes
+LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s")
+
+
+def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
+    """The settings that make the output (the fingerprint's): neither the dry run's nor the
+    launch's are among them, so adding them redoes no finished extract."""
+    return {k: v for k, v in asdict(settings).items()
+            if k not in PLAN_ONLY and k not in LAUNCH_SETTINGS}
 
 
 # ---------------------------------------------------------------- pure core
@@ -329,13 +353,6 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
 
 
 # how the work is launched, not what it computes: a rerun with other values resumes
-LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s")
-
-
-def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
-    return {k: v for k, v in asdict(settings).items() if k not in LAUNCH_SETTINGS}
-
-
 def resolve_layers(settings: ExtractSettings) -> list[int]:
     """The target layers extract stores: `layers` ('auto': DFlash's rule for `draft_layers`)
     on the target's decoder. train --online resolves its layers with this same rule."""
@@ -517,8 +534,8 @@ def relaunch(config: PipelineConfig | None, overrides: dict[str, Any],
     launcher asked for, or this process already is a rank)."""
     section = config.section("extract") if config else {}
     launcher = overrides.get("launcher") or section.get("launcher") or "none"
-    if launcher != "torchrun" or under_launcher():
-        return None
+    if launcher != "torchrun" or under_launcher() or _wants_plan(config, overrides):
+        return None  # the plan measures one replica, in this process
     if argv is None:
         raise StageError("[extract] launcher = 'torchrun' re-runs the `dflash-etl extract` "
                          "command under torchrun; `dflash-etl run` cannot: run `dflash-etl "
@@ -536,9 +553,137 @@ def relaunch(config: PipelineConfig | None, overrides: dict[str, Any],
     return subprocess.run(command, check=False).returncode
 
 
+# ---------------------------------------------------------------- the dry run (--plan)
+PLAN_FILE = "extract.plan.json"
+
+
+def plan_sample(batches: list[list[int]], wanted: int) -> list[int]:
+    """Which of the run's batches (in length order) the plan measures: `wanted` of them spread
+    evenly from the shortest to the longest, so the projection sees the whole length range."""
+    n = len(batches)
+    if wanted >= n:
+        return list(range(n))
+    if wanted == 1:
+        return [n // 2]
+    return sorted({round(k * (n - 1) / (wanted - 1)) for k in range(wanted)})
+
+
+def run_batches(lengths: list[int], settings: ExtractSettings) -> list[list[int]]:
+    """Every forward batch of a run (row indices), in the order execute runs them: rows sorted
+    by length, cut into shards of shard_rows, each shard into length buckets."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches = []
+    for k in range(0, len(order), settings.shard_rows):
+        members = order[k:k + settings.shard_rows]
+        batches += [[members[i] for i in b]
+                    for b in length_batches([lengths[i] for i in members], settings.batch_tokens)]
+    return batches
+
+
+def project(total: dict[str, int], sample: dict[str, float], free: int) -> dict[str, Any]:
+    """The whole dataset's bytes and hours from the measured sample (bytes scale with tokens,
+    time with padded tokens), and whether the output fits in `free` bytes."""
+    bytes_ = round(sample["bytes"] * total["tokens"] / sample["tokens"])
+    seconds = sample["seconds"] * total["padded_tokens"] / sample["padded_tokens"]
+    return {"bytes": bytes_, "seconds": round(seconds, 3), "hours": round(seconds / 3600, 4),
+            "free_bytes": free, "fits": bytes_ <= free, "short_by_bytes": max(0, bytes_ - free)}
+
+
+def size_text(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def plan_advice(doc: dict[str, Any]) -> str:
+    """One sentence: it fits (and with what left), or by how much it does not and what to do."""
+    p = doc["projected"]
+    if p["fits"]:
+        return (f"fits: ~{size_text(p['bytes'])} of the {size_text(p['free_bytes'])} free on "
+                f"{doc['disk_path']} ({size_text(p['free_bytes'] - p['bytes'])} left)")
+    return (f"does NOT fit: ~{size_text(p['bytes'])} needed, {size_text(p['free_bytes'])} "
+            f"free on {doc['disk_path']}, short by {size_text(p['short_by_bytes'])}: skip "
+            f"extract and train with `dflash-etl train --run {doc['run']} --online` (the "
+            "target computes the states each step; nothing is stored), or store fewer --layers "
+            "/ --dtype bf16")
+
+
+def plan(config: PipelineConfig | None, run_dir: str | Path, progress: bool | None = None,
+         **overrides: Any) -> dict[str, Any]:
+    """`extract --plan`: measure `plan_batches` batches of the real run (same target, layers,
+    dtype, format, writer and health check) in a scratch directory, project the whole dataset,
+    write <run>/extract.plan.json. The extract stage is neither run, published nor recorded."""
+    import time
+
+    from dflash_etl.core.lock import run_lock
+
+    run = RunDir(run_dir)
+    with run_lock(run.root, "extract --plan"):
+        settings = ExtractStage().make_settings(config, run.root, overrides)
+        rows = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
+                                 for f in _dataset_files(run)]).to_pylist()
+        for position, row in enumerate(rows):
+            row["row"] = position
+        if not rows:
+            raise StageError(f"the tokenized dataset of {run.root} has no rows: nothing to plan")
+        lengths = [len(r["input_ids"]) for r in rows]
+        batches = run_batches(lengths, settings)
+        padded = [max(lengths[i] for i in b) * len(b) for b in batches]
+        free = shutil.disk_usage(run.root).free  # before the sample takes any of it
+        loading = time.perf_counter()
+        target = Target(settings)
+        load_seconds = time.perf_counter() - loading
+        stored = stored_layers(target.layers, target.n_layers, settings.format)
+        picks = plan_sample(batches, settings.plan_batches)
+        scratch = run.root / ".extract-plan.tmp"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        try:
+            first = min(batches[picks[0]], key=lambda i: lengths[i])
+            target.forward([rows[first]["input_ids"]])  # warm-up, not timed
+            seconds = 0.0
+            with progress_bar("extract --plan", total=len(picks), enabled=progress) as bar:
+                for n, b in enumerate(picks):
+                    start = time.perf_counter()
+                    _write_shard(target, settings, [rows[i] for i in batches[b]],
+                                 f"plan-{n:05d}", scratch)
+                    seconds += time.perf_counter() - start
+                    bar.advance(1)
+            written = sum(f.stat().st_size for f in (scratch / "hidden_states").iterdir())
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        sample = {"batches": len(picks), "rows": sum(len(batches[b]) for b in picks),
+                  "tokens": sum(lengths[i] for b in picks for i in batches[b]),
+                  "padded_tokens": sum(padded[b] for b in picks), "seconds": round(seconds, 3),
+                  "bytes": written, "load_seconds": round(load_seconds, 3)}
+        sample["tokens_per_s"] = round(sample["tokens"] / seconds, 1) if seconds else None
+        total = {"rows": len(rows), "tokens": sum(lengths), "batches": len(batches),
+                 "padded_tokens": sum(padded)}
+        doc = {"plan": True, "run": str(run.root), "model": settings.model,
+               "device": str(target.device), "layers": target.layers, "stored_layers": stored,
+               "n_layers": target.n_layers, "hidden_size": target.hidden,
+               "dtype": settings.dtype, "format": settings.format, "dataset": total,
+               "padding_share": round(1 - total["tokens"] / total["padded_tokens"], 4)
+               if total["padded_tokens"] else 0.0,
+               "measured": sample, "projected": project(total, sample, free),
+               "disk_path": str(run.root.resolve())}
+        doc["advice"] = plan_advice(doc)
+        write_json_atomic(run.root / PLAN_FILE, doc)
+        return doc
+
+
+def _wants_plan(config: PipelineConfig | None, overrides: dict[str, Any]) -> bool:
+    if overrides.get("plan") is not None:
+        return bool(overrides["plan"])
+    return bool(config and config.section("extract").get("plan"))
+
+
 def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
         progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
-    """Extract into `run_dir/extract`; returns the stats document. Skips when complete."""
+    """Extract into `run_dir/extract`; returns the stats document. Skips when complete. With
+    `plan` set: the dry run's plan (see `plan`), and no stage is run."""
+    if _wants_plan(config, overrides):
+        if rank_world()[0] != 0:  # started under torchrun anyway: rank 0 plans, for one replica
+            return {}
+        return plan(config, run_dir, progress=progress, **overrides)
     return run_stage(ExtractStage(), config, run_dir, force=force, progress=progress,
                      **overrides)
 

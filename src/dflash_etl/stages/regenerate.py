@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -103,6 +104,10 @@ class RegenerateSettings:
                             help="the template's enable_thinking (keep: as the template does)")
     keep_truncated: bool = setting(False, help="keep replies cut at --max-new-tokens "
                                                "(else they are filtered)")
+    # thinking-on replies run long: most cut at max_new_tokens is a setting problem, not data
+    max_truncated_share: float = setting(0.2, min=0, max=1,
+                                         help="warn when more than this share of a thinking "
+                                              "mode's replies stop at --max-new-tokens")
     # one short reply for this many different prompts is a dummy
     dummy_min_repeats: int = setting(3, min=2, why="a reply given once is not a dummy",
                                      help="a short reply given to this many different prompts "
@@ -1001,6 +1006,40 @@ def _generate_round(pending: list[tuple[str, list[dict[str, Any]], Any]], backen
         bar.advance(len(batch))
 
 
+def thinking_mode(reply: Reply, thinking: str) -> str:
+    """on | off: whether the reply was written with thinking on (the setting, or with `keep`
+    what the prompt or the reply shows: a think block opened by the prompt, a leading
+    `<think>`, reasoning returned apart)."""
+    if thinking in ("on", "off"):
+        return thinking
+    started = reply.think_open or reply.reasoning or reply.text.lstrip().startswith(THINK_OPEN)
+    return "on" if started else "off"
+
+
+def _reply_counts() -> dict[str, Any]:
+    """Per source: replies generated (kept or not), those dropped with their conversation by
+    reason, and per thinking mode the replies and those cut at max_new_tokens."""
+    return {"generated_turns": 0, "generated_replies": 0, "dropped_replies": Counter(),
+            "replies_by_mode": Counter(), "truncated_by_mode": Counter()}
+
+
+def truncation(total: dict[str, Any], max_share: float) -> tuple[dict[str, Any], list[str]]:
+    """Per thinking mode the share of replies cut at max_new_tokens (finish_reason "length"),
+    and a warning for each mode above `max_share`: most thinking-on replies cut short is
+    silently lost (or, kept, truncated) data."""
+    shares, warnings = {}, []
+    for mode, n in sorted(total.get("replies_by_mode", {}).items()):
+        cut = total.get("truncated_by_mode", {}).get(mode, 0)
+        shares[mode] = {"replies": n, "truncated": cut, "share": round(cut / n, 4) if n else 0.0}
+        if n and cut / n > max_share:
+            warnings.append(
+                f"{cut} of {n} replies with thinking {mode} ({100 * cut / n:.0f}%) stopped at "
+                f"max_new_tokens before their end of turn (over max_truncated_share="
+                f"{max_share:g}): raise --max-new-tokens"
+                + (" (reasoning needs thousands of tokens)" if mode == "on" else ""))
+    return shares, warnings
+
+
 def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backend,
                              cache: _Cache, settings: RegenerateSettings, bar: Any):
     """Conversations -> (kept, quarantine rows, per-source stats, finish reasons, generated
@@ -1029,6 +1068,9 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
         for s, pos, key in slots:
             entry = cache.entries[key]
             reply = Reply(**{k: v for k, v in entry.items() if k != "key"})
+            if not reply.error:  # a reply the target wrote, whatever becomes of it below
+                s.setdefault("replies", []).append((thinking_mode(reply, settings.thinking),
+                                                    reply.finish_reason))
             bad = check_reply(reply, settings)
             if bad:
                 s["failure"] = bad
@@ -1049,8 +1091,14 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
     finish: Counter[str] = Counter()
     for s in state:
         conv = s["conv"]
-        stats = per_source.setdefault(conv["source"], Stats(extra={"generated_turns": 0}))
+        stats = per_source.setdefault(conv["source"], Stats(extra=_reply_counts()))
         stats.rows_in += 1
+        replies = s.get("replies", [])
+        stats.extra["generated_replies"] += len(replies)
+        for mode, reason in replies:
+            stats.extra["replies_by_mode"][mode] += 1
+            if reason == "length":
+                stats.extra["truncated_by_mode"][mode] += 1
         failure = s["failure"]
         if conv["id"] in dummies:
             failure = ("quarantine", Q_DUMMY_REPLY,
@@ -1061,6 +1109,8 @@ def regenerate_conversations(conversations: list[dict[str, Any]], backend: Backe
             continue
         if failure:
             kind, code, message = failure
+            if replies:  # every reply of the conversation goes with it
+                stats.extra["dropped_replies"][code] += len(replies)
             if kind == "filter":
                 stats.filter(code)
             else:
@@ -1141,6 +1191,11 @@ class RegenerateStage(Stage):
                 conversations, ctx.state["backend"], cache, settings, bar)
         doc = stats_document(per_source, STAGE)
         doc["total"]["finish_reasons"] = dict(finish)
+        doc["total"]["truncation"], warnings = truncation(doc["total"],
+                                                          settings.max_truncated_share)
+        doc["warnings"] = warnings
+        for warning in warnings:
+            print(f"regenerate: WARNING: {warning}", file=sys.stderr, flush=True)
         # what tokenize's on-policy check compares its rendering with
         doc["generation"] = {
             "backend": settings.backend, "thinking": settings.thinking,

@@ -729,6 +729,7 @@ class TrainStage(Stage):
         barrier(ctx.world)  # rank 0 has prepared the partial directory
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
+        call = Timer()  # this call's seconds, recorded with each checkpoint (see _train)
         settings: TrainSettings = ctx.settings
         rows, extracted = ctx.state["rows"], ctx.state["extracted"]
         train_rows, prompts, per_source = _split(rows, settings)
@@ -749,7 +750,7 @@ class TrainStage(Stage):
         trainer.layers_from = ctx.state["layers_from"]
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
-                                 ctx.rank, ctx.progress)
+                                 ctx.rank, ctx.progress, call)
             ctx.timings.update(timing)
             return doc
         finally:
@@ -774,9 +775,14 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
            per_source: dict[str, Stats], partial: Path, rank: int,
-           progress: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
+           progress: bool | None, call: Timer | None = None
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Train; returns the stats document (stats.json) and the timings, which go to the manifest
-    only: the data files of two runs of the same inputs are byte-identical."""
+    only: the data files of two runs of the same inputs are byte-identical. The manifest's
+    seconds count every call that made the drafter: each checkpoint records (in the manifest,
+    not its state.json, which is data) the seconds spent up to it, and a resumed call adds
+    those of the checkpoint it resumed from."""
+    call = call or Timer()
     from dflash_etl.models.acceptance import acceptance_length, eos_token_ids
     from dflash_etl.models.drafter import parameter_count
 
@@ -784,6 +790,7 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     ckpt_dir.mkdir(exist_ok=True)
     state = trainer.resume(ckpt_dir)
     start = state.get("step", 0)
+    earlier = _earlier_seconds(run, start) if rank == 0 else 0.0
     eos = eos_token_ids(trainer.target.model)
     history = state.get("eval", [])
 
@@ -831,6 +838,8 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
                     _save_checkpoint(ckpt_dir, done, trainer.drafter, trainer.optimizer,
                                      trainer.scheduler, {"eval": history},
                                      settings.keep_checkpoints)
+                    _record_checkpoint_seconds(run, done, earlier + call.seconds,
+                                               settings.keep_checkpoints)
             bar.advance(1)
     seconds = timer.seconds
     if rank:
@@ -870,7 +879,26 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     # how much of the training this process did is the run's record (the manifest), not data
     doc["total"]["steps_this_run"] = trained
     return doc, {"steps_per_s": round(trained / seconds, 3) if seconds and trained else None,
-                 "steps_this_run": trained}
+                 "steps_this_run": trained, "earlier_seconds": earlier,
+                 "seconds_this_run": round(call.seconds, 3), "checkpoint_seconds": None}
+
+
+def _record_checkpoint_seconds(run: RunDir, step: int, seconds: float, keep: int) -> None:
+    """The stage's seconds up to checkpoint `step`, all calls together (the newest few)."""
+    recorded = run.manifest().get("stages", {}).get(STAGE, {}).get("checkpoint_seconds") or {}
+    recorded = {**recorded, str(step): round(seconds, 3)}
+    newest = sorted(recorded, key=int)[-(keep + 1):]
+    run.update_stage(STAGE, checkpoint_seconds={k: recorded[k] for k in newest})
+
+
+def _earlier_seconds(run: RunDir, start: int) -> float:
+    """The seconds the earlier calls spent up to checkpoint `start` (0 when starting afresh;
+    a checkpoint saved just before a kill but not yet recorded counts the one before it)."""
+    if not start:
+        return 0.0
+    recorded = run.manifest().get("stages", {}).get(STAGE, {}).get("checkpoint_seconds") or {}
+    steps = [int(k) for k in recorded if str(k).isdigit() and int(k) <= start]
+    return float(recorded[str(max(steps))]) if steps else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
