@@ -331,6 +331,32 @@ def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
     assert 1 <= doc["total"]["tau_final"] <= 4
 
 
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_online_training_equals_offline_on_qwen3_5(models, tokenized, tmp_path, kind):
+    """train --online computes the hybrid target's states per padded batch (Gated DeltaNet
+    layers are where padding leaks): the drafter equals the one trained offline on extract's
+    states of the same rows, and tau is measured."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_etl.stages import train
+
+    settings = {"steps": 2, "batch_rows": 2, "anchors_per_row": 4, "block_size": 4,
+                "draft_layers": 1, "eval_prompts": 1, "eval_new_tokens": 4, "layers": "1,2"}
+    offline = _copy(tokenized, tmp_path / "offline")
+    extract.run(None, offline, progress=False, model=str(models[kind]), layers="1,2")
+    train.run(None, offline, progress=False, target=str(models[kind]), **settings)
+    online = _copy(tokenized, tmp_path / "online")
+    doc = train.run(None, online, progress=False, target=str(models[kind]), online=True,
+                    **settings)
+    assert doc["total"]["online"] is True and doc["total"]["target_layers"] == [1, 2]
+    assert 1 <= doc["total"]["tau_final"] <= 4
+    a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
+    b = load_file(str(online / "train" / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
 def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
     """qwen3_5's cache cannot be cropped, so tau's verify pass re-reads the sequence; the LM head
     (248k columns) then runs over the anchor and the drafts only, never every position, and
