@@ -357,6 +357,33 @@ def test_online_training_equals_offline_on_qwen3_5(models, tokenized, tmp_path, 
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
+def test_the_mask_token_on_qwen36_is_the_first_unused_embedding_row(models, qwen36_tokenizer):
+    """Qwen3.6's tokenizer has no <|MASK|> (nor any mask token): the drafter's blocks use the
+    first embedding row no token uses, as DFlash's Qwen drafters do, and say so; a tokenizer
+    that has <|MASK|> gets it."""
+    from dflash_etl.models.tokenizer import load_tokenizer
+    from dflash_etl.stages.train import resolve_mask_token
+
+    tok = load_tokenizer(str(qwen36_tokenizer))
+    assert "<|MASK|>" not in tok.get_vocab() and tok.mask_token_id is None
+    config = json.loads((models["vl"] / "config.json").read_text())["text_config"]
+    assert config["vocab_size"] > len(tok)
+    token, why = resolve_mask_token(str(models["vl"]), config["vocab_size"], -1)
+    assert token == len(tok) and "embedding row" in why
+    with_mask = models["vl"].parent / "with-mask"
+    shutil.copytree(models["vl"], with_mask, dirs_exist_ok=True)
+    token_spec = {"content": "<|MASK|>", "single_word": False, "lstrip": False,
+                  "rstrip": False, "normalized": False, "special": True}
+    spec = json.loads((with_mask / "tokenizer.json").read_text())
+    spec["added_tokens"].append({"id": len(tok), **token_spec})
+    (with_mask / "tokenizer.json").write_text(json.dumps(spec))
+    spec = json.loads((with_mask / "tokenizer_config.json").read_text())
+    spec.setdefault("added_tokens_decoder", {})[str(len(tok))] = token_spec
+    (with_mask / "tokenizer_config.json").write_text(json.dumps(spec))
+    token, why = resolve_mask_token(str(with_mask), config["vocab_size"], -1)
+    assert token == len(tok) and "<|MASK|>" in why
+
+
 def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
     """qwen3_5's cache cannot be cropped, so tau's verify pass re-reads the sequence; the LM head
     (248k columns) then runs over the anchor and the drafts only, never every position, and
