@@ -553,3 +553,33 @@ def test_the_tiny_target_follows_its_config(tmp_path):
     assert hidden(changed) == 16
     with pytest.raises(StageError, match=r"unknown keys \['hiden_size'\]; known: .*hidden_size"):
         configured_target(config_with("hiden_size = 16"), tmp_path / "run")
+
+
+def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_out(
+        extracted, target, tmp_path):
+    """--head-vocab draft: the loss over tokenize's t2d rows of the head (here cut to the 150
+    most frequent supervised tokens, so that labels fall outside); the drafter still learns
+    (loss down, tau up with the full head, as served) and stats.json counts the labels left
+    out, at about the data's own share of supervised tokens outside the draft vocabulary."""
+    run_dir = _copy(extracted, tmp_path)
+    rows = tokenize_rows(run_dir)
+    supervised = np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) == 1]
+                                 for r in rows])
+    counts = np.bincount(supervised)
+    draft = np.argsort(-counts, kind="stable")[:150]
+    vocab_doc = json.loads((run_dir / "tokenize" / "draft_vocab.json").read_text())
+    t2d = np.zeros(len(np.load(run_dir / "tokenize" / vocab_doc["t2d"])), dtype=bool)
+    t2d[draft] = True
+    np.save(run_dir / "tokenize" / vocab_doc["t2d"], t2d)
+    doc = train.run(None, run_dir, progress=False, target=str(target), head_vocab="draft",
+                    **{**SMALL, "block_size": 16, "steps": 120, "batch_rows": 8,
+                       "anchors_per_row": 32, "eval_prompts": 8, "eval_new_tokens": 32})
+    total = doc["total"]
+    log = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    assert np.mean([r["loss"] for r in log[-20:]]) < np.mean([r["loss"] for r in log[:20]]) - 0.3
+    assert total["tau_final"] > total["tau_untrained"] + 1.0
+    counted = total["draft_vocab"]
+    assert counted["size"] == 150
+    assert counted["labels_outside"] == sum(r["outside_draft_vocab"] for r in log) > 0
+    share = 1 - counts[draft].sum() / counts.sum()
+    assert abs(counted["share_outside"] - share) < 0.1
