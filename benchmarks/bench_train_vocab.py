@@ -8,7 +8,8 @@ Qwen3.5/3.6-sized vocabulary, tiny hidden size) in one run, three ways:
 - after, draft vocabulary: the same over a 32k-token t2d (`--head-vocab draft`).
 
 Each step: the batch's blocks through the drafter, the head's loss, backward, AdamW; random
-weights and tokens (the speed does not depend on them). Writes results/train_vocab.{json,md}.
+weights and tokens (the speed does not depend on them). Writes results/train_vocab.{json,md}
+and the last section of results/train.md.
 
     python benchmarks/bench_train_vocab.py [--vocab 248320] [--steps 3]
 """
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+VOCAB_SECTION = "## At a 248k vocabulary (bench_train_vocab.py)"
 
 
 def before_block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any],
@@ -161,6 +163,11 @@ def main() -> None:
              f"step's: {b['losses'][0]} vs {f['losses'][0]}); the draft vocabulary's is a "
              "different loss (over its rows only)."]
     (out / "train_vocab.md").write_text("\n".join(lines) + "\n")
+    # and as the last section of train.md (bench_train.py keeps it when it rewrites the rest)
+    train_md = out / "train.md"
+    head = train_md.read_text().split(VOCAB_SECTION)[0].rstrip() if train_md.exists() else ""
+    body = "\n".join(["", f"{VOCAB_SECTION} — {result['date']}", "", *lines[2:]])
+    train_md.write_text((head + "\n" if head else "") + body + "\n")
     print("\n".join(lines))
 
 
