@@ -43,6 +43,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target, parse_layers, text_config
 from dflash_etl.models.tiny_model import with_target
@@ -78,6 +79,12 @@ class ExtractSettings:
     shard_rows: int = setting(256, min=1, help="rows per hidden-states shard")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target runs")
+    device_map: str = setting("none", choices=("none", "auto"),
+                              help="'auto': place the target's layers over the visible GPUs, "
+                                   "then the CPU (accelerate; a target larger than one GPU)")
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+                              help="with --device-map auto: the memory each device may hold "
+                                   "(default: accelerate's estimate of what is free)")
     format: str = setting("native", choices=("native", "speculators"),
                           help="the hidden states' file layout")
 
@@ -90,6 +97,7 @@ class ExtractSettings:
             raise StageError(f"--dtype {settings.dtype!r}: use fp32 or bf16")
         if settings.format not in ("native", "speculators"):
             raise StageError(f"--format {settings.format!r}: use native or speculators")
+        placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
         return settings
 
 

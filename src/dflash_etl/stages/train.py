@@ -53,6 +53,7 @@ from dflash_etl.core.rundir import (
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.loading import placement
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
 
@@ -103,6 +104,12 @@ class TrainSettings:
                                    "out of the loss and counted)")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target and the drafter run")
+    device_map: str = setting("none", choices=("none", "auto"),
+                              help="'auto': place the target's layers over the visible GPUs, "
+                                   "then the CPU (the drafter runs with the embedding)")
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+                              help="with --device-map auto: the memory each device may hold "
+                                   "(default: accelerate's estimate of what is free)")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -114,6 +121,7 @@ class TrainSettings:
                              "at least one token to predict")
         if settings.steps < 1 or settings.batch_rows < 1 or settings.anchors_per_row < 1:
             raise StageError("--steps, --batch-rows and --anchors-per-row must be >= 1")
+        placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
         return settings
 
     @property
@@ -570,7 +578,7 @@ class Trainer:
         import torch
 
         from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
-        from dflash_etl.models.target import Target, TargetSpec
+        from dflash_etl.models.target import Target, TargetSpec, resident_head
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
@@ -579,12 +587,14 @@ class Trainer:
             device = f"cuda:{torch.cuda.current_device()}"  # LOCAL_RANK's, set by _distributed
         self.target = Target(TargetSpec(model=settings.target, layers=layers,
                                              draft_layers=settings.draft_layers,
-                                             dtype=settings.dtype, device=device))
+                                             dtype=settings.dtype, device=device,
+                                             device_map=settings.device_map,
+                                             max_memory=settings.max_memory))
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.device = self.target.device
         self.embed = self.target.model.get_input_embeddings()
-        self.lm_head = self.target.model.get_output_embeddings()
+        self.lm_head = resident_head(self.target.model.get_output_embeddings())
         self.vocab = None if draft_vocab is None else DraftVocab(
             draft_vocab, self.lm_head.weight.shape[0], "tokenize's t2d")
         self.mask_token_id, self.mask_reason = resolve_mask_token(
@@ -669,7 +679,7 @@ class Trainer:
 
 
 # settings that do not change the trained drafter: a resumed run may change them
-NOT_FINGERPRINTED = ("device", "save_every", "keep_checkpoints")
+NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
