@@ -108,6 +108,10 @@ def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(t
         extract.run(None, run_dir, progress=False, model=str(target), layers="0,2",
                     batch_tokens=2048, **extra)
         runs[name] = sorted((run_dir / "extract" / "hidden_states").glob("*.safetensors"))
+    # the placement is not part of the fingerprint: a complete run is not redone elsewhere
+    again = extract.run(None, tmp_path / "plain", progress=False, model=str(target),
+                        layers="0,2", batch_tokens=2048, device_map="auto")
+    assert again.get("skipped") is True
     assert [p.name for p in runs["plain"]] == [p.name for p in runs["auto"]]
     for a, b in zip(runs["plain"], runs["auto"], strict=True):
         x, y = load_file(str(a)), load_file(str(b))

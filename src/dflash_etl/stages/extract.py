@@ -59,6 +59,7 @@ from dflash_etl.validation.health import (
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
                    ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
+PLACEMENT = ("device_map", "max_memory")  # settings left out of the fingerprint
 Q_NON_FINITE = "non_finite_hidden_states"
 Q_UNHEALTHY = "unhealthy_hidden_states"  # a shard failing the health check (validation/health.py)
 
@@ -334,7 +335,9 @@ class ExtractStage(Stage):
             row["row"] = position
         layers = parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
         ctx.state["rows"] = rows
-        return {"settings": asdict(settings), "layers": layers,
+        # where the layers sit does not change the states (tested): a rerun may move them
+        kept = {k: v for k, v in asdict(settings).items() if k not in PLACEMENT}
+        return {"settings": kept, "layers": layers,
                 "inputs": [sha256_file(f) for f in files],
                 "model": model_identity(settings.model)}
 
