@@ -80,7 +80,10 @@ def main() -> None:
              f"Offline / online: **{result['ratio']}x** steps/s. Same seed, same batches: the "
              "two runs differ only in where the hidden states come from (their losses agree "
              "to float rounding), so the gap is the target's forward pass per step."]
-    (out / "train.md").write_text("\n".join(lines) + "\n")
+    previous = (out / "train.md").read_text() if (out / "train.md").exists() else ""
+    marker = "## At a 248k vocabulary"  # bench_train_vocab.py's section: kept
+    kept = previous[previous.index(marker):] if marker in previous else ""
+    (out / "train.md").write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
     print("\n".join(lines))
 
 

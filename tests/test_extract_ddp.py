@@ -212,3 +212,21 @@ def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, tokeniz
     assert_same_output(run_dir, one_process)
     published = run_dir / "extract" / "hidden_states"
     assert all((published / name).stat().st_mtime_ns == when for name, when in kept.items())
+
+
+@pytest.mark.parametrize(("local", "visible", "gpu"), [(1, 8, 1), (3, 8, 3), (3, 2, 0), (0, 1, 0)])
+def test_a_ranks_gpu_is_its_local_rank_unless_it_sees_only_its_own(monkeypatch, local, visible,
+                                                                     gpu):
+    """One GPU per rank where every GPU is visible; a rank given only its own GPUs
+    (CUDA_VISIBLE_DEVICES per rank, G per replica for --device-map auto) takes its first one
+    (cuda:LOCAL_RANK did not exist there)."""
+    torch = pytest.importorskip("torch")
+    from dflash_etl.core import distributed
+
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert distributed.rank_gpu() == gpu
+    assert distributed.device_for_rank("auto") == f"cuda:{gpu}"
+    assert distributed.device_for_rank("cpu") == "cpu"

@@ -623,3 +623,38 @@ def test_the_manifests_seconds_count_every_call_of_a_resumed_training(extracted,
     assert stage["steps_this_run"] == 3
     for ckpt in (run_dir / "train" / "checkpoints").iterdir():
         assert "seconds" not in json.loads((ckpt / "state.json").read_text())
+
+
+def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_out(
+        extracted, target, tmp_path):
+    """--head-vocab draft: the loss over tokenize's t2d rows of the head (here cut to the most
+    frequent supervised tokens, ~90% of them, so that labels fall outside); the drafter learns
+    (loss down, tau up with the full head, as served) and stats.json counts the labels left
+    out, at about the data's own share of supervised tokens outside the draft vocabulary."""
+    run_dir = _copy(extracted, tmp_path)
+    rows = tokenize_rows(run_dir)
+    supervised = np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) == 1]
+                                 for r in rows])
+    counts = np.bincount(supervised)
+    ranked = np.argsort(-counts, kind="stable")
+    # the most frequent tokens up to ~90% of the supervised ones (a random target's greedy
+    # replies use few distinct tokens)
+    keep = int(np.searchsorted(np.cumsum(counts[ranked]) / counts.sum(), 0.9)) + 1
+    draft = ranked[:keep]
+    vocab_doc = json.loads((run_dir / "tokenize" / "draft_vocab.json").read_text())
+    t2d = np.zeros(len(np.load(run_dir / "tokenize" / vocab_doc["t2d"])), dtype=bool)
+    t2d[draft] = True
+    np.save(run_dir / "tokenize" / vocab_doc["t2d"], t2d)
+    doc = train.run(None, run_dir, progress=False, target=str(target), head_vocab="draft",
+                    **{**SMALL, "block_size": 16, "steps": 120, "batch_rows": 8,
+                       "anchors_per_row": 32, "eval_prompts": 8, "eval_new_tokens": 32})
+    total = doc["total"]
+    log = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    first, last = (np.mean([r["loss"] for r in part]) for part in (log[:20], log[-20:]))
+    assert last < 0.85 * first, (first, last, keep)
+    assert total["tau_final"] > total["tau_untrained"] + 0.5, (total, keep)
+    counted = total["draft_vocab"]
+    assert counted["size"] == keep < len(np.flatnonzero(counts))
+    assert counted["labels_outside"] == sum(r["outside_draft_vocab"] for r in log) > 0
+    share = 1 - counts[draft].sum() / counts.sum()
+    assert abs(counted["share_outside"] - share) < 0.1

@@ -26,6 +26,15 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def rank_gpu() -> int:
+    """This rank's GPU index: LOCAL_RANK where every GPU of the node is visible (one GPU per
+    rank), else the first it sees (each rank restricted to its own GPUs with
+    CUDA_VISIBLE_DEVICES: G GPUs per model replica, `device_map = "auto"` over them)."""
+    import torch
+
+    return local_rank() if local_rank() < torch.cuda.device_count() else 0
+
+
 def under_launcher() -> bool:
     """Whether this process is one rank of a torchrun (or similar) launch."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
@@ -42,8 +51,8 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if torch.cuda.is_available():  # one GPU per process, before NCCL picks one
-            torch.cuda.set_device(local_rank())
+        if torch.cuda.is_available():  # this rank's GPU, before NCCL picks one
+            torch.cuda.set_device(rank_gpu())
         try:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     timeout=timedelta(seconds=timeout_s))
@@ -58,11 +67,11 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
 
 def device_for_rank(device: str) -> str:
     """The device a rank's model goes to: under a launcher, `auto`/`cuda` mean this rank's GPU
-    (LOCAL_RANK), so the ranks of a node never share one."""
+    (`rank_gpu`), so the ranks of a node never share one."""
     import torch
 
     if rank_world()[1] > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{local_rank()}"
+        return f"cuda:{rank_gpu()}"
     return device
 
 

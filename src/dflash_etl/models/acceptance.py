@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dflash_etl.models.loading import execution_device
+
 
 @dataclass
 class Decoded:
@@ -36,6 +38,7 @@ def drafter_proposer(target: Any, drafter: Any) -> Callable[[Any, list[int]], li
     c = drafter.config
     embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     device = next(drafter.parameters()).device
+    head_device = execution_device(lm_head)  # another one than the drafter's under a device map
 
     def propose(context: Any, seq: list[int]) -> list[int]:
         block = torch.tensor([[seq[-1]] + [c.mask_token_id] * (c.block_size - 1)],
@@ -44,7 +47,8 @@ def drafter_proposer(target: Any, drafter: Any) -> Callable[[Any, list[int]], li
         hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
                          embed(block).float()[:, None],
                          torch.tensor([[len(seq) - 1]], device=device))
-        return lm_head(hidden[0, 0, 1:].to(lm_head.weight.dtype)).argmax(-1).tolist()
+        return lm_head(hidden[0, 0, 1:].to(head_device, lm_head.weight.dtype)
+                       ).argmax(-1).tolist()
 
     return propose
 

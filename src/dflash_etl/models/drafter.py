@@ -263,3 +263,69 @@ def block_loss_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# the logits of one chunk of predicted positions: chunk x vocab fp32 floats (256 MB), so a
+# 248k vocabulary takes ~270 positions at a time, a 32k one ~2,000, whatever the batch holds
+LOGIT_BUDGET = 1 << 26
+
+
+def logit_chunk(vocab: int, budget: int = LOGIT_BUDGET) -> int:
+    """Predicted positions per chunk so that a chunk's logits stay within `budget` floats."""
+    return max(1, budget // max(1, vocab))
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """sum(w * cross_entropy(states @ W.T + b, labels)) a chunk of positions at a time, with the
+    gradient for `states` computed in the same pass (softmax - one-hot, times W): the head is
+    frozen, so nothing else needs a gradient and no chunk's logits are recomputed or kept for
+    the backward pass. Also returns per position whether the argmax is the label."""
+
+    @staticmethod
+    def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, labels: torch.Tensor, label_weights: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, head = states.shape[0], weight.device  # the head may sit on another device
+        labels, label_weights = labels.to(head), label_weights.to(head)
+        total = torch.zeros((), dtype=torch.float32, device=head)
+        hits = torch.zeros(n, dtype=torch.bool, device=head)
+        grad = torch.empty_like(states, dtype=torch.float32) \
+            if ctx.needs_input_grad[0] else None
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            y, w = labels[a:b], label_weights[a:b].float()
+            rows = torch.arange(b - a, device=head)
+            # few passes over the chunk's logits, in place: they dominate at a large vocabulary
+            logits = F.linear(states[a:b].to(head, weight.dtype), weight, bias).float()
+            picked = logits[rows, y]
+            top, best = logits.max(dim=-1)
+            hits[a:b] = best == y
+            exps = logits.sub_(top[:, None]).exp_()
+            sums = exps.sum(dim=-1)
+            total = total + ((top + sums.log() - picked) * w).sum()
+            if grad is not None:  # w * (softmax - one-hot) @ W
+                exps.mul_((w / sums)[:, None])
+                exps[rows, y] -= w
+                grad[a:b] = (exps.to(weight.dtype) @ weight).to(grad.device, torch.float32)
+            del logits, exps
+        ctx.mark_non_differentiable(hits)
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.states_dtype = states.dtype
+        return total.to(states.device), hits
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor, _grad_hits: Any) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.states_dtype), None, None, None, None, None
+
+
+def head_cross_entropy(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       labels: torch.Tensor, label_weights: torch.Tensor,
+                       chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the weighted cross-entropy of a frozen LM head's logits, argmax == label per
+    position) over states [P, H]; at most `chunk` positions' logits exist at one time
+    (default: `logit_chunk` of the head's rows). The head gets no gradient."""
+    chunk = chunk or logit_chunk(weight.shape[0])
+    return _HeadCrossEntropy.apply(states, weight.detach(),
+                                   None if bias is None else bias.detach(), labels,
+                                   label_weights, chunk)

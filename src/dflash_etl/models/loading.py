@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,68 @@ def load_config(model_dir: str | Path) -> Any:
 
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
                                       trust_remote_code=False)
+
+
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B|B)?$", re.IGNORECASE)
+DEVICE_MAPS = ("none", "auto")
+
+
+def parse_max_memory(text: str, setting: str = "max_memory"
+                     ) -> dict[int | str, int | str] | None:
+    """'0=70GiB,1=70GiB,cpu=200GiB' -> {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'} (accelerate's
+    max_memory); '' -> None (accelerate's own budget). A malformed entry is a StageError that
+    names the setting and the entry."""
+    if not text.strip():
+        return None
+    out: dict[int | str, int | str] = {}
+    for entry in text.split(","):
+        key, sep, size = (part.strip() for part in entry.partition("="))
+        where = key if key == "cpu" else int(key) if key.isdigit() else None
+        if not sep or where is None or not _SIZE.match(size):
+            raise StageError(
+                f"--{setting.replace('_', '-')} {text!r}: entry {entry.strip()!r} is not "
+                "DEVICE=SIZE; give GPU indices (as CUDA_VISIBLE_DEVICES numbers them) or cpu "
+                "with a size such as 70GiB, e.g. '0=70GiB,1=70GiB,cpu=200GiB' (disk offload is "
+                "not supported)")
+        if where in out:
+            raise StageError(f"--{setting.replace('_', '-')} {text!r}: {key} is given twice")
+        size = size.replace(" ", "")
+        out[where] = int(size) if size.isdigit() else size  # accelerate: bytes as an int
+    return out
+
+
+def placement(device_map: str, max_memory: str) -> dict[str, Any]:
+    """from_pretrained's placement arguments for the settings `device_map` (none|auto) and
+    `max_memory`. 'auto' spreads the layers over the visible GPUs, then the CPU (accelerate's
+    pipeline placement: one layer runs at a time)."""
+    if device_map not in DEVICE_MAPS:
+        raise StageError(f"--device-map {device_map!r}: use none or auto")
+    memory = parse_max_memory(max_memory)
+    if device_map == "none":
+        if memory is not None:
+            raise StageError(f"--max-memory {max_memory!r} applies only with "
+                             "--device-map auto")
+        return {}
+    try:
+        import accelerate  # noqa: F401
+    except ImportError as exc:
+        raise StageError("--device-map auto needs accelerate: pip install "
+                         "'dflash-etl[multigpu]' (or accelerate)") from exc
+    return {"device_map": "auto", **({"max_memory": memory} if memory else {})}
+
+
+def execution_device(module: Any) -> Any:
+    """Where a module computes: accelerate's execution device when a device map dispatched it
+    (an offloaded module's own parameters sit on "meta"), else its weight's device."""
+    import torch
+
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    return torch.device(device) if device is not None else module.weight.device
+
+
+def input_device(model: Any) -> Any:
+    """Where a (possibly device-mapped) model takes its input ids: its embedding's device."""
+    return execution_device(model.get_input_embeddings())
 
 
 def load_causal_lm(model_dir: str | Path, **kwargs: Any) -> Any:

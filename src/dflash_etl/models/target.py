@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ class TargetSpec:
     draft_layers: int = 5
     dtype: str = "fp32"
     device: str = "auto"
+    device_map: str = "none"  # "auto": accelerate places the layers over the visible GPUs/CPU
+    max_memory: str = ""  # with device_map auto: "0=70GiB,1=70GiB,cpu=200GiB"
 
 
 def auto_layers(n_layers: int, k: int) -> list[int]:
@@ -72,6 +75,40 @@ def decoder_layers(model: Any) -> Any:
                      "ModuleList of that length; this architecture needs explicit support")
 
 
+def placement_of(model: Any) -> dict[str, str]:
+    """Module name -> device: accelerate's map when the model spans several devices
+    (transformers sets hf_device_map only then), else {"": the one device its weights are on}."""
+    mapped = getattr(model, "hf_device_map", None)
+    if mapped:
+        return {k: str(v) for k, v in mapped.items()}
+    return {"": ",".join(sorted({str(p.device) for p in model.parameters()}))}
+
+
+def resident_head(head: Any) -> Any:
+    """The LM head with its weights in memory: `head` itself, unless a device map offloaded it
+    (accelerate keeps an offloaded module's parameters on "meta" and loads them for each call),
+    then a frozen copy on its execution device, for the training loss, which reads the weight
+    directly (drafter.head_cross_entropy)."""
+    import torch
+
+    if head.weight.device.type != "meta":
+        return head
+    from accelerate.utils import align_module_device
+
+    from dflash_etl.models.loading import execution_device
+
+    device = execution_device(head)
+    with align_module_device(head, device):
+        bias = getattr(head, "bias", None)
+        copy = torch.nn.Linear(head.in_features, head.out_features, bias=bias is not None,
+                               device=device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            copy.weight.copy_(head.weight)
+            if bias is not None:
+                copy.bias.copy_(bias)
+    return copy.requires_grad_(False)
+
+
 # ---------------------------------------------------------------- the target
 class _EnoughLayers(Exception):
     """Raised by the last wanted layer's hook: the rest of the forward pass is not needed."""
@@ -84,18 +121,40 @@ class Target:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
 
-        from dflash_etl.models.loading import load_causal_lm, refuse_remote_code
+        from dflash_etl.models.loading import (
+            input_device,
+            load_causal_lm,
+            placement,
+            refuse_remote_code,
+        )
 
         self.torch = torch
         self.device = settings.device if settings.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
         refuse_remote_code(settings.model)
+        # extract's and train's settings carry these fields too; other callers may not
+        placed = placement(getattr(settings, "device_map", "none"),
+                           getattr(settings, "max_memory", ""))
         try:
-            self.model = load_causal_lm(settings.model, dtype=dtype)
+            self.model = load_causal_lm(settings.model, dtype=dtype, **placed)
         except Exception as exc:  # transformers raises many types for a bad directory
             raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
-        self.model.to(self.device).eval()
+        if placed:  # layers on several devices: ids go in where the embedding is
+            self.device = input_device(self.model)
+            self.model.eval()
+        else:
+            self.model.to(self.device).eval()
+        self.placement = placement_of(self.model)
+        if placed:
+            devices = sorted(set(self.placement.values()), key=str)
+            # offloaded: disk always, the CPU when a GPU is the main device
+            gpu = any(d not in ("cpu", "disk") for d in devices)
+            slow = [d for d in devices if d == "disk" or (d == "cpu" and gpu)]
+            print(f"target: --device-map auto placed {settings.model} on {', '.join(devices)}"
+                  + (f" (the layers on {' and '.join(slow)} are read back every forward pass: "
+                     "raise --max-memory for the GPUs to avoid that)" if slow else ""),
+                  file=sys.stderr, flush=True)
         config = text_config(self.model.config)
         self.n_layers = config.num_hidden_layers
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
@@ -112,7 +171,10 @@ class Target:
 
     def _keep(self, index: int):
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self.captured[index] = output[0] if isinstance(output, tuple) else output
+            state = output[0] if isinstance(output, tuple) else output
+            # under a device map the layers sit on several devices: gather on one (a no-op
+            # otherwise)
+            self.captured[index] = state.to(self.device)
             if index == self.stop_after:
                 raise _EnoughLayers
         return hook

@@ -54,6 +54,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target, parse_layers, text_config
 from dflash_etl.models.tiny_model import with_target
@@ -69,6 +70,7 @@ from dflash_etl.validation.health import (
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
                    ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
+PLACEMENT = ("device_map", "max_memory")  # settings left out of the fingerprint
 Q_NON_FINITE = "non_finite_hidden_states"
 Q_UNHEALTHY = "unhealthy_hidden_states"  # a shard failing the health check (validation/health.py)
 
@@ -89,6 +91,12 @@ class ExtractSettings:
     shard_rows: int = setting(256, min=1, help="rows per hidden-states shard")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target runs")
+    device_map: str = setting("none", choices=("none", "auto"),
+                              help="'auto': place the target's layers over the visible GPUs, "
+                                   "then the CPU (accelerate; a target larger than one GPU)")
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+                              help="with --device-map auto: the memory each device may hold "
+                                   "(default: accelerate's estimate of what is free)")
     format: str = setting("native", choices=("native", "speculators"),
                           help="the hidden states' file layout")
     launcher: str = setting("none", choices=("none", "torchrun"),
@@ -113,6 +121,7 @@ class ExtractSettings:
             raise StageError(f"--dtype {settings.dtype!r}: use fp32 or bf16")
         if settings.format not in ("native", "speculators"):
             raise StageError(f"--format {settings.format!r}: use native or speculators")
+        placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
         return settings
 
 
@@ -125,10 +134,11 @@ LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s")
 
 
 def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
-    """The settings that make the output (the fingerprint's): neither the dry run's nor the
-    launch's are among them, so adding them redoes no finished extract."""
+    """The settings that make the output (the fingerprint's): neither the dry run's, the
+    launch's nor the layers' placement (it does not change the states: tested) are among them,
+    so changing them redoes no finished extract."""
     return {k: v for k, v in asdict(settings).items()
-            if k not in PLAN_ONLY and k not in LAUNCH_SETTINGS}
+            if k not in PLAN_ONLY and k not in LAUNCH_SETTINGS and k not in PLACEMENT}
 
 
 # ---------------------------------------------------------------- pure core

@@ -49,6 +49,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic, write
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.loading import placement
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.templates.render import RenderError
 from dflash_etl.validation import suites
@@ -73,7 +74,8 @@ GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
 # where and how the openai backend reaches its servers: not what it generates, so changing them
 # (another fleet, more concurrency) keeps a run's fingerprint, and an interrupted run's cache
 TRANSPORT_SETTINGS = ("endpoint", "endpoints", "concurrency", "timeout_s", "retries",
-                      "cooldown_s", "request_deadline_s", "retry_failed")
+                      "cooldown_s", "request_deadline_s", "retry_failed",
+                      "device_map", "max_memory")  # and where the transformers backend runs
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 THINK_RE = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
@@ -136,6 +138,12 @@ class RegenerateSettings:
                                           "errors, 429, 5xx, replies past request_deadline_s "
                                           "or their size cap, and malformed replies")
     stream: bool = setting(False, help="openai backend: stream the responses")
+    device_map: str = setting("none", choices=("none", "auto"),
+                              help="transformers backend, 'auto': place the model's layers over "
+                                   "the visible GPUs, then the CPU (accelerate)")
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+                              help="transformers backend with --device-map auto: the memory "
+                                   "each device may hold (default: accelerate's estimate)")
     # several endpoints: a failed server's rest before its probe
     cooldown_s: float = setting(10.0, help="openai backend, several endpoints: how long a "
                                            "failed server sits out before its probe")
@@ -186,6 +194,8 @@ class RegenerateSettings:
         twice = sorted({u for u in settings.servers if settings.servers.count(u) > 1})
         if twice:
             raise StageError(f"--endpoints lists {twice} more than once")
+        if settings.backend == "transformers":
+            placement(settings.device_map, settings.max_memory)  # fails before any work
         return settings
 
 
@@ -366,19 +376,24 @@ class TransformersBackend(_LocalTemplate):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
 
-        from dflash_etl.models.loading import load_causal_lm, refuse_remote_code
+        from dflash_etl.models.loading import input_device, load_causal_lm, refuse_remote_code
         from dflash_etl.models.tokenizer import load_tokenizer
 
         self.settings = settings
         self.torch = torch
         self.tokenizer = load_tokenizer(settings.model)
         refuse_remote_code(settings.model)
+        placed = placement(settings.device_map, settings.max_memory)
         try:
-            self.model = load_causal_lm(settings.model)
+            self.model = load_causal_lm(settings.model, **placed)
         except Exception as exc:  # transformers raises many types for a bad directory
             raise StageError(f"cannot load a causal LM from {settings.model}: {exc}") from exc
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model.to(self.device).eval()
+        if placed:  # layers on several devices: ids go in where the embedding is
+            self.device = input_device(self.model)
+            self.model.eval()
+        else:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.model.to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id

@@ -54,6 +54,7 @@ from dflash_etl.core.rundir import (
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.loading import placement
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
 
@@ -100,8 +101,19 @@ class TrainSettings:
     keep_checkpoints: int = setting(2, min=1, help="checkpoints kept")
     dtype: str = setting("fp32", choices=("fp32", "bf16"),
                          help="the target's dtype (the drafter trains in fp32)")
+    head_vocab: str = setting("full", choices=("full", "draft"),
+                              help="the loss's vocabulary: the target's whole LM head, or only "
+                                   "its rows of tokenize's draft vocabulary (t2d, as "
+                                   "speculators' --draft-vocab-size; labels outside it are left "
+                                   "out of the loss and counted)")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target and the drafter run")
+    device_map: str = setting("none", choices=("none", "auto"),
+                              help="'auto': place the target's layers over the visible GPUs, "
+                                   "then the CPU (the drafter runs with the embedding)")
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+                              help="with --device-map auto: the memory each device may hold "
+                                   "(default: accelerate's estimate of what is free)")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -113,6 +125,7 @@ class TrainSettings:
                              "at least one token to predict")
         if settings.steps < 1 or settings.batch_rows < 1 or settings.anchors_per_row < 1:
             raise StageError("--steps, --batch-rows and --anchors-per-row must be >= 1")
+        placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
         return settings
 
     @property
@@ -173,13 +186,16 @@ def sample_anchors(rows: list[dict[str, Any]], anchors_per_row: int,
 
 
 def loss_weight_total(rows: list[dict[str, Any]], anchors: list[np.ndarray],
-                      weights: np.ndarray) -> float:
+                      weights: np.ndarray, in_vocab: np.ndarray | None = None) -> float:
     """The sum of the loss weights of every predicted position of these blocks: the loss's
     normaliser, computed from the rows alone so that every rank of a DDP step divides by the
-    whole batch's total (the step then equals one process training on the whole batch)."""
+    whole batch's total (the step then equals one process training on the whole batch). With
+    `in_vocab` (a draft vocabulary's bool per token id) only labels inside it count."""
     total = 0.0
     for row, picks in zip(rows, anchors, strict=True):
         mask = np.asarray(row["loss_mask"], dtype=bool)
+        if in_vocab is not None:
+            mask = mask & in_vocab[np.asarray(row["input_ids"], dtype=np.int64)]
         for k in range(1, len(weights)):
             at = picks + k
             inside = at < len(mask)
@@ -223,19 +239,53 @@ def make_batch(rows: list[dict[str, Any]], states: list[Any], picks: list[np.nda
             "labels": labels, "label_ok": keep[..., None] & inside & supervised & (offsets > 0)}
 
 
-LOGIT_CHUNK = 4096  # predicted positions whose logits (x vocab floats) exist at one time
+class DraftVocab:
+    """tokenize's draft vocabulary (t2d: a bool per target token id, speculators' layout) as
+    the LM head's rows: the loss over the draft tokens only, as speculators trains with
+    --draft-vocab-size (its head is the target head's t2d rows, in token id order)."""
+
+    def __init__(self, t2d: np.ndarray, head_rows: int, source: str = "t2d") -> None:
+        import torch
+
+        t2d = np.asarray(t2d, dtype=bool)
+        if t2d.ndim != 1 or not t2d.any():
+            raise StageError(f"{source}: a draft vocabulary needs a non-empty 1-d bool t2d map")
+        if len(t2d) > head_rows and t2d[head_rows:].any():
+            raise StageError(f"{source} marks token ids beyond the target's {head_rows} LM head "
+                             "rows: it was made for another target; rerun tokenize")
+        self.inside = np.zeros(head_rows, dtype=bool)  # padded/cut to the head's rows
+        self.inside[:min(len(t2d), head_rows)] = t2d[:head_rows]
+        self.size = int(self.inside.sum())
+        self.rows = torch.as_tensor(np.flatnonzero(self.inside))
+        to_draft = np.full(head_rows, -1, dtype=np.int64)
+        to_draft[self.inside] = np.arange(self.size)
+        self.to_draft = torch.as_tensor(to_draft)
+        self._head: tuple[Any, Any, Any] | None = None
+
+    def head(self, lm_head: Any) -> tuple[Any, Any]:
+        """(weight, bias) of the LM head's draft rows (a copy, made once per head)."""
+        if self._head is None or self._head[0] is not lm_head:
+            rows = self.rows.to(lm_head.weight.device)
+            bias = getattr(lm_head, "bias", None)
+            self._head = (lm_head, lm_head.weight.detach()[rows].contiguous(),
+                          None if bias is None else bias.detach()[rows].contiguous())
+        return self._head[1], self._head[2]
 
 
 def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], weights: Any,
-               chunk: int = LOGIT_CHUNK, normalizer: float | None = None
-               ) -> tuple[Any, dict[str, float]]:
+               chunk: int | None = None, normalizer: float | None = None,
+               vocab: DraftVocab | None = None) -> tuple[Any, dict[str, float]]:
     """The decay-weighted cross-entropy of a batch of blocks (divided by `normalizer`, default
     the batch's own weight total), and its accuracy at offset 1.
 
-    Only supervised positions go through the LM head, `chunk` at a time under activation
-    checkpointing: with a 152k vocabulary the logits of every block would take gigabytes."""
+    Only supervised positions go through the LM head, `chunk` at a time (default: as many as
+    keep a chunk's logits within drafter.LOGIT_BUDGET floats), with the head's gradient for
+    them computed in the same pass (drafter.head_cross_entropy): with a 248k vocabulary the
+    logits of every block would take gigabytes. With a draft `vocab` the head is its rows only
+    and labels outside it are left out of the loss and counted (`outside_draft_vocab`)."""
     import torch
-    from torch.utils.checkpoint import checkpoint
+
+    from dflash_etl.models.drafter import head_cross_entropy
 
     device = weights.device
     with torch.no_grad():
@@ -243,30 +293,28 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
     hidden = drafter(batch["hidden"].to(device), batch["valid"].to(device), block_embeds,
                      batch["anchors"].to(device))
     ok = batch["label_ok"][:, :, 1:].to(device)
-    w = (weights[1:] * ok)[ok]
-    labels = batch["labels"][:, :, 1:].to(device)[ok]
-    states = hidden[:, :, 1:][ok]  # [supervised positions, hidden]
     first = torch.zeros_like(ok)
     first[..., 0] = True
+    labels = batch["labels"][:, :, 1:].to(device)[ok]
+    w = (weights[1:] * ok)[ok]
+    states = hidden[:, :, 1:][ok]  # [supervised positions, hidden]
     first = first[ok]
-
-    def chunk_loss(h: Any, y: Any, wy: Any) -> tuple[Any, Any]:
-        logits = lm_head(h.to(lm_head.weight.dtype)).float()
-        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
-        return (ce * wy).sum(), (logits.argmax(-1) == y)
-
-    total = states.new_zeros(())
-    right = []
-    for a in range(0, len(labels), chunk):
-        part, hit = checkpoint(chunk_loss, states[a:a + chunk], labels[a:a + chunk],
-                               w[a:a + chunk], use_reentrant=False)
-        total = total + part
-        right.append(hit)
+    head_weight, head_bias = lm_head.weight, getattr(lm_head, "bias", None)
+    outside = 0
+    if vocab is not None:
+        mapped = vocab.to_draft.to(device)[labels]
+        inside = mapped >= 0
+        outside = int((~inside).sum())
+        labels, w, states, first = mapped[inside], w[inside], states[inside], first[inside]
+        head_weight, head_bias = vocab.head(lm_head)
+    total, hits = head_cross_entropy(states, head_weight, head_bias, labels, w, chunk)
+    hits = hits.to(first.device)  # the head's device, under a device-mapped target
     loss = total / (normalizer if normalizer is not None else w.sum() + 1e-6)
-    hits = torch.cat(right) if right else first
     metrics = {"loss": float(loss.detach()),
                "acc_1": float((hits & first).sum() / first.sum().clamp(min=1)),
                "supervised": len(labels)}
+    if vocab is not None:
+        metrics.update(outside_draft_vocab=float(outside), inside_draft_vocab=float(len(labels)))
     return loss, metrics
 
 
@@ -382,6 +430,20 @@ def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
     for position, row in enumerate(rows):
         row["row"] = position
     return rows, files
+
+
+def _t2d_file(run: RunDir) -> Path:
+    """tokenize's t2d map (named in its draft_vocab.json), for --head-vocab draft."""
+    out = run.stage_dir("tokenize")
+    try:
+        name = json.loads((out / "draft_vocab.json").read_text())["t2d"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StageError(f"--head-vocab draft: no draft vocabulary in {out} (draft_vocab.json "
+                         f"naming its t2d map: {exc}); rerun `dflash-etl tokenize` for this run "
+                         "or train with --head-vocab full") from exc
+    if not (out / name).is_file():
+        raise StageError(f"--head-vocab draft: {out / name} is missing; rerun tokenize")
+    return out / name
 
 
 def _extract_info(run: RunDir) -> dict[str, Any]:
@@ -530,23 +592,27 @@ class Trainer:
 
     def __init__(self, settings: TrainSettings, rows: list[dict[str, Any]],
                  extracted: ExtractedStates | None, extract_layers: list[int] | None, out: Path,
-                 rank: int = 0, world: int = 1) -> None:
+                 rank: int = 0, world: int = 1, draft_vocab: np.ndarray | None = None) -> None:
         import torch
 
         from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
-        from dflash_etl.models.target import Target, TargetSpec
+        from dflash_etl.models.target import Target, TargetSpec, resident_head
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
         device = device_for_rank(settings.device)
         self.target = Target(TargetSpec(model=settings.target, layers=layers,
                                              draft_layers=settings.draft_layers,
-                                             dtype=settings.dtype, device=device))
+                                             dtype=settings.dtype, device=device,
+                                             device_map=settings.device_map,
+                                             max_memory=settings.max_memory))
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.device = self.target.device
         self.embed = self.target.model.get_input_embeddings()
-        self.lm_head = self.target.model.get_output_embeddings()
+        self.lm_head = resident_head(self.target.model.get_output_embeddings())
+        self.vocab = None if draft_vocab is None else DraftVocab(
+            draft_vocab, self.lm_head.weight.shape[0], "tokenize's t2d")
         self.mask_token_id, self.mask_reason = resolve_mask_token(
             settings.target, self.embed.weight.shape[0], settings.mask_token_id)
         torch.manual_seed(settings.seed)
@@ -581,13 +647,14 @@ class Trainer:
         anchors = sample_anchors(rows, s.anchors_per_row, rng)
         # DDP averages the ranks' gradients: each rank divides its share by the whole batch's
         # weight total / world, so a step equals one process training on the whole batch
-        normalizer = loss_weight_total(rows, anchors, self.weights.cpu().numpy()) / self.world
+        normalizer = loss_weight_total(rows, anchors, self.weights.cpu().numpy(),
+                                       self.vocab.inside if self.vocab else None) / self.world
         share = list(range(self.rank, len(rows), self.world))
         mine = [rows[k] for k in share or [0]]  # a rank without rows still joins the all-reduce
         batch = make_batch(mine, self.states(mine), [anchors[k] for k in share or [0]],
                            s.block_size, self.mask_token_id)
         loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights,
-                                   normalizer=max(normalizer, 1e-6))
+                                   normalizer=max(normalizer, 1e-6), vocab=self.vocab)
         if not share:
             loss = loss * 0.0
         if self.world > 1:  # log the whole batch's loss, not this rank's share of it
@@ -629,7 +696,8 @@ class Trainer:
 
 
 # settings that do not change the trained drafter: a resumed run may change them
-NOT_FINGERPRINTED = ("device", "save_every", "keep_checkpoints", "dist_timeout_s")
+NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints",
+                     "dist_timeout_s")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
@@ -712,6 +780,11 @@ class TrainStage(Stage):
         settings: TrainSettings = ctx.settings
         ctx.rank, ctx.world = join(settings.dist_timeout_s)
         rows, files = _load_rows(ctx.run)
+        t2d = None
+        if settings.head_vocab == "draft":
+            t2d_file = _t2d_file(ctx.run)
+            files = [*files, t2d_file]
+            t2d = np.load(t2d_file)
         extracted = None if settings.online else _extract_info(ctx.run)
         index: list[dict[str, Any]] = []
         if extracted is not None:
@@ -720,7 +793,7 @@ class TrainStage(Stage):
             rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
         layers, layers_from = target_layers(ctx, settings, extracted)
         ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
-                         layers_from=layers_from)
+                         layers_from=layers_from, t2d=t2d)
         return _fingerprint_payload(settings, files,
                                     extracted["fingerprint"] if extracted else None,
                                     None if extracted else layers)
@@ -746,7 +819,7 @@ class TrainStage(Stage):
         states = (ExtractedStates(ctx.run.stage_dir("extract"), len(extracted["layers"]),
                                   ctx.state["index"]) if extracted else None)
         trainer = Trainer(settings, train_rows, states, ctx.state["layers"], ctx.partial,
-                          ctx.rank, ctx.world)
+                          ctx.rank, ctx.world, draft_vocab=ctx.state["t2d"])
         trainer.layers_from = ctx.state["layers_from"]
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
@@ -870,6 +943,13 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
         "drafter_parameters": parameter_count(trainer.drafter),
     })
+    if trainer.vocab is not None:  # the labels the loss left out, over every logged step
+        outside = sum(e.get("outside_draft_vocab", 0.0) for e in logged)
+        inside = sum(e.get("inside_draft_vocab", 0.0) for e in logged)
+        doc["total"]["draft_vocab"] = {
+            "size": trainer.vocab.size, "labels_outside": int(outside),
+            "labels_inside": int(inside),
+            "share_outside": round(outside / (outside + inside), 6) if outside + inside else 0.0}
     problems = verify(partial, settings.block_size)
     write_json_atomic(partial / "contract.json", {"passed": not problems, "problems": problems})
     if problems:
