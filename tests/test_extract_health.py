@@ -82,6 +82,10 @@ def test_healthy_states_record_their_numbers(tokenized, tmp_path):
     assert check_path(run / "extract")["passed"]
     page = (build_docs(run) / "index.html").read_text()
     assert "Hidden-state health" in page and "max relative difference" in page
+    curves = page[page.index('data-key="extract-norm-curves"'):]
+    assert curves.count("<polyline") == 2  # mean and max norm by layer
+    peak = max(layer["norm_mean"] for layer in health["layers"])
+    assert f">{peak:.4g}</text>" in curves
 
 
 @pytest.mark.parametrize("corruption", ["zeros", "padding_leak"])

@@ -178,7 +178,24 @@ def extract_section(stage: StageInfo) -> str:
                      [(h["layer"], h["tokens"], f"{h['zero_share']:.2%}", h["norm_mean"],
                        h["norm_max"], h["non_finite"], h["outliers"])
                       for h in health.get("layers", [])]))
+        html += norm_curves(health.get("layers", []))
     return html
+
+
+def norm_curves(layers: list[dict[str, Any]]) -> str:
+    """Mean and max per-token L2 norm by target layer: a healthy target's norms grow with depth
+    (a flat zero line, or one layer far off the others, is what the zeros of a broken kernel and
+    a leaking pad look like)."""
+    if not layers:
+        return ""
+    charts = []
+    for key, what in (("norm_mean", "mean"), ("norm_max", "max")):
+        peak = max(float(h[key]) for h in layers) or 1.0
+        points = [(float(h["layer"]), float(h[key]) / peak) for h in layers]
+        charts.append(curve_svg(points, f"{what} token L2 norm per layer", "target layer",
+                                top=f"{peak:.4g}"))
+    return ('<h3>Norms per layer</h3><div class="charts" data-key="extract-norm-curves">'
+            + "".join(charts) + "</div>")
 
 
 def train_section(stage: StageInfo) -> str:
