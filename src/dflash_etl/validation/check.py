@@ -76,6 +76,63 @@ def check_model_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
             "passed": not problems and not accounting}
 
 
+FOREIGN_STATES = "speculators hidden states"  # a directory of hs_<i>.safetensors from anywhere
+MAX_LISTED = 20  # problems listed per check (every file is still checked)
+
+
+def foreign_states_dir(path: Path) -> Path | None:
+    """The directory of speculators-format states (`hs_<i>.safetensors`, as its data generation
+    or our export writes them) in `path` or its hidden_states/, when `path` is no stage output
+    of ours."""
+    for directory in (path, path / "hidden_states"):
+        if directory.is_dir() and next(directory.glob("hs_*.safetensors"), None) is not None:
+            return directory
+    return None
+
+
+def check_foreign_states(directory: Path) -> dict[str, Any]:
+    """The hidden-state health check on states made elsewhere (no model, so no reference
+    check): per file and stored layer, non-finite values, the share of exact zeros and all-zero
+    layers; what speculators' own check (shape, token count) would pass on a serving engine's
+    all-zero states. The dtype's limits apply (bf16: as extract's)."""
+    from safetensors import safe_open
+
+    from dflash_etl.validation.health import HealthLimits, layer_health, shard_problems
+
+    problems: list[str] = []
+    files = sorted(directory.glob("hs_*.safetensors"))
+    failed = 0
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                states = f.get_tensor("hidden_states")
+        except Exception as exc:  # a truncated or foreign file: the reader's own message
+            found = [f"cannot be read as speculators states ({type(exc).__name__}: {exc})"]
+        else:
+            if states.ndim != 3:
+                found = [f"hidden_states has shape {tuple(states.shape)}, not [tokens, "
+                         "layers, hidden]"]
+            else:
+                health = layer_health(states, range(states.shape[1]))
+                limits = HealthLimits.for_dtype("bf16" if "bfloat16" in str(states.dtype)
+                                                else "fp32")
+                found = [f"stored layer {h['layer']}: {h['non_finite']} non-finite values"
+                         for h in health if h["non_finite"]]
+                found += shard_problems(health, None, limits)
+        if found:
+            failed += 1
+            problems += [f"{path.name}: {p}" for p in found][:max(0, MAX_LISTED - len(problems))]
+    if failed:
+        problems.append(f"{failed} of {len(files)} files fail")
+    return {"stage": FOREIGN_STATES, "path": str(directory), "contract": "hidden_state_health",
+            "rows": len(files), "shards": len(files), "unit": "hs files",
+            "accounting_problems": [],
+            "failures": [{"check": "hidden_state_health", "column": None,
+                          "shard": directory.name, "count": 1, "samples": [p]}
+                         for p in problems],
+            "passed": not problems}
+
+
 def _kind(path: Path) -> str | None:
     for kind, marker in MODEL_STAGES.items():
         if (path / marker).exists():
@@ -112,6 +169,17 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
     if not path.exists():
         return {"passed": False, "stages": [], "summary": f"FAIL: {path} does not exist"}
     kind = _kind(path)
+    foreign = foreign_states_dir(path) if kind is None and suite is None else None
+    if foreign is not None and not (path / "manifest.json").exists():
+        report = check_foreign_states(foreign)
+        status = "PASS" if report["passed"] else "FAIL"
+        lines = [f"{status} {FOREIGN_STATES} ({foreign}): hidden-state health of "
+                 f"{report['rows']} files (zeros, non-finite; no reference without the model)"]
+        if report["failures"]:
+            lines.append(format_failures(report, limit=MAX_LISTED))
+        lines.append("all checks passed" if report["passed"] else "checks FAILED")
+        return {"passed": report["passed"], "stages": [report], "manifest_failures": [],
+                "summary": "\n".join(lines)}
     broken = [] if kind or suite else manifest_failures(path)
     failed_lines = [f"FAIL {f['stage']} (manifest.json): the stage failed: {f['error']}"
                     for f in broken]
