@@ -382,3 +382,4 @@ def test_contract_checks_a_shard_slice_by_slice_and_names_rows_in_the_shard(run_
     report = contracts.validate_files(contracts.load_contract("tokenized", params), [path])
     assert report["rows"] == len(rows) and not report["passed"]
     assert {r for f in report["failures"] for r in f["rows"]} == {bad}, report["failures"]
+

@@ -223,21 +223,19 @@ def read_table(path: Path, columns: list[str] | None = None) -> pl.DataFrame:
     """A stage shard as a polars frame (see `read_arrow`)."""
     if str(path).endswith(".parquet"):
         return pl.read_parquet(path, columns=columns)
-    frame = pl.from_arrow(read_arrow(path))
-    return frame.select(columns) if columns else frame
+    table = read_arrow(path)  # memory-mapped: only the columns selected are read
+    frame = pl.from_arrow(table.select(columns) if columns else table)
+    return frame
 
 
 SLICE_BYTES = 16 * 2**20
 
 
-def _slices(path: Path, max_bytes: int | None = None) -> Any:
-    """A shard as polars frames of about `max_bytes` each: an Arrow stream shard (500 MB, as
-    datasets writes them) is read batch by batch (read, not memory-mapped: mapped pages stay in
-    the process until the map closes), so the checks' working memory (~5x the slice) is a
-    slice's, not the shard's. Parquet shards (bounded by [run] shard_rows) are read whole."""
-    if str(path).endswith(".parquet"):
-        yield read_table(path)
-        return
+def arrow_slices(path: Path, max_bytes: int | None = None) -> Any:
+    """An Arrow stream shard (500 MB, as datasets writes them) as pyarrow tables of about
+    `max_bytes` each, read batch by batch (read, not memory-mapped: mapped pages stay in the
+    process until the map closes): whatever is computed per slice (the contract's checks, ~5x
+    the slice; the suite's features) needs a slice's memory, not the shard's."""
     import pyarrow as pa_arrow
 
     max_bytes = max_bytes or SLICE_BYTES
@@ -249,10 +247,20 @@ def _slices(path: Path, max_bytes: int | None = None) -> Any:
             batches.append(batch)
             size += batch.nbytes
             if size >= max_bytes:
-                yield pl.from_arrow(pa_arrow.Table.from_batches(batches))
+                yield pa_arrow.Table.from_batches(batches)
                 batches, size, made = [], 0, True
         if batches or not made:
-            yield pl.from_arrow(pa_arrow.Table.from_batches(batches, schema=reader.schema))
+            yield pa_arrow.Table.from_batches(batches, schema=reader.schema)
+
+
+def _slices(path: Path, max_bytes: int | None = None) -> Any:
+    """A shard as polars frames of about `max_bytes` each (`arrow_slices`); Parquet shards
+    (bounded by [run] shard_rows) are read whole."""
+    if str(path).endswith(".parquet"):
+        yield read_table(path)
+        return
+    for table in arrow_slices(path, max_bytes):
+        yield pl.from_arrow(table)
 
 
 def validate_files(contract: Contract, files: list[Path]) -> dict[str, Any]:

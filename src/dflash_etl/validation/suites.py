@@ -32,7 +32,7 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.formats import roles
 from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper
-from dflash_etl.validation.contracts import read_arrow
+from dflash_etl.validation.contracts import arrow_slices, read_arrow
 
 EXPECTATIONS_DIR = Path(__file__).resolve().parents[3] / "expectations"
 STAGE_SUITES = {s.name: s.suite for s in STAGES if s.suite}
@@ -203,7 +203,9 @@ def tokenized_features(table: pa.Table) -> pl.DataFrame:
     """One row per training row: identity columns plus mask and length features."""
     names = table.column_names
     keep = [c for c in ("id", "source", "turn", "seq_len") if c in names]
-    out = pl.from_arrow(table.select(keep)) if keep else pl.DataFrame()
+    # combined into buffers of their own: a record batch read from a stream is one allocation,
+    # and a column kept zero-copy would keep its batch's token lists alive (a shard per shard)
+    out = pl.from_arrow(table.select(keep).combine_chunks()) if keep else pl.DataFrame()
     if not isinstance(out, pl.DataFrame):
         out = out.to_frame()
     cols: list[pl.Series] = []
@@ -213,7 +215,7 @@ def tokenized_features(table: pa.Table) -> pl.DataFrame:
     if "loss_mask" in names:
         values, offsets = _list_buffers(table.column("loss_mask"))
         lengths = np.diff(offsets)
-        supervised = np.add.reduceat(values.astype(np.int64), offsets[:-1]) if len(values) else (
+        supervised = np.add.reduceat(values, offsets[:-1], dtype=np.int64) if len(values) else (
             np.zeros(len(lengths), dtype=np.int64))
         supervised = np.where(lengths > 0, supervised, 0)  # reduceat repeats on empty rows
         fraction = np.divide(supervised, lengths, out=np.zeros(len(lengths)), where=lengths > 0)
@@ -237,8 +239,9 @@ def row_features(stage_dir: Path, kind: str) -> pl.DataFrame:
     for path in output_files(stage_dir, kind):
         if kind == "conversations":
             part = conversation_features(_conversation_columns(path))
-        else:
-            part = tokenized_features(read_arrow(path))
+        else:  # slice by slice: a shard's whole list columns (and temporaries) took GBs
+            part = pl.concat([tokenized_features(t) for t in arrow_slices(path)]) \
+                if str(path).endswith(".arrow") else tokenized_features(read_arrow(path))
         repetitive = [c for c, dtype in part.schema.items() if dtype == pl.String and c != "id"]
         parts.append(part.with_columns(pl.col(repetitive).cast(pl.Categorical)))
     if not parts:
