@@ -839,3 +839,18 @@ def test_tools_in_a_system_prompt_need_a_json_list_of_named_objects():
     assert tools_from_text("Broken: [{") is None
     (spec,) = tools_from_text('x [1] then [{"name": "f", "parameters": {}}] y')
     assert spec == {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+def test_the_unique_check_finds_duplicates_across_shards_by_value(tmp_path):
+    """Keys are compared by hash first (bounded memory) and then by value: a key repeated in
+    another shard is reported with its values; distinct keys pass."""
+    import polars as pl
+
+    from dflash_etl.validation.contracts import _duplicates
+
+    pl.DataFrame({"id": ["a", "b", "c"], "turn": [0, 0, 1]}).write_parquet(tmp_path / "1.parquet")
+    pl.DataFrame({"id": ["c", "d", "b"], "turn": [0, 0, 0]}).write_parquet(tmp_path / "2.parquet")
+    files = [tmp_path / "1.parquet", tmp_path / "2.parquet"]
+    dupes = _duplicates(files, ["id", "turn"])
+    assert dupes.rows() == [("b", 0)]
+    assert _duplicates(files[:1], ["id", "turn"]).is_empty()
