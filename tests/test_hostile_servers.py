@@ -227,8 +227,11 @@ FAST = {"timeout_s": 1.0, "request_deadline_s": 1.0, "retries": 1, "concurrency"
 
 
 def _settings(server: Hostile, **extra: Any) -> RegenerateSettings:
+    """The served model named (no /models lookup at start: on a loaded CI machine that lookup
+    alone can pass FAST's 1 s deadline), unless a test asks for the lookup (served_model=None)."""
     return RegenerateSettings(**{"model": "hostile", "backend": "openai", "endpoint": server.url,
-                                 "max_new_tokens": 32, "dummy_min_repeats": 99, **FAST, **extra})
+                                 "max_new_tokens": 32, "dummy_min_repeats": 99,
+                                 "served_model": "hostile", **FAST, **extra})
 
 
 def _within(budget_s: float, fn: Any) -> Any:
@@ -323,10 +326,10 @@ def test_a_model_listing_that_trickles_cannot_hang_the_start(hostile):
 
     hostile.models_mode = "slow_loris"
     with pytest.raises(StageError, match="cannot list the models"):  # one server: it names
-        _within(4.0, lambda: OpenAIBackend(_settings(hostile)))  # the model
+        _within(4.0, lambda: OpenAIBackend(_settings(hostile, served_model=None)))  # the model
     with DevServer(None, instant=True, name="hostile") as good:  # a fleet: it starts out
         backend = _within(4.0, lambda: OpenAIBackend(_settings(
-            hostile, endpoints=(hostile.url, good.url))))
+            hostile, endpoints=(hostile.url, good.url), served_model=None)))
         assert not backend.servers[0].healthy and backend.servers[1].healthy
 
 
