@@ -204,11 +204,14 @@ def main() -> None:
     parser.add_argument("--peer", type=Path, metavar="PEER",
                         help="instead: against speculators 0.7.0.2 in PEER (../shared/peer), "
                         "see bench_tokenize_peer.py")
+    parser.add_argument("--peer-tokenizer", choices=("chatml-generation-tags", "chatml-plain"),
+                        help="with --peer: only this tokenizer")
     args = parser.parse_args()
     if args.peer:
         import bench_tokenize_peer
 
-        bench_tokenize_peer.main(args.peer.resolve(), args.conversations, args.repeats or 3)
+        bench_tokenize_peer.main(args.peer.resolve(), args.conversations, args.repeats or 3,
+                                 args.peer_tokenizer)
         return
     args.repeats = args.repeats or 2
     base_src = None

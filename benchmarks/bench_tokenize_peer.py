@@ -162,7 +162,7 @@ def compare_masks(run_dir: Path, peer_out: Path) -> dict:
             "our_supervised_tokens": sum(map(sum, our_masks))}
 
 
-def main(peer: Path, conversations: int, repeats: int) -> None:
+def main(peer: Path, conversations: int, repeats: int, only: str | None = None) -> None:
     if not (peer / "venv" / "bin" / "python").exists() or not (peer / "spec0702").is_dir():
         raise SystemExit(f"{peer}: no peer environment (venv/ and spec0702/): set it up as "
                          f"{HARNESS / 'README.md'} says")
@@ -175,6 +175,8 @@ def main(peer: Path, conversations: int, repeats: int) -> None:
         "conversations": conversations, "peer": "speculators 0.7.0.2 prepare_data, 2 workers",
         "runs": {}}
     for name, tokenizer in tokenizers.items():
+        if only and name != only:
+            continue
         peers, ours = [], []
         peer_out = WORK / f"peer_out_{name}"
         for k in range(repeats):  # alternate, the first one each way round
@@ -195,7 +197,8 @@ def main(peer: Path, conversations: int, repeats: int) -> None:
                                 if k not in ("peer", "ours")}), flush=True)
     results["machine"]["load_avg_at_end"] = os.getloadavg()[0]
     out = HERE / "results"
-    (out / "tokenize_peer.json").write_text(json.dumps(results, indent=2) + "\n")
+    stem = f"tokenize_peer_{only}" if only else "tokenize_peer"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     m = results["machine"]
     lines = [f"# tokenize vs speculators 0.7.0.2 ({results['date']}, {m['cores']} cores, 1-min "
              f"load {m['load_avg_at_start']:.1f} at start, {m['load_avg_at_end']:.1f} at end)",
@@ -221,5 +224,5 @@ def main(peer: Path, conversations: int, repeats: int) -> None:
             f"{masks['same_input_ids']} of {masks['rows']} | {masks['same_loss_mask']} of "
             f"{masks['rows']} | {masks['peer_supervised_tokens']} / "
             f"{masks['our_supervised_tokens']} |")
-    (out / "tokenize_peer.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
