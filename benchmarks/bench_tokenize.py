@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -160,35 +161,50 @@ def _descends(child: int, root: int) -> bool:
     return False
 
 
-def run_stage(run_dir: Path, model: Path, src: Path = REPO / "src") -> dict:
-    cmd = [sys.executable, "-m", "dflash_etl", "tokenize", "--run", str(run_dir),
-           "--model", str(model), "--force", "--seq-length", "4096"]
-    env = {**os.environ, "PYTHONPATH": str(src)}
+def own_rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().split()[23]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> dict:
+    """Run a whole process (failing the benchmark if it fails): wall seconds, CPU seconds of its
+    tree, peak RSS of its tree and of the process itself (sampled every 0.1 s), its output."""
     start, cpu = time.perf_counter(), children_cpu()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    peak = 0
+    peak_tree = peak_own = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak_tree, peak_own
         while not done.is_set():
-            peak = max(peak, tree_rss(proc.pid))
+            peak_tree = max(peak_tree, tree_rss(proc.pid))
+            peak_own = max(peak_own, own_rss(proc.pid))
             time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _, err = proc.communicate()
+    out, _ = proc.communicate()
     done.set()
     sampler.join()
-    seconds = time.perf_counter() - start
-    cpu_seconds = children_cpu() - cpu  # the stage, its workers and its suite helper
     if proc.returncode:
-        raise SystemExit(f"tokenize failed:\n{err[-3000:]}")
+        raise SystemExit(f"{shlex.join(cmd[:4])} failed:\n{out[-3000:]}")
+    return {"seconds": round(time.perf_counter() - start, 3),
+            "cpu_seconds": round(children_cpu() - cpu, 2),  # its workers and suite helper too
+            "peak_rss_mb": round(peak_tree / 2**20, 1),
+            "peak_own_rss_mb": round(peak_own / 2**20, 1), "log": out}
+
+
+def run_stage(run_dir: Path, model: Path, src: Path = REPO / "src") -> dict:
+    cmd = [sys.executable, "-m", "dflash_etl", "tokenize", "--run", str(run_dir),
+           "--model", str(model), "--force", "--seq-length", "4096"]
+    result = timed(cmd, {**os.environ, "PYTHONPATH": str(src)})
     stats = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 2),
-            "peak_rss_mb": round(peak / 2**20, 1),
+    return {"seconds": result["seconds"], "cpu_seconds": result["cpu_seconds"],
+            "peak_rss_mb": result["peak_rss_mb"],
             "in_stage_seconds": manifest["stages"]["tokenize"]["seconds"],
             "conversations": stats["rows_in"], "rows_written": stats["rows_written"],
             "tokens": stats["tokens"], "quarantined": stats["rows_quarantined"],

@@ -19,53 +19,25 @@ import os
 import platform
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_tokenize import PAGE, QWEN, WORK, make_data, train_bpe, tree_rss  # noqa: E402
+from bench_tokenize import QWEN, WORK, make_data, timed, train_bpe  # noqa: E402
 
 MEMORY = WORK.parent / "tokenize_memory"
-
-
-def own_rss(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().split()[23]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def measure(run_dir: Path, model: Path) -> dict:
     cmd = [sys.executable, "-m", "dflash_etl", "tokenize", "--run", str(run_dir), "--model",
            str(model), "--force", "--seq-length", "4096"]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak_tree = peak_own = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak_tree, peak_own
-        while not done.is_set():
-            peak_tree = max(peak_tree, tree_rss(proc.pid))
-            peak_own = max(peak_own, own_rss(proc.pid))
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    if proc.returncode:
-        raise SystemExit(f"tokenize failed:\n{out[-3000:]}")
+    result = timed(cmd, {**os.environ, "PYTHONPATH": str(REPO / "src")})
     stats = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
-    return {"seconds": round(time.perf_counter() - start, 1),
-            "peak_tree_mb": round(peak_tree / 2**20), "peak_stage_process_mb":
-            round(peak_own / 2**20), "conversations": stats["rows_in"],
-            "rows_written": stats["rows_written"], "tokens": stats["tokens"]}
+    return {"seconds": round(result["seconds"], 1), "peak_tree_mb": round(result["peak_rss_mb"]),
+            "peak_stage_process_mb": round(result["peak_own_rss_mb"]),
+            "conversations": stats["rows_in"], "rows_written": stats["rows_written"],
+            "tokens": stats["tokens"]}
 
 
 def main() -> None:

@@ -27,8 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,37 +34,11 @@ REPO = HERE.parent
 HARNESS = REPO.parent / "shared" / "peer"
 WORK = HERE / "work" / "tokenize_peer"
 sys.path[:0] = [str(HERE), str(REPO / "src")]
-from bench_tokenize import children_cpu, tree_rss  # noqa: E402
+from bench_tokenize import timed  # noqa: E402
 
 TOKENIZERS = {"chatml-generation-tags": ["--generation-tags"], "chatml-plain": []}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-
-
-def timed(cmd: list[str], env: dict[str, str]) -> dict:
-    """Run a whole process: wall seconds, CPU seconds of its tree, peak RSS of its tree."""
-    start, cpu = time.perf_counter(), children_cpu()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, tree_rss(proc.pid))
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    if proc.returncode:
-        raise SystemExit(f"{cmd[:3]} failed:\n{out[-3000:]}")
-    return {"seconds": round(time.perf_counter() - start, 2),
-            "cpu_seconds": round(children_cpu() - cpu, 2), "peak_rss_mb": round(peak / 2**20),
-            "log": out}
 
 
 def prepare(peer: Path, n: int) -> tuple[Path, dict[str, Path]]:

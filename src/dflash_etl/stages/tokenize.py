@@ -137,9 +137,10 @@ def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
 def tokenize_rows(
     conversations: list[dict[str, Any]], tokenizer: Any, template_probe: Any,
     settings: TokenizeSettings, chat_template: str | None,
-) -> tuple[pa.Table, list[dict[str, Any]], dict[str, Stats], Counter[int]]:
-    """Conversations -> training rows (a table with the ROWS schema), quarantine rows,
-    accounting per source and the supervised-token counts."""
+) -> tuple[pa.Table, list[dict[str, Any]], dict[str, Stats]]:
+    """Conversations -> training rows (a table with the ROWS schema), quarantine rows and
+    accounting per source (the supervised-token counts are taken from the rows as the dataset
+    is joined: `_save_dataset`)."""
     from dflash_etl.templates import MaskPolicy, MaskRefused, tokenize_conversations
 
     policy = MaskPolicy(
@@ -211,11 +212,7 @@ def tokenize_rows(
         pa.array(lengths.astype(np.int32)), pa.array(ids_col, pa.string()),
         pa.array(source_col, pa.string()), pa.array(turn_col, pa.int32()),
     ], schema=ROWS)
-    counts = np.bincount(flat_ids[flat_mask == 1])
-    tokens = np.flatnonzero(counts)
-    freq: Counter[int] = Counter(dict(zip(tokens.tolist(), counts[tokens].tolist(),
-                                          strict=True)))
-    return rows, quarantine, per_source, freq
+    return rows, quarantine, per_source
 
 
 def draft_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
@@ -334,7 +331,7 @@ class TokenizeStage(BatchStage):
 
         settings: TokenizeSettings = worker["settings"]
         with render_limits(settings.render_limits):  # in the worker: a hung render ends here
-            rows, quarantine, per_source, _ = tokenize_rows(
+            rows, quarantine, per_source = tokenize_rows(
                 batch.to_pylist(), worker["tokenizer"], worker["probe"], settings,
                 worker["template"])
         # the token frequencies are counted from the row files when they are joined (a

@@ -486,6 +486,13 @@ def _strings_in(value: Any) -> list[str]:
     return []
 
 
+def _holds_marker(probe: TemplateProbe, message: dict[str, Any]) -> bool:
+    """Whether the message's own text holds the template's end-of-turn marker: then the first
+    marker after a reply's start need not be its end, and the shortcuts render instead."""
+    eot = probe.eot_text.strip()
+    return any(eot in text for text in _strings_in(message))
+
+
 def _turn_end(text: str, start: int, probe: TemplateProbe) -> int | None:
     """Where the turn that starts at `start` ends in `text` (after its end-of-turn marker and the
     text the template puts after it), if its first marker is its end."""
@@ -518,7 +525,7 @@ def _upto_from_next_prompt(
     eot = probe.eot_text.strip()
     if following is None or not eot or not following.startswith(prompt):
         return None
-    if any(eot in text for text in _strings_in(prep.messages[i])):
+    if _holds_marker(probe, prep.messages[i]):
         return None
     end = _turn_end(following, len(prompt), probe)
     return following[:end] if end is not None else None
@@ -1325,7 +1332,7 @@ def _generation_row(
         end = _turn_end(full, start, probe)
         if end is None or not prompt.endswith(probe.generation_prompt):
             return None
-        if any(probe.eot_text.strip() in text for text in _strings_in(prep.messages[i])):
+        if _holds_marker(probe, prep.messages[i]):
             return None
         ok = _check_turn(probe, prep, i, prompt, full[:end], policy, [], {})
         if ok is None or ok[1] or ok[3]:  # an appended eos or a pre-fill: the full path

@@ -272,6 +272,22 @@ class MessageFormat:
     system_mode: str = "native"  # "native" | "merge_into_user"
 
 
+@contextlib.contextmanager
+def _as_render_errors() -> Iterator[None]:
+    """A template's own exception as a RenderError with its message (the limits' pass as they
+    are): templates raise anything, TemplateError, TypeError, KeyError..."""
+    try:
+        yield
+    except RenderLimitExceeded:
+        raise
+    except RecursionError as exc:
+        raise RenderError(f"RecursionError: {exc}") from exc
+    except MemoryError as exc:
+        raise RenderTooLarge("the template ran out of memory", "memory") from exc
+    except Exception as exc:
+        raise RenderError(f"{type(exc).__name__}: {exc}") from exc
+
+
 def render(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -283,7 +299,7 @@ def render(
 ) -> str:
     """Render `messages` to text; raise RenderError with the template's message on failure
     (RenderLimitExceeded past the time or size limit)."""
-    try:
+    with _as_render_errors():
         with _guarded(messages, tools):
             direct = (_direct_renderer(tokenizer, chat_template, tools is not None)
                       if messages else None)
@@ -293,14 +309,6 @@ def render(
             out = guarded_call(messages, tools, render_with_transformers, tokenizer, messages,
                                chat_template=chat_template, tools=tools,
                                add_generation_prompt=add_generation_prompt, kwargs=kwargs)
-    except RenderLimitExceeded:
-        raise
-    except RecursionError as exc:
-        raise RenderError(f"RecursionError: {exc}") from exc
-    except MemoryError as exc:
-        raise RenderTooLarge("the template ran out of memory", "memory") from exc
-    except Exception as exc:  # templates raise anything: TemplateError, TypeError, KeyError...
-        raise RenderError(f"{type(exc).__name__}: {exc}") from exc
     if isinstance(out, list):  # batched return shape of some transformers versions
         out = out[0] if out else ""
     if not isinstance(out, str):
@@ -321,21 +329,12 @@ def render_generation_spans(
     computes, without its second render and tokenization. None where the direct renderer is not
     available (the caller then renders as before). Errors as `render`."""
     spans: list[tuple[int, int]] = []
-    try:
-        with _guarded(messages, tools):
-            direct = (_direct_renderer(tokenizer, chat_template, tools is not None)
-                      if messages else None)
-            if direct is None or not hasattr(direct.template.environment, "activate_tracker"):
-                return None
-            out = direct(messages, tools, False, kwargs, spans)
-    except RenderLimitExceeded:
-        raise
-    except RecursionError as exc:
-        raise RenderError(f"RecursionError: {exc}") from exc
-    except MemoryError as exc:
-        raise RenderTooLarge("the template ran out of memory", "memory") from exc
-    except Exception as exc:  # templates raise anything: TemplateError, TypeError, KeyError...
-        raise RenderError(f"{type(exc).__name__}: {exc}") from exc
+    with _as_render_errors(), _guarded(messages, tools):
+        direct = (_direct_renderer(tokenizer, chat_template, tools is not None)
+                  if messages else None)
+        if direct is None or not hasattr(direct.template.environment, "activate_tracker"):
+            return None
+        out = direct(messages, tools, False, kwargs, spans)
     if not isinstance(out, str):
         raise RenderError(f"template returned {type(out).__name__}, not text")
     return out, spans
