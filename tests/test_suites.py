@@ -328,3 +328,26 @@ def test_the_gate_in_the_helper_process_gives_the_in_process_result(default_run_
         assert not suite_helper.running()
     finally:
         suite_helper.stop()
+
+
+def test_ge_loads_without_the_modules_it_never_uses_here(default_run_dir):
+    """great_expectations imports scipy.stats and altair for expectations no suite here runs
+    (~2.3 s of CPU per process): a suite runs without them, and they load on first use."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from pathlib import Path
+from dflash_etl.validation import suites
+result = suites.run_suite(Path({str(default_run_dir / "tokenize")!r}), "tokenized",
+                          suites.Thresholds())
+print(result["passed"], result["statistics"]["evaluated"] > 5,
+      "scipy.linalg" in sys.modules, "altair.vegalite" in sys.modules)
+import scipy.stats
+print(round(float(scipy.stats.entropy([0.5, 0.5])), 4), type(sys.modules["scipy.stats"]).__name__)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "False", "False", "0.6931", "module"]

@@ -383,3 +383,43 @@ def test_contract_checks_a_shard_slice_by_slice_and_names_rows_in_the_shard(run_
     assert report["rows"] == len(rows) and not report["passed"]
     assert {r for f in report["failures"] for r in f["rows"]} == {bad}, report["failures"]
 
+
+
+def test_arrow_builders_equal_pa_array():
+    import pyarrow as pa
+
+    from dflash_etl.core.schema import numeric_array, string_array
+
+    for values in (np.arange(7, dtype=np.int32), np.array([1, -1, 0], np.int8),
+                   np.arange(10, dtype=np.int64)[::3], np.array([], np.int32)):
+        assert numeric_array(values).equals(pa.array(values))
+    for values in (["c1", "", "é ✓", "x" * 1000], []):
+        assert string_array(values).equals(pa.array(values, pa.string()))
+
+
+def test_a_worker_writes_its_rows_without_importing_pandas(run_dir):
+    """pyarrow's `pa.array` imports pandas on first use (~1 s of CPU in each worker process):
+    a worker reads its chunk, tokenizes it and writes its files without it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from pathlib import Path
+from dflash_etl.core.stage import run_item
+from dflash_etl.stages import tokenize
+settings = tokenize.TokenizeSettings(model={str(QWEN)!r}, seq_length=512)
+files = tokenize._conversations(tokenize.RunDir(Path({str(run_dir)!r})))
+stage = tokenize.TokenizeStage
+worker = stage.setup(settings, tokenize.probe(settings))
+out = Path(sys.argv[1])
+for item in tokenize.plan_chunks(files):
+    run_item(stage, worker, item, out)
+print(len(list(out.glob("*.rows.parquet"))), "pandas" in sys.modules)
+"""
+    out = run_dir.parent / "no_pandas"
+    out.mkdir(exist_ok=True)
+    result = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["1", "False"]

@@ -6,6 +6,7 @@ one place and is kept stable.
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -76,3 +77,23 @@ F_MIX_WEIGHT = "mix_weight"
 # Conversations per Parquet row group in the conversations shards: a downstream work item reads
 # only the row group its rows are in.
 ROW_GROUP_ROWS = 1024
+
+
+def numeric_array(values: np.ndarray) -> pa.Array:
+    """A numeric Arrow array over a 1-D numpy array's memory. `pa.array` would do, but on its
+    first call it imports pandas to test for a Series (~1 s of CPU in every worker process)."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values),
+                                 [None, pa.py_buffer(values)])
+
+
+def string_array(values: list[str]) -> pa.Array:
+    """A string Arrow array of non-null `values`, without `pa.array`'s pandas import."""
+    encoded = [value.encode() for value in values]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
+    small = offsets[-1] < 2**31
+    return pa.Array.from_buffers(
+        pa.string() if small else pa.large_string(), len(encoded),
+        [None, pa.py_buffer(offsets.astype(np.int32) if small else offsets),
+         pa.py_buffer(b"".join(encoded))]).cast(pa.string())

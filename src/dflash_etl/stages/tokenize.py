@@ -27,6 +27,7 @@ from dflash_etl.core.config import PipelineConfig, register_section, setting, st
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
+from dflash_etl.core.schema import numeric_array, string_array
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.models.identity import tokenizer_identity
@@ -206,11 +207,13 @@ def tokenize_rows(
                                              strict=True):
         stats.extra["tokens"] += n_tokens
         stats.extra["supervised_tokens"] += n_supervised
+    # not pa.array: its first call imports pandas, a second of CPU in every worker
+    list_offsets = numeric_array(offsets)
     rows = pa.Table.from_arrays([
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids)),
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask)),
-        pa.array(lengths.astype(np.int32)), pa.array(ids_col, pa.string()),
-        pa.array(source_col, pa.string()), pa.array(turn_col, pa.int32()),
+        pa.ListArray.from_arrays(list_offsets, numeric_array(flat_ids)),
+        pa.ListArray.from_arrays(list_offsets, numeric_array(flat_mask)),
+        numeric_array(lengths.astype(np.int32)), string_array(ids_col),
+        string_array(source_col), numeric_array(np.array(turn_col, np.int32)),
     ], schema=ROWS)
     return rows, quarantine, per_source
 
@@ -336,7 +339,8 @@ class TokenizeStage(BatchStage):
                 worker["template"])
         # the token frequencies are counted from the row files when they are joined (a
         # chunk's counts, kept per result, grew the parent by ~1.5 kB per conversation)
-        return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE), per_source)
+        return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE)
+                           if quarantine else pa.Table.from_batches([], QUARANTINE), per_source)
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         settings: TokenizeSettings = ctx.settings
