@@ -10,12 +10,15 @@ Raw limit and stage runs alternate (--repeats stage runs per tokenizer, one more
 fastest run of each counts, and, as a figure the host's drift moves less, the median over the
 stage runs of (mean of the raw runs just before and after) / stage. With --base REV the stage of
 that git revision runs too, alternating with this tree's (same data, same checks), so a change's
-effect on the whole process shows within one run. Reports conversations/s, tokens/s, the ratio
-stage/raw (goal >= 0.75) and the stage's peak RSS (summed over its process tree, the suite
-helper process included).
-Writes benchmarks/results/tokenize.{json,md}.
+effect on the whole process shows within one run. The raw limit also runs with every core (one
+spawned process per core on its share of the conversations). Reports conversations/s, tokens/s,
+the ratio stage/raw against both raw limits (goal >= 0.75), CPU per conversation and the stage's
+peak RSS (summed over its process tree, the suite helper process included).
+Writes benchmarks/results/tokenize.{json,md} (tokenize_N[_TOKENIZER] for other sizes or one
+tokenizer).
 
     python benchmarks/bench_tokenize.py [--conversations 20000] [--repeats 2] [--base REV]
+    python benchmarks/bench_tokenize.py --conversations 200000 --tokenizer qwen3.6  # steady state
     python benchmarks/bench_tokenize.py --peer PEER   # against speculators: bench_tokenize_peer
 """
 
@@ -96,8 +99,9 @@ def train_bpe(corpus: Path, out: Path) -> None:
     shutil.copy(TEMPLATE, out / "chat_template.jinja")
 
 
-def raw_limit(model: Path, conversations: Path) -> dict:
-    """apply_chat_template to text + batch encode, in this process.
+def raw_limit(model: Path, conversations: Path, part: int = 0, parts: int = 1) -> dict:
+    """apply_chat_template to text + batch encode, in this process (of `parts` processes, the
+    one that takes every `parts`-th conversation from `part`).
 
     The tokenizer is loaded as the stage loads it (a fast tokenizer from tokenizer.json; loading is
     not timed): AutoTokenizer would first import torch, minutes on a slow machine.
@@ -108,6 +112,7 @@ def raw_limit(model: Path, conversations: Path) -> dict:
 
     tok = load_tokenizer(str(model))
     frame = pl.read_parquet(conversations / "*.parquet", columns=["messages"])
+    frame = frame.gather_every(parts, offset=part) if parts > 1 else frame
     start, cpu = time.perf_counter(), time.process_time()
     texts = [tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
                                      tokenize=False) for msgs in frame["messages"].to_list()]
@@ -120,45 +125,64 @@ def raw_limit(model: Path, conversations: Path) -> dict:
             "conversations": len(texts), "tokens": sum(len(e) for e in encoded)}
 
 
+def raw_limit_all_cores(model: Path, conversations: Path) -> dict:
+    """The raw limit with every core: one spawned process per core, each on its share of the
+    conversations; wall is the slowest process's, CPU the sum (imports and loading not timed)."""
+    import multiprocessing
+
+    cores = os.cpu_count() or 1
+    env = {"TOKENIZERS_PARALLELISM": "false"}  # one thread per process: the processes are the cores
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with multiprocessing.get_context("spawn").Pool(cores) as pool:
+            parts = pool.starmap(raw_limit, [(model, conversations, k, cores)
+                                             for k in range(cores)])
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return {"seconds": max(p["seconds"] for p in parts),
+            "cpu_seconds": round(sum(p["cpu_seconds"] for p in parts), 2),
+            "conversations": sum(p["conversations"] for p in parts),
+            "tokens": sum(p["tokens"] for p in parts), "processes": cores}
+
+
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
 def gate_import_cpu() -> float:
-    """CPU seconds a fresh process spends importing great_expectations (the suite helper's
-    first cost in every gated stage)."""
+    """CPU seconds a fresh process spends importing great_expectations and building the GE
+    context (the suite helper's first cost in every gated stage, interpreter start included)."""
     before = children_cpu()
-    subprocess.run([sys.executable, "-c", "import great_expectations"], check=True)
+    subprocess.run([sys.executable, "-c", "from dflash_etl.validation import suites; "
+                    "suites._batch_definition()"], check=True, env={
+                        **os.environ, "PYTHONPATH": str(REPO / "src")})
     return round(children_cpu() - before, 2)
 
 
 def tree_rss(pid: int) -> int:
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().split()
-            if int(entry) != pid and not _descends(int(entry), pid):
-                continue
-            total += int(stat[23]) * PAGE
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
-
-
-def _descends(child: int, root: int) -> bool:
-    seen = 0
-    while child > 1 and seen < 64:
-        try:
-            child = int(Path(f"/proc/{child}/stat").read_text().split()[3])
-        except (OSError, ValueError):
-            return False
-        if child == root:
-            return True
+    """RSS of `pid` and its descendants, found through /proc/PID/task/TID/children (cheap: the
+    sampler must not take the cores the stage is measured on)."""
+    total, todo, seen = 0, [pid], 0
+    while todo and seen < 4096:
+        current = todo.pop()
         seen += 1
-    return False
+        total += own_rss(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                todo += map(int, Path(f"/proc/{current}/task/{task}/children").read_text().split())
+            except (OSError, ValueError):
+                continue
+    return total
 
 
 def own_rss(pid: int) -> int:
@@ -222,6 +246,8 @@ def main() -> None:
                         "see bench_tokenize_peer.py")
     parser.add_argument("--peer-tokenizer", choices=("chatml-generation-tags", "chatml-plain"),
                         help="with --peer: only this tokenizer")
+    parser.add_argument("--tokenizer", choices=("bpe8k-chatml", "qwen3.6"),
+                        help="only this tokenizer (results go to tokenize_N.{json,md})")
     args = parser.parse_args()
     if args.peer:
         import bench_tokenize_peer
@@ -260,17 +286,24 @@ def main() -> None:
     models = {"bpe8k-chatml": bpe}
     if QWEN.is_dir():
         models["qwen3.6"] = QWEN
+    if args.tokenizer:
+        models = {args.tokenizer: models[args.tokenizer]}
     for name, model in models.items():
         # Raw limit and stage alternate (raw, stage, raw, ..., raw) and the fastest run of each
         # counts: this machine's speed drifts by 2x within minutes, and the fastest run is the
         # one least slowed by whatever else the host runs.
-        raws, stages, bases = [], [], []
+        raws, raws_all, stages, bases = [], [], [], []
+        conversations = run_dir / "ingest" / "conversations"
         for _ in range(args.repeats):
-            raws.append(raw_limit(model, run_dir / "ingest" / "conversations"))
+            raws.append(raw_limit(model, conversations))
+            raws_all.append(raw_limit_all_cores(model, conversations))
             stages.append(run_stage(run_dir, model))
             if base_src is not None:
                 bases.append(run_stage(run_dir, model, base_src))
-        raws.append(raw_limit(model, run_dir / "ingest" / "conversations"))
+        raws.append(raw_limit(model, conversations))
+        raws_all.append(raw_limit_all_cores(model, conversations))
+        raw_all = {**min(raws_all, key=lambda r: r["seconds"]),
+                   "all_seconds": [r["seconds"] for r in raws_all]}
         stage = min(stages, key=lambda r: r["seconds"])
         raw = {**min(raws, key=lambda r: r["seconds"]),
                "all_seconds": [r["seconds"] for r in raws]}
@@ -280,7 +313,9 @@ def main() -> None:
         paired = sorted((raws[k]["seconds"] + raws[k + 1]["seconds"]) / 2 / st["seconds"]
                         for k, st in enumerate(stages))
         results["runs"][name] = {"raw": raw, "stage": stage, "ratio": round(ratio, 3),
-                                 "ratio_paired_median": round(paired[len(paired) // 2], 3)}
+                                 "ratio_paired_median": round(paired[len(paired) // 2], 3),
+                                 "raw_all_cores": raw_all,
+                                 "ratio_all_cores": round(raw_all["seconds"] / stage["seconds"], 3)}
         if bases:
             results["runs"][name]["base"] = {
                 "revision": args.base, "all_seconds": [r["seconds"] for r in bases],
@@ -289,7 +324,10 @@ def main() -> None:
     results["machine"]["load_avg_at_end"] = os.getloadavg()[0]
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "tokenize.json").write_text(json.dumps(results, indent=2) + "\n")
+    stem = ("tokenize" if args.conversations == 20000 and not args.tokenizer
+            else f"tokenize_{args.conversations}" + (f"_{args.tokenizer}" if args.tokenizer
+                                                     else ""))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     machine = results["machine"]
     lines = [f"# tokenize benchmark ({results['date']}, {os.cpu_count()} cores, 1-min load "
              f"average {machine['load_avg_at_start']:.1f} at start, "
@@ -322,6 +360,20 @@ def main() -> None:
                     f"{min(b['all_seconds']):.1f} -> {st['seconds']:.1f} s | "
                     f"{b['cpu_seconds']:.1f} -> {st['cpu_seconds']:.1f} |")
     cores = os.cpu_count() or 1
+    lines += ["", f"Against the raw limit with every core ({cores} spawned processes, each "
+              "rendering and encoding its share, one tokenizer thread each; the slowest "
+              "process's time), and CPU per conversation:", "",
+              "| tokenizer | raw limit, all cores s (all runs) | stage s (fastest) | ratio | "
+              "CPU ms/conversation: raw limit (1 process / all cores) | stage (whole process) |",
+              "|---|---|---|---|---|---|"]
+    for name, r in results["runs"].items():
+        raw, raw_all, st = r["raw"], r["raw_all_cores"], r["stage"]
+        lines.append(
+            f"| {name} | {' / '.join(f'{x:.1f}' for x in raw_all['all_seconds'])} | "
+            f"{st['seconds']:.1f} | **{r['ratio_all_cores']:.2f}** | "
+            f"{1000 * raw['cpu_seconds'] / raw['conversations']:.3f} / "
+            f"{1000 * raw_all['cpu_seconds'] / raw_all['conversations']:.3f} | "
+            f"{1000 * st['cpu_seconds'] / st['conversations']:.3f} |")
     lines += ["", "CPU seconds (user + system; the stage's process tree: its workers and its "
               "suite helper included):", "",
               "| tokenizer | raw limit CPU s (render / batch encode) | stage CPU s | "
@@ -351,7 +403,7 @@ def main() -> None:
               "kept every core busy from start to exit.", "",
               "Goal: ratio >= 0.75 using both cores. Command: "
               "`python benchmarks/bench_tokenize.py`"]
-    (out / "tokenize.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
