@@ -391,7 +391,8 @@ def test_arrow_builders_equal_pa_array():
     from dflash_etl.core.schema import numeric_array, string_array
 
     for values in (np.arange(7, dtype=np.int32), np.array([1, -1, 0], np.int8),
-                   np.arange(10, dtype=np.int64)[::3], np.array([], np.int32)):
+                   np.arange(10, dtype=np.int64)[::3], np.array([], np.int32),
+                   np.array([True, False, True] * 5)):
         assert numeric_array(values).equals(pa.array(values))
     for values in (["c1", "", "é ✓", "x" * 1000], []):
         assert string_array(values).equals(pa.array(values, pa.string()))

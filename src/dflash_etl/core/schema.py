@@ -83,6 +83,9 @@ def numeric_array(values: np.ndarray) -> pa.Array:
     """A numeric Arrow array over a 1-D numpy array's memory. `pa.array` would do, but on its
     first call it imports pandas to test for a Series (~1 s of CPU in every worker process)."""
     values = np.ascontiguousarray(values)
+    if values.dtype == np.bool_:  # Arrow packs booleans into bits
+        return pa.Array.from_buffers(pa.bool_(), len(values), [
+            None, pa.py_buffer(np.packbits(values, bitorder="little"))])
     return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values),
                                  [None, pa.py_buffer(values)])
 
