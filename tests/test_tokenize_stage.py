@@ -407,10 +407,11 @@ def test_a_worker_writes_its_rows_without_importing_pandas(run_dir):
     code = f"""
 import sys
 from pathlib import Path
+from dflash_etl.core.rundir import RunDir
 from dflash_etl.core.stage import run_item
 from dflash_etl.stages import tokenize
 settings = tokenize.TokenizeSettings(model={str(QWEN)!r}, seq_length=512)
-files = tokenize._conversations(tokenize.RunDir(Path({str(run_dir)!r})))
+files = tokenize._conversations(RunDir(Path({str(run_dir)!r})))
 stage = tokenize.TokenizeStage
 worker = stage.setup(settings, tokenize.probe(settings))
 out = Path(sys.argv[1])
