@@ -142,6 +142,20 @@ def default_run_dir(default_cli_run) -> Path:
     return cwd / "runs" / "default"
 
 
+@pytest.fixture(scope="session")
+def default_tokenized(tmp_path_factory) -> Path:
+    """The embedded default's sources, ingested and tokenized with the project tokenizer (no
+    later stage): shared by the extract, torchrun and device-map tests, which work on copies."""
+    from dflash_etl.core.config import load_config
+    from dflash_etl.stages import ingest, tokenize
+
+    run_dir = tmp_path_factory.mktemp("default-tokenized") / "run"
+    config = load_config(Path(__file__).resolve().parents[1] / "data" / "pipeline.toml")
+    ingest.run(config, run_dir, progress=False)
+    tokenize.run(config, run_dir, progress=False)
+    return run_dir
+
+
 @pytest.fixture
 def default_run_dir_later(request) -> Callable[[], Path]:
     """default_run_dir, waited for only when the test calls it: a test with slow work of its own

@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.loading import parse_max_memory, placement
-from dflash_etl.stages import extract, ingest, regenerate, tokenize, train
+from dflash_etl.stages import extract, regenerate, train
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
@@ -28,15 +27,6 @@ def target(tmp_path_factory) -> Path:
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("dm-target") / "model",
                             tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("dm-run") / "run"
-    config = load_config(REPO / "data" / "pipeline.toml")
-    ingest.run(config, run_dir, progress=False)
-    tokenize.run(config, run_dir, progress=False)
-    return run_dir
 
 
 def test_max_memory_is_parsed_into_accelerates_mapping():
@@ -56,7 +46,7 @@ def test_max_memory_is_parsed_into_accelerates_mapping():
     ("disk=100GiB", "disk offload is not supported"),
     ("0=1GiB,0=2GiB", "0 is given twice"),
 ])
-def test_a_bad_max_memory_is_a_stage_error_naming_the_setting(target, tokenized, tmp_path,
+def test_a_bad_max_memory_is_a_stage_error_naming_the_setting(target, default_tokenized, tmp_path,
                                                                text, says):
     for run in (
         lambda: extract.run(None, tmp_path / "run", progress=False, model=str(target),
@@ -78,7 +68,7 @@ def test_max_memory_without_device_map_auto_is_refused(target, tmp_path):
 
 
 def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(target,
-                                                                               tokenized,
+                                                                               default_tokenized,
                                                                                tmp_path):
     from safetensors.torch import load_file
 
@@ -104,7 +94,7 @@ def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(t
     for name, extra in (("plain", {}), ("auto", {"device_map": "auto",
                                                  "max_memory": "cpu=4GiB"})):
         run_dir = tmp_path / name
-        shutil.copytree(tokenized, run_dir, ignore=shutil.ignore_patterns("*extract*"))
+        shutil.copytree(default_tokenized, run_dir, ignore=shutil.ignore_patterns("*extract*"))
         extract.run(None, run_dir, progress=False, model=str(target), layers="0,2",
                     batch_tokens=2048, **extra)
         runs[name] = sorted((run_dir / "extract" / "hidden_states").glob("*.safetensors"))
@@ -150,7 +140,7 @@ def split_memory(target) -> str:
 
 
 def test_a_target_split_over_devices_extracts_and_trains_as_the_plain_load(
-        target, tokenized, tmp_path, split_memory):
+        target, default_tokenized, tmp_path, split_memory):
     """Embedding and layer 0 on the CPU, the rest offloaded to disk (accelerate's hooks load
     each layer for its call, the head is on "meta" between calls): the extracted states and a
     few online training steps (the hooks' states, the head's loss, tau) equal the plain run's."""
@@ -168,7 +158,7 @@ def test_a_target_split_over_devices_extracts_and_trains_as_the_plain_load(
     for name, extra in (("plain", {}), ("split", {"device_map": "auto",
                                                   "max_memory": split_memory})):
         run_dir = tmp_path / name
-        shutil.copytree(tokenized, run_dir, ignore=shutil.ignore_patterns("*extract*"))
+        shutil.copytree(default_tokenized, run_dir, ignore=shutil.ignore_patterns("*extract*"))
         extract.run(None, run_dir, progress=False, model=str(target), layers="0,2",
                     batch_tokens=2048, **extra)
         runs[name] = run_dir

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_etl.core.config import load_config
-from dflash_etl.stages import extract, ingest, tokenize
+from dflash_etl.stages import extract
 from dflash_etl.stages.extract import assign_shards, shard_cost, shard_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,20 +36,11 @@ def target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ddp-run") / "run"
-    config = load_config(REPO / "data" / "pipeline.toml")
-    ingest.run(config, run_dir, progress=False)
-    tokenize.run(config, run_dir, progress=False)
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def one_process(target, tokenized, tmp_path_factory) -> Path:
+def one_process(target, default_tokenized, tmp_path_factory) -> Path:
     """The reference: extract in this one process (one thread, as each torchrun rank runs)."""
     import torch
 
-    run_dir = _copy(tokenized, tmp_path_factory.mktemp("one-process"))
+    run_dir = _copy(default_tokenized, tmp_path_factory.mktemp("one-process"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -111,10 +102,10 @@ def test_run_does_not_launch_torchrun(tmp_path):
     assert extract.relaunch(None, {"launcher": "none"}, ["--run", "x"]) is None
 
 
-def test_torchrun_extract_equals_one_process(target, tokenized, one_process, tmp_path):
+def test_torchrun_extract_equals_one_process(target, default_tokenized, one_process, tmp_path):
     """`dflash-etl extract --launcher torchrun --nproc-per-node 2` runs itself again under
     torchrun; rank 0 alone reports and writes the manifest, and the output is one process's."""
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "dflash_etl.cli.main", "extract", "--run", str(run_dir),
          "--model", str(target), "--shard-rows", str(SHARD_ROWS), "--launcher", "torchrun",
@@ -159,13 +150,13 @@ def _plan(run_dir: Path, world: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, tokenized, one_process,
-                                                                 tmp_path):
+def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, default_tokenized,
+                                                                 one_process, tmp_path):
     """Rank 1 SIGKILLed mid-run: torchrun fails, nothing is published, the finished shards stay.
     Then rank 1 fails on a shard it cannot write: rank 0 fails too, with rank 1's message in the
     manifest, after finishing its own shards. Fixed and rerun on 3 ranks: the output is one
     process's, and the shards written before were not redone."""
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     partial = run_dir / ".extract.partial"
     mine = _plan(run_dir, 2)
     launch = subprocess.Popen(_torchrun(2, run_dir, target), stdout=subprocess.PIPE,

@@ -12,10 +12,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.target import Target, auto_layers, parse_layers
-from dflash_etl.stages import extract, ingest, tokenize
+from dflash_etl.stages import extract
 from dflash_etl.stages.extract import length_batches, padding_share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,28 +28,18 @@ def target(tmp_path_factory) -> Path:
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-target") / "model")  # 4 x 64
 
 
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    """The embedded default's sources, ingested and tokenized with the project tokenizer."""
-    run_dir = tmp_path_factory.mktemp("extract-run") / "run"
-    config = load_config(REPO / "data" / "pipeline.toml")
-    ingest.run(config, run_dir, progress=False)
-    tokenize.run(config, run_dir, progress=False)
-    return run_dir
-
-
 def _copy(run_dir: Path, tmp_path: Path) -> Path:
     out = tmp_path / "run"
     shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*"))
     return out
 
 
-def test_states_equal_an_independent_forward_pass(target, tokenized, tmp_path):
+def test_states_equal_an_independent_forward_pass(target, default_tokenized, tmp_path):
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     doc = extract.run(None, run_dir, progress=False, model=str(target), layers="0,2,3",
                       batch_tokens=2048, shard_rows=100)
     total = doc["total"]
@@ -86,10 +75,10 @@ def tokenize_rows(run_dir: Path) -> list[list[int]]:
         "input_ids"]
 
 
-def test_speculators_format_resume_and_contract(target, tokenized, tmp_path):
+def test_speculators_format_resume_and_contract(target, default_tokenized, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     doc = extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
                       shard_rows=64)
     layers = auto_layers(4, 5)
@@ -115,7 +104,7 @@ def test_speculators_format_resume_and_contract(target, tokenized, tmp_path):
     assert problems and "token ids differ" in problems[0]
 
 
-def test_speculators_export_loads_with_speculators_data_loader(target, tokenized, tmp_path):
+def test_speculators_export_loads_with_speculators_data_loader(target, default_tokenized, tmp_path):
     """speculators' own ArrowDataset reads the export: the chosen layers as its auxiliary states,
     the appended last layer as the verifier's, the tokenized row's ids and loss mask."""
     pytest.importorskip("speculators.train.data")
@@ -123,7 +112,7 @@ def test_speculators_export_loads_with_speculators_data_loader(target, tokenized
     from hs_connectors import FileTransfer
     from speculators.train.data import ArrowDataset
 
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
                 layers="1,2")
     loaded = ArrowDataset(max_len=1024, datapath=run_dir / "tokenize" / "dataset",
@@ -138,9 +127,9 @@ def test_speculators_export_loads_with_speculators_data_loader(target, tokenized
     assert int(sample["loss_mask"].sum()) > 0
 
 
-def test_interrupted_extract_resumes_from_finished_shards(target, tokenized, tmp_path,
+def test_interrupted_extract_resumes_from_finished_shards(target, default_tokenized, tmp_path,
                                                           monkeypatch):
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     real = extract._write_shard
     written = []
 
@@ -253,7 +242,7 @@ def test_hooks_capture_moe_and_hybrid_architectures(family, tmp_path):
         assert torch.allclose(states, expected, atol=1e-4), family
 
 
-def test_replacing_pytorch_model_bin_redoes_extract(target, tokenized, tmp_path):
+def test_replacing_pytorch_model_bin_redoes_extract(target, default_tokenized, tmp_path):
     """A target whose weights are pytorch_model.bin: new weights are a new model, never a
     skip as "complete" on the old model's hidden states (issue 16)."""
     import torch
@@ -264,7 +253,7 @@ def test_replacing_pytorch_model_bin_redoes_extract(target, tokenized, tmp_path)
     weights = load_file(str(model / "model.safetensors"))
     (model / "model.safetensors").unlink()
     torch.save(weights, model / "pytorch_model.bin")
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     first = extract.run(None, run_dir, progress=False, model=str(model), shard_rows=64)
     states = load_file(str(sorted((run_dir / "extract").rglob("*.safetensors"))[0]))
     torch.save({k: v * 0.5 for k, v in weights.items()}, model / "pytorch_model.bin")
@@ -280,12 +269,12 @@ def _bytes_on_disk(out: Path) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["native", "speculators"])
-def test_the_plan_projects_the_actual_run_and_publishes_nothing(target, tokenized, tmp_path,
+def test_the_plan_projects_the_actual_run_and_publishes_nothing(target, default_tokenized, tmp_path,
                                                                 fmt):
     """`extract --plan` measures a few batches of the real run and projects the whole dataset:
     the bytes within 30% of what the run then writes, the tokens exact; it is a dry run (no
     output, no partial, no manifest entry), and the real run after it is not changed by it."""
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     layers = {"model": str(target), "layers": "0,2", "format": fmt, "batch_tokens": 2048}
     doc = extract.run(None, run_dir, progress=False, plan=True, plan_batches=3, **layers)
     assert not (run_dir / "extract").exists() and not list(run_dir.glob(".extract*"))
@@ -303,14 +292,14 @@ def test_the_plan_projects_the_actual_run_and_publishes_nothing(target, tokenize
 
 
 def test_the_plan_recommends_online_training_when_the_output_would_not_fit(
-        target, tokenized, tmp_path, monkeypatch, capsys):
+        target, default_tokenized, tmp_path, monkeypatch, capsys):
     """Free disk smaller than the projected output: the plan says by how much and to train
     with --online (through the CLI, as a user runs it)."""
     import collections
 
     from dflash_etl.cli.main import main
 
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = _copy(default_tokenized, tmp_path)
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 10**5, 10**5))
     code = main(["extract", "--run", str(run_dir), "--model", str(target), "--plan",
