@@ -1,0 +1,167 @@
+"""Architecture measures of src/dflash_etl: import circles, core's upward imports, long functions.
+
+Why: issue 25 asks for these before/after, and tests/test_architecture.py keeps them from
+growing back. Function-local imports count as imports (they are how circles hide).
+
+    python tools/arch_measures.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "dflash_etl"
+# Lower layers may not import higher ones; a layer may import its own and the ones below it.
+LAYERS = {"core": 0}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports(known: dict[str, Path]) -> dict[str, set[str]]:
+    """Every module's imports of other package modules (top-level and function-local)."""
+    graph: dict[str, set[str]] = {}
+    for mod, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        out: set[str] = set()
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, is_pkg, node)
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                while t and t not in known:
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t.startswith(PACKAGE):
+                    out.add(t)
+        graph[mod] = out
+    # `from pkg import name` resolves to pkg itself when name is not a module; importing a
+    # subpackage's module also runs the package __init__, which is not an edge we count.
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def upward_from_core(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    core = f"{PACKAGE}.core"
+    return sorted(
+        (a, b)
+        for a, deps in graph.items()
+        if a == core or a.startswith(core + ".")
+        for b in deps
+        if not (b == core or b.startswith(core + ".")) and b != PACKAGE
+    )
+
+
+def long_functions(known: dict[str, Path], over: int = 50) -> list[tuple[int, str]]:
+    rows = []
+    for mod, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > over:
+                    rows.append((n, f"{mod}.{node.name}"))
+    return sorted(rows, reverse=True)
+
+
+def measures() -> dict:
+    known = modules()
+    graph = imports(known)
+    longs = long_functions(known)
+    return {
+        "import_cycles": cycles(graph),
+        "core_upward_imports": upward_from_core(graph),
+        "functions_over_50_lines": len(longs),
+        "longest_functions": longs[:15],
+        "module_lines": sorted(
+            ((len(p.read_text().splitlines()), m) for m, p in known.items()), reverse=True
+        )[:10],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    m = measures()
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return
+    print(f"import cycles: {len(m['import_cycles'])}")
+    for c in m["import_cycles"]:
+        print("  " + " <-> ".join(c))
+    print(f"imports from core/ to a higher layer: {len(m['core_upward_imports'])}")
+    for a, b in m["core_upward_imports"]:
+        print(f"  {a} -> {b}")
+    print(f"functions over 50 lines: {m['functions_over_50_lines']}")
+    for n, f in m["longest_functions"]:
+        print(f"  {n:4d} {f}")
+    print("largest modules:")
+    for n, f in m["module_lines"]:
+        print(f"  {n:5d} {f}")
+
+
+if __name__ == "__main__":
+    main()
