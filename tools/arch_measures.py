@@ -20,15 +20,15 @@ PACKAGE = "dflash_etl"
 LAYERS = {"core": 0}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+def modules(src: Path = SRC) -> dict[str, Path]:
+    return {module_name(p, src): p for p in sorted((src / PACKAGE).rglob("*.py"))}
 
 
 def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
@@ -52,15 +52,16 @@ def imports(known: dict[str, Path]) -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(mod, is_pkg, node)
-                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                           for a in node.names]
             for t in targets:
                 while t and t not in known:
                     t = t.rpartition(".")[0]
                 if t and t != mod and t.startswith(PACKAGE):
                     out.add(t)
         graph[mod] = out
-    # `from pkg import name` resolves to pkg itself when name is not a module; importing a
-    # subpackage's module also runs the package __init__, which is not an edge we count.
+    # `from pkg import name` is an import of pkg.name when that is a module, else of pkg; the
+    # package __init__ that importing a submodule also runs is not counted.
     return graph
 
 
@@ -126,8 +127,8 @@ def long_functions(known: dict[str, Path], over: int = 50) -> list[tuple[int, st
     return sorted(rows, reverse=True)
 
 
-def measures() -> dict:
-    known = modules()
+def measures(src: Path = SRC) -> dict:
+    known = modules(src)
     graph = imports(known)
     longs = long_functions(known)
     return {
