@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash_etl.templates.probe import (
+from dflash_etl.templates.probe_record import (
     STRATEGY_GENERATION,
     STRATEGY_PER_TURN,
     STRATEGY_RENDER_DIFF,
