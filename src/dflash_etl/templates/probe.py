@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dflash_etl.templates.masks import fast_paths_for
+from dflash_etl.templates.masks.shortcuts import fast_paths_for
 from dflash_etl.templates.probe_record import (
     STRATEGY_GENERATION,
     STRATEGY_PER_TURN,

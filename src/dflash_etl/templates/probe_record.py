@@ -65,7 +65,7 @@ class TemplateProbe:
     # the token appended to every reply when the template has no end-of-turn marker, and why
     eos_appended: dict[str, Any] | None = None
     # the shortcuts tokenize may take on this template, each checked on the probe's sample
-    # conversations against the full render diff (masks.fast_paths_for): name -> bool
+    # conversations against the full render diff (masks.shortcuts.fast_paths_for): name -> bool
     fast_paths: dict[str, Any] = field(default_factory=dict)
 
     @property
