@@ -41,6 +41,40 @@ class _Prepared:
 
 def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> _Prepared:
     """Canonical conversation → template-ready messages, normalized per probe (and recorded)."""
+    raw = _checked_messages(conv)
+    norms: list[str] = []
+    prep = _Prepared([], _prepared_tools(conv, probe, norms), norms, [], {}, {})
+    system_mode = probe.message_format.system_mode
+    pending_system: str | None = None
+    for pos, m in enumerate(raw):
+        role = m["role"]
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise MaskRefused(R_INVALID_CONVERSATION, f"message {pos} content is not text")
+        if role == "system" and system_mode == "merge_into_user" and pos == 0:
+            pending_system = content
+        elif role == "system":
+            if system_mode != "native":
+                raise MaskRefused(R_DROPS_SYSTEM, "the template rejects or drops system turns")
+            prep.messages.append({"role": "system", "content": content})
+        elif role == "user":
+            if pending_system is not None:
+                content = f"{pending_system}\n\n{content}"
+                pending_system = None
+                norms.append("system_merged_into_first_user")
+            prep.messages.append({"role": "user", "content": content})
+        elif role == "tool":
+            prep.messages.append(_tool_message(probe, m, content))
+        else:
+            _add_assistant(prep, probe, policy, m, pos, content)
+    if pending_system is not None:
+        raise MaskRefused(R_DROPS_SYSTEM, "system turn could not be merged: no user turn follows")
+    prep.assistant_idx = [i for i, m in enumerate(prep.messages) if m["role"] == "assistant"]
+    return prep
+
+
+def _checked_messages(conv: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation's messages, if it has known roles and ends on an assistant turn."""
     raw = conv.get("messages")
     if not isinstance(raw, list) or not raw:
         raise MaskRefused(R_INVALID_CONVERSATION, "no messages")
@@ -54,123 +88,129 @@ def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> 
         raise MaskRefused(
             R_NEEDS_RESPONSE, f"the conversation ends on a {roles[-1]} turn that awaits a reply"
         )
-    fmt = probe.message_format
-    norms: list[str] = []
+    return raw
+
+
+def _prepared_tools(
+    conv: dict[str, Any], probe: TemplateProbe, norms: list[str]
+) -> list[dict[str, Any]] | None:
+    """The tool specs in OpenAI shape, an empty list for a template that needs one, or None."""
     try:
         tools = parse_json_list(conv.get("tools"))
     except ValueError as exc:
         raise MaskRefused(R_INVALID_CONVERSATION, f"tools is not a JSON list: {exc}") from exc
     if not tools and probe.tools_required:
-        tools = []
         norms.append("empty_tools_list_supplied")
-    if tools:
-        wrapped = []
-        for t in tools:
-            if isinstance(t, dict) and "function" not in t and "name" in t:
-                wrapped.append({"type": "function", "function": t})
-            else:
-                wrapped.append(t)
-        if wrapped != tools:
-            norms.append("tools_wrapped_as_openai_functions")
-        tools = wrapped
-        if not probe.renders_tools:
-            raise MaskRefused(R_DROPS_TOOLS, "the template does not render the tool specs")
+        return []
+    if not tools:
+        return tools
+    wrapped = [
+        {"type": "function", "function": t}
+        if isinstance(t, dict) and "function" not in t and "name" in t
+        else t
+        for t in tools
+    ]
+    if wrapped != tools:
+        norms.append("tools_wrapped_as_openai_functions")
+    if not probe.renders_tools:
+        raise MaskRefused(R_DROPS_TOOLS, "the template does not render the tool specs")
+    return wrapped
 
-    msgs: list[dict[str, Any]] = []
-    pieces: dict[int, list[str]] = {}
-    reasoning_passed: dict[int, bool] = {}
-    raw_reasoning: dict[int, str] = {}
-    pending_system: str | None = None
-    for pos, m in enumerate(raw):
-        role = m["role"]
-        content = m.get("content") or ""
-        if not isinstance(content, str):
-            raise MaskRefused(R_INVALID_CONVERSATION, f"message {pos} content is not text")
-        if role == "system":
-            if fmt.system_mode == "native":
-                msgs.append({"role": "system", "content": content})
-            elif fmt.system_mode == "merge_into_user" and pos == 0:
-                pending_system = content
-            else:
-                raise MaskRefused(R_DROPS_SYSTEM, "the template rejects or drops system turns")
-            continue
-        if role == "user":
-            if pending_system is not None:
-                content = f"{pending_system}\n\n{content}"
-                pending_system = None
-                norms.append("system_merged_into_first_user")
-            msgs.append({"role": "user", "content": content})
-            continue
-        if role == "tool":
-            if probe.tool_role != "native":
-                raise MaskRefused(
-                    R_DROPS_TOOL_MESSAGES, f"the template's tool role is {probe.tool_role}"
-                )
-            tm: dict[str, Any] = {"role": "tool", "content": content}
-            for key in ("tool_call_id", "name"):
-                if m.get(key):
-                    tm[key] = m[key]
-            msgs.append(tm)
-            continue
-        # assistant
-        idx = len(msgs)
-        am: dict[str, Any] = {"role": "assistant"}
-        must: list[str] = []
-        try:
-            calls = parse_json_list(m.get("tool_calls"))
-        except ValueError as exc:
-            raise MaskRefused(
-                R_INVALID_CONVERSATION, f"tool_calls is not a JSON list: {exc}"
-            ) from exc
-        if calls:
-            if probe.tool_call_args is None:
-                raise MaskRefused(
-                    R_DROPS_TOOL_CALLS,
-                    "the template does not render tool calls"
-                    + (f" ({probe.tool_call_error})" if probe.tool_call_error else ""),
-                )
-            am["tool_calls"], call_norms, names = _normalize_calls(calls, fmt.tool_args)
-            norms.extend(n for n in call_norms if n not in norms)
-            must.extend(names)
-        orig_content = content
-        reasoning = (m.get("reasoning") or "").strip()
-        passed = False
-        if reasoning and policy.supervise_reasoning:
-            raw_reasoning[idx] = reasoning
-        if reasoning:
-            if not policy.supervise_reasoning:
-                norms.append("reasoning_dropped:policy")
-            elif probe.reasoning_placement == "never":
-                norms.append("reasoning_dropped:template_never_renders_reasoning")
-            elif fmt.reasoning_inline:
-                content = inline_reasoning(reasoning, content)
-                norms.append("reasoning_inlined_as_think_tags")
-                passed = True
-            else:
-                am[fmt.reasoning_key or "reasoning_content"] = reasoning
-                passed = True
-            if passed:
-                must.append(reasoning)
-        if content.strip():
-            am["content"] = content
-            must.append(orig_content.strip())
-        else:
-            if not calls:
-                if passed:
-                    am["content"] = ""
-                else:
-                    raise MaskRefused(R_EMPTY_ASSISTANT_TURN, f"assistant message {pos} is empty")
-            else:
-                am["content"] = None if fmt.empty_content == "none" else ""
-        must = [p for p in must if p]
-        msgs.append(am)
-        pieces[idx] = must
-        reasoning_passed[idx] = passed
-    if pending_system is not None:
-        raise MaskRefused(R_DROPS_SYSTEM, "system turn could not be merged: no user turn follows")
-    assistant_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    return _Prepared(msgs, tools, norms, assistant_idx, pieces, reasoning_passed,
-                     raw_reasoning=raw_reasoning)
+
+def _tool_message(probe: TemplateProbe, m: dict[str, Any], content: str) -> dict[str, Any]:
+    if probe.tool_role != "native":
+        raise MaskRefused(R_DROPS_TOOL_MESSAGES, f"the template's tool role is {probe.tool_role}")
+    tm: dict[str, Any] = {"role": "tool", "content": content}
+    for key in ("tool_call_id", "name"):
+        if m.get(key):
+            tm[key] = m[key]
+    return tm
+
+
+def _add_assistant(
+    prep: _Prepared,
+    probe: TemplateProbe,
+    policy: MaskPolicy,
+    m: dict[str, Any],
+    pos: int,
+    content: str,
+) -> None:
+    """Message `pos`, an assistant turn, as the template reads it, and the texts its reply must
+    hold (its tool calls, the reasoning passed, its content)."""
+    idx = len(prep.messages)
+    am: dict[str, Any] = {"role": "assistant"}
+    must: list[str] = []
+    calls = _tool_calls(probe, m, prep.normalizations)
+    if calls:
+        am["tool_calls"], names = calls
+        must.extend(names)
+    passed_content, passed = _pass_reasoning(prep, probe, policy, m, idx, am, content)
+    if passed:
+        must.append(prep.raw_reasoning[idx])
+    if passed_content.strip():
+        am["content"] = passed_content
+        must.append(content.strip())
+    elif calls:
+        am["content"] = None if probe.message_format.empty_content == "none" else ""
+    elif passed:
+        am["content"] = ""
+    else:
+        raise MaskRefused(R_EMPTY_ASSISTANT_TURN, f"assistant message {pos} is empty")
+    prep.messages.append(am)
+    prep.pieces[idx] = [p for p in must if p]
+    prep.reasoning_passed[idx] = passed
+
+
+def _tool_calls(
+    probe: TemplateProbe, m: dict[str, Any], norms: list[str]
+) -> tuple[list[dict[str, Any]], list[str]] | None:
+    """The message's tool calls as the template wants them and the names and plain argument
+    values the reply must show; None when it has none."""
+    try:
+        calls = parse_json_list(m.get("tool_calls"))
+    except ValueError as exc:
+        raise MaskRefused(R_INVALID_CONVERSATION, f"tool_calls is not a JSON list: {exc}") from exc
+    if not calls:
+        return None
+    if probe.tool_call_args is None:
+        raise MaskRefused(
+            R_DROPS_TOOL_CALLS,
+            "the template does not render tool calls"
+            + (f" ({probe.tool_call_error})" if probe.tool_call_error else ""),
+        )
+    normalized, call_norms, names = _normalize_calls(calls, probe.message_format.tool_args)
+    norms.extend(n for n in call_norms if n not in norms)
+    return normalized, names
+
+
+def _pass_reasoning(
+    prep: _Prepared,
+    probe: TemplateProbe,
+    policy: MaskPolicy,
+    m: dict[str, Any],
+    idx: int,
+    am: dict[str, Any],
+    content: str,
+) -> tuple[str, bool]:
+    """Give the template the message's reasoning where it reads it (its reasoning field in `am`,
+    or think tags inlined in the content) when the policy supervises it and the template renders
+    it: (the content to pass, whether the reasoning was passed)."""
+    reasoning = (m.get("reasoning") or "").strip()
+    if not reasoning:
+        return content, False
+    if not policy.supervise_reasoning:
+        prep.normalizations.append("reasoning_dropped:policy")
+        return content, False
+    prep.raw_reasoning[idx] = reasoning
+    fmt = probe.message_format
+    if probe.reasoning_placement == "never":
+        prep.normalizations.append("reasoning_dropped:template_never_renders_reasoning")
+        return content, False
+    if fmt.reasoning_inline:
+        prep.normalizations.append("reasoning_inlined_as_think_tags")
+        return inline_reasoning(reasoning, content), True
+    am[fmt.reasoning_key or "reasoning_content"] = reasoning
+    return content, True
 
 
 def _normalize_calls(
