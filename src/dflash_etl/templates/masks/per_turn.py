@@ -128,64 +128,101 @@ def _check_turn(
     """(reply, append_eos, notes, prefill) for one variant, or None after recording why it failed.
     `prefill` is the reasoning opener the prompt ends with when the reply is supervised after it."""
     tag = str(variant or "default")
-    notes: list[str] = []
-    prefill = ""
-    h = common_prefix_len(prompt, upto)
     if _thinking_on_drops_reasoning(prep, i, prompt, variant):
         return None  # a try made only for an opener that is not there: not the turn's verdict
+    notes: list[str] = []
+    found = _reply_body(probe, prep, i, prompt, upto, tag, notes, failures)
+    if found is None or _bad_think_markup(probe, prep, i, prompt, found[0], tag, failures):
+        return None
+    body, prefill = found
+    cut = _cut_end_of_turn(probe, policy, body, tag, notes, failures)
+    if cut is None:
+        return None
+    content_part, reply, append_eos = cut
+    if _lacks_content(prep, i, content_part, reply, tag, failures):
+        return None
+    return reply, append_eos, notes, prefill
+
+
+def _reply_body(
+    probe: TemplateProbe,
+    prep: _Prepared,
+    i: int,
+    prompt: str,
+    upto: str,
+    tag: str,
+    notes: list[str],
+    failures: list[tuple[str, str]],
+) -> tuple[str, str] | None:
+    """(what the model generates after `prompt`: the turn's render up to its end, the pre-filled
+    opener it continues or ""), or None after recording why the prompt and turn disagree."""
+    h = common_prefix_len(prompt, upto)
     if h == len(prompt):  # the prompt is a prefix of the history-with-this-turn render
-        body = upto[h:]
-    else:
-        m = EMPTY_REASONING_AT_END_RE.search(prompt)
-        reasoning = _reasoning_text(prep, i)
-        at = upto.rfind(reasoning[:40]) if reasoning else -1
-        gp = probe.generation_prompt
-        if m and m.start() <= h and not prep.reasoning_passed.get(i):
-            # thinking off: the closed empty block the generation prompt ends with is prompt; a
-            # (partial) empty block the turn renders in its place is that same block (DeepSeek-V3.2
-            # renders "</think>" where the prompt has "<think></think>")
-            body = upto[m.start() :]
-            lead = LEADING_EMPTY_THINK_RE.match(body)
-            if lead:
-                body = body[lead.end() :]
-                if prompt[-1:].isspace():
-                    body = body.lstrip()
-            notes.append("generation_prompt_empty_think_is_prompt")
-        elif (
-            len(gp.strip()) >= 3
-            and prompt.endswith(gp)
-            and 0 <= (hs := upto.find(gp, max(0, h - len(gp)))) <= h
-        ):
-            # the template renders text after the last message (Command-R tool use: a trailing
-            # instruction) and then the generation prompt; the turn starts with that header
-            body = upto[hs + len(gp) :]
-            notes.append("generation_prompt_after_trailing_text")
-        elif reasoning and 0 <= at <= h:
-            # the generation prompt pre-fills the start of the reasoning (Apriel: "Here are my
-            # reasoning steps:"); the model continues with the reasoning as the template renders it
-            body = upto[at:]
-            notes.append("generation_prompt_prefill_is_prompt")
-        elif (opened := _open_reasoning_prefill(prompt, upto)) is not None:
-            after = _reply_after_prefill(prep, i, prompt, upto, opened, tag, failures)
-            if after is None:
-                return None
-            body, prefill = after
-            notes.append(f"reasoning_supervised_after_prefill:{prefill!r}")
-        else:
-            failures.append(
-                (
-                    R_GENERATION_PROMPT_MISMATCH,
-                    f"{tag}: generation prompt ends {prompt[h:][-60:]!r} but the turn renders as "
-                    f"{upto[h:][:60]!r}",
-                )
-            )
-            return None
+        return upto[h:], ""
+    m = EMPTY_REASONING_AT_END_RE.search(prompt)
+    reasoning = _reasoning_text(prep, i)
+    at = upto.rfind(reasoning[:40]) if reasoning else -1
+    gp = probe.generation_prompt
+    if m and m.start() <= h and not prep.reasoning_passed.get(i):
+        notes.append("generation_prompt_empty_think_is_prompt")
+        return _after_empty_think(prompt, upto, m.start()), ""
+    if (
+        len(gp.strip()) >= 3
+        and prompt.endswith(gp)
+        and 0 <= (hs := upto.find(gp, max(0, h - len(gp)))) <= h
+    ):
+        # the template renders text after the last message (Command-R tool use: a trailing
+        # instruction) and then the generation prompt; the turn starts with that header
+        notes.append("generation_prompt_after_trailing_text")
+        return upto[hs + len(gp) :], ""
+    if reasoning and 0 <= at <= h:
+        # the generation prompt pre-fills the start of the reasoning (Apriel: "Here are my
+        # reasoning steps:"); the model continues with the reasoning as the template renders it
+        notes.append("generation_prompt_prefill_is_prompt")
+        return upto[at:], ""
+    if (opened := _open_reasoning_prefill(prompt, upto)) is not None:
+        after = _reply_after_prefill(prep, i, prompt, upto, opened, tag, failures)
+        if after is not None:
+            notes.append(f"reasoning_supervised_after_prefill:{after[1]!r}")
+        return after
+    failures.append((
+        R_GENERATION_PROMPT_MISMATCH,
+        f"{tag}: generation prompt ends {prompt[h:][-60:]!r} but the turn renders as "
+        f"{upto[h:][:60]!r}",
+    ))
+    return None
+
+
+def _after_empty_think(prompt: str, upto: str, start: int) -> str:
+    """Thinking off: the closed empty block the generation prompt ends with (at `start`) is
+    prompt; a (partial) empty block the turn renders in its place is that same block
+    (DeepSeek-V3.2 renders "</think>" where the prompt has "<think></think>")."""
+    body = upto[start:]
+    lead = LEADING_EMPTY_THINK_RE.match(body)
+    if lead:
+        body = body[lead.end() :]
+        if prompt[-1:].isspace():
+            body = body.lstrip()
+    return body
+
+
+def _bad_think_markup(
+    probe: TemplateProbe,
+    prep: _Prepared,
+    i: int,
+    prompt: str,
+    body: str,
+    tag: str,
+    failures: list[tuple[str, str]],
+) -> bool:
+    """The turn would train a think tag twice, or an empty think block the model did not
+    generate (recorded in `failures`)."""
     eot = probe.eot_text.strip()
     head = prompt[prompt.rfind(eot) + len(eot):] if eot and eot in prompt else ""
     if tag_twice := duplicated_think(head + body):
         failures.append((R_DUPLICATED_THINK, f"{tag}: the turn holds {tag_twice!r} twice: "
                          f"{(head + body)[:80]!r}"))
-        return None
+        return True
     if not prep.reasoning_passed.get(i) and LEADING_EMPTY_THINK_RE.match(body):
         failures.append(
             (
@@ -193,14 +230,27 @@ def _check_turn(
                 f"{tag}: reply would start with an empty think block the model did not generate",
             )
         )
-        return None
+        return True
+    return False
+
+
+def _cut_end_of_turn(
+    probe: TemplateProbe,
+    policy: MaskPolicy,
+    body: str,
+    tag: str,
+    notes: list[str],
+    failures: list[tuple[str, str]],
+) -> tuple[str, str, bool] | None:
+    """(the turn's text before its end-of-turn marker, the reply the policy supervises, whether
+    an eos is appended to it): the body without what the template puts after the marker. None
+    after recording why the turn's end is not found."""
     post = probe.post_eot
     if post:
         if not body.endswith(post):
             failures.append((R_EOT_NOT_FOUND, f"{tag}: turn does not end with {post!r}"))
             return None
         body = body[: -len(post)]
-    append_eos = False
     if probe.eot_source == "template":
         m2 = TRAILING_MARKER_RE.search(body)
         eot = probe.eot_text.strip()
@@ -211,27 +261,37 @@ def _check_turn(
         else:
             failures.append((R_EOT_NOT_FOUND, f"{tag}: no end-of-turn marker at {body[-40:]!r}"))
             return None
-        content_part = body[:cut]
-        reply = body if policy.include_eot else body[:cut]
-    else:
-        content_part = reply = body
-        if policy.include_eot:
-            if probe.eos_fallback_id is None:
-                failures.append((R_NO_EOS, "no end-of-turn marker and no eos token to supervise"))
-                return None
-            append_eos = True
-            notes.append(f"eot_appended:{probe.eos_fallback_token}({probe.eot_source})")
+        return body[:cut], body if policy.include_eot else body[:cut], False
+    if not policy.include_eot:
+        return body, body, False
+    if probe.eos_fallback_id is None:
+        failures.append((R_NO_EOS, "no end-of-turn marker and no eos token to supervise"))
+        return None
+    notes.append(f"eot_appended:{probe.eos_fallback_token}({probe.eot_source})")
+    return body, body, True
+
+
+def _lacks_content(
+    prep: _Prepared,
+    i: int,
+    content_part: str,
+    reply: str,
+    tag: str,
+    failures: list[tuple[str, str]],
+) -> bool:
+    """The rendered turn lacks a text of message i (its content, reasoning, tool calls) or the
+    reply is empty (recorded in `failures`)."""
     missing = [p for p in prep.pieces.get(i, []) if p not in content_part]
     if missing:
         code = R_REPLY_MISSING_CONTENT
         if prep.reasoning_passed.get(i) and missing[0] in _reasoning_of(prep, i):
             code = R_REASONING_NOT_RENDERED
         failures.append((code, f"{tag}: rendered reply lacks {missing[0][:60]!r}"))
-        return None
+        return True
     if not reply:
         failures.append((R_REPLY_MISSING_CONTENT, f"{tag}: empty reply"))
-        return None
-    return reply, append_eos, notes, prefill
+        return True
+    return False
 
 
 def _reasoning_text(prep: _Prepared, i: int) -> str:
