@@ -50,7 +50,31 @@ def _build_row(
     if encoded is None:
         encoded = _encode_row(tokenizer, text, plan.split_at)
     ids = encoded.ids
-    mask = [0] * len(ids)
+    mask = _span_mask(encoded, spans, text)
+    exp = list(plan.expected)
+    if append_eos:
+        ids = [*ids, int(probe.eos_fallback_id)]  # type: ignore[arg-type]
+        mask.append(1)
+        exp[-1] = exp[-1] + str(probe.eos_fallback_token)
+    row = TokenizedRow(
+        ids, mask, plan.turn, list(plan.norms), plan.strategy, text, list(spans), exp, append_eos,
+        False, plan.split_at, prefill=plan.prefill,
+    )
+    _fit_seq_length(row, policy)
+    longest = _longest_run(row.loss_mask)
+    if longest < policy.min_supervised_tokens:
+        raise MaskRefused(
+            R_TOO_FEW_SUPERVISED,
+            f"longest supervised run is {longest} tokens < {policy.min_supervised_tokens}",
+        )
+    verify_row(row, tokenizer, encoded)
+    return row
+
+
+def _span_mask(encoded: _Encoded, spans: list[tuple[int, int]], text: str) -> list[int]:
+    """1 for each token starting inside a reply span; a token straddling a span's edge is a
+    refusal (it would be half prompt, half reply)."""
+    mask = [0] * len(encoded.ids)
     for s, e in spans:
         first = encoded.first_at_or_after(s)
         end = encoded.first_at_or_after(e)
@@ -63,29 +87,17 @@ def _build_row(
                     f"token {t} {text[a:b]!r} straddles the reply boundary at char {boundary}",
                 )
         mask[first:end] = [1] * (end - first)
-    exp = list(plan.expected)
-    if append_eos:
-        ids = [*ids, int(probe.eos_fallback_id)]  # type: ignore[arg-type]
-        mask.append(1)
-        exp[-1] = exp[-1] + str(probe.eos_fallback_token)
-    row = TokenizedRow(
-        ids, mask, plan.turn, list(plan.norms), plan.strategy, text, list(spans), exp, append_eos,
-        False, plan.split_at, prefill=plan.prefill,
-    )
-    if policy.seq_length is not None and len(ids) > policy.seq_length:
-        if policy.truncation == "drop":
-            raise MaskRefused(
-                R_EXCEEDS_SEQ_LENGTH, f"{len(ids)} tokens > seq_length {policy.seq_length}"
-            )
-        row.normalizations.append(f"truncated_right:{len(ids)}->{policy.seq_length}")
-        row.input_ids = ids[: policy.seq_length]
-        row.loss_mask = mask[: policy.seq_length]
-        row.truncated = True
-    longest = _longest_run(row.loss_mask)
-    if longest < policy.min_supervised_tokens:
-        raise MaskRefused(
-            R_TOO_FEW_SUPERVISED,
-            f"longest supervised run is {longest} tokens < {policy.min_supervised_tokens}",
-        )
-    verify_row(row, tokenizer, encoded)
-    return row
+    return mask
+
+
+def _fit_seq_length(row: TokenizedRow, policy: MaskPolicy) -> None:
+    """Cut a row longer than seq_length on the right, or refuse it (`truncation = "drop"`)."""
+    n = len(row.input_ids)
+    if policy.seq_length is None or n <= policy.seq_length:
+        return
+    if policy.truncation == "drop":
+        raise MaskRefused(R_EXCEEDS_SEQ_LENGTH, f"{n} tokens > seq_length {policy.seq_length}")
+    row.normalizations.append(f"truncated_right:{n}->{policy.seq_length}")
+    row.input_ids = row.input_ids[: policy.seq_length]
+    row.loss_mask = row.loss_mask[: policy.seq_length]
+    row.truncated = True
