@@ -39,6 +39,12 @@ Decisions (documented so reviewers can check them):
 - `turns="all"`: one row for the whole conversation when every turn's prompt+reply is a prefix of
   the full render (by default, else with the template's stable kwarg such as
   `preserve_thinking=True`); otherwise one row per assistant turn with its exact history.
+
+Modules, in the order a conversation meets them: `conversations` (the entry), `prepare` (the
+messages made template-ready), `plan` (which rows, by strategy), `per_turn`, `render_diff`,
+`generation` and `prefill` (the strategies), `renders` (every render and HF mask call, and the
+shortcuts that save renders), `rows`, `encoding` and `verify` (ids, mask, the re-check);
+`policy` holds the types they share, `shortcuts` checks the shortcuts per template.
 """
 
 from dflash_etl.templates.masks.conversations import tokenize_conversation, tokenize_conversations
