@@ -13,7 +13,7 @@ try:
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from templates_helpers import qwen_tokenizer, require_fixtures
 
-import dflash_etl.templates.masks as masks
+import dflash_etl.templates.masks.renders as masks
 from dflash_etl.templates import MaskPolicy, MaskRefused, probe_template, tokenize_conversations
 
 CHATML = (

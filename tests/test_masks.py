@@ -237,7 +237,7 @@ def test_offsets_are_looked_up_exactly_as_the_full_offsets_list_gives_them(tok):
     import bisect
     import random
 
-    from dflash_etl.templates.masks import _encode, _Encoded, _pieces
+    from dflash_etl.templates.masks.encoding import _encode, _Encoded, _pieces
 
     texts = []
     for name in ("sharegpt.jsonl", "openai_messages_edgecases.jsonl", "openai_messages.jsonl",

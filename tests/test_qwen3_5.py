@@ -229,7 +229,8 @@ def test_tokenize_never_renders_two_think_blocks_in_one_turn(qwen36_tokenizer):
     block; content with two blocks of its own is refused."""
     from dflash_etl.models.tokenizer import load_tokenizer
     from dflash_etl.templates import probe_template
-    from dflash_etl.templates.masks import R_DUPLICATED_THINK, MaskRefused, tokenize_conversation
+    from dflash_etl.templates.masks import MaskRefused, tokenize_conversation
+    from dflash_etl.templates.masks.policy import R_DUPLICATED_THINK
 
     tok = load_tokenizer(str(qwen36_tokenizer))
     probe = probe_template(tok)

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from dflash_etl.templates import MaskPolicy, MaskRefused, TemplateUnusable, probe_template
-from dflash_etl.templates.masks import _prepare
+from dflash_etl.templates.masks.prepare import _prepare
 from dflash_etl.templates.render import RenderError, render, render_with_transformers
 from templates_helpers import (
     TEMPLATES_DIR,

@@ -11,25 +11,27 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from dflash_etl.templates.masks.shortcuts import fast_paths_for
+from dflash_etl.templates.probe_record import (
+    STRATEGY_GENERATION,
+    STRATEGY_PER_TURN,
+    STRATEGY_RENDER_DIFF,
+    TemplateProbe,
+)
 from dflash_etl.templates.render import (
     EMPTY_THINK_RE,
     LEADING_MARKER_RE,
     THINK_CLOSE,
-    MessageFormat,
     RenderLimitExceeded,
     common_prefix_len,
     guarded_call,
     inline_reasoning,
     try_render,
 )
-
-STRATEGY_GENERATION = "generation"
-STRATEGY_RENDER_DIFF = "render_diff"
-STRATEGY_PER_TURN = "per_turn"
 
 # Kwargs some templates read to keep earlier turns' reasoning, making a prefix render stable.
 STABLE_KWARG_CANDIDATES: tuple[tuple[str, Any], ...] = (
@@ -71,73 +73,6 @@ class TemplateUnusable(Exception):
         super().__init__(reason)
         self.reason = reason
         self.details = details or {}
-
-
-@dataclass
-class TemplateProbe:
-    """What a chat template does, as observed by rendering valid conversations."""
-
-    template_sha256: str
-    template_source: str  # "tokenizer" | "argument"
-    render_kwargs: dict[str, Any]
-    supplied: list[str]
-    accepted_role_orders: list[str]
-    rejected_role_orders: dict[str, str]
-    system_mode: str
-    has_generation_tags: bool
-    generation_mask_usable: bool
-    renders_tools: bool
-    tools_required: bool
-    tool_role: str  # "native" | "dropped" | "rejected" | "untested"
-    tool_call_args: str | None  # "object" | "string" | None (tool calls not rendered)
-    tool_call_error: str | None
-    empty_content: str
-    reasoning_key: str | None
-    reasoning_inline: bool
-    reasoning_placement: str  # "all" | "after_last_user" | "never"
-    injects_empty_think: bool
-    thinking_kwargs: list[str]
-    prefix_stable: bool
-    stable_kwargs: dict[str, Any] | None
-    prefix_detail: str
-    generation_prompt: str
-    generation_prefill: str
-    appends_assistant_header: bool
-    template_uses_bos: bool
-    template_emits_bos: bool
-    tokenizer_adds_bos: bool
-    eot_text: str
-    post_eot: str
-    eot_source: str  # "template" | "tokenizer_eos" | "generation_config_eos" | "none"
-    eos_fallback_token: str | None
-    eos_fallback_id: int | None
-    strategy: str
-    reason: str
-    notes: list[str] = field(default_factory=list)
-    # the reasoning opener ("<think>\n") a generation prompt leaves open while the template's
-    # rendered turns lack it, and the kwargs under which it does (R1 distills, QwQ, MiniMax-M2)
-    prefill_reasoning: str | None = None
-    prefill_reasoning_kwargs: dict[str, Any] | None = None
-    # the token appended to every reply when the template has no end-of-turn marker, and why
-    eos_appended: dict[str, Any] | None = None
-    # the shortcuts tokenize may take on this template, each checked on the probe's sample
-    # conversations against the full render diff (masks.fast_paths_for): name -> bool
-    fast_paths: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def message_format(self) -> MessageFormat:
-        return MessageFormat(
-            reasoning_key=self.reasoning_key,
-            reasoning_inline=self.reasoning_inline,
-            tool_args=self.tool_call_args or "object",
-            empty_content=self.empty_content,
-            system_mode=self.system_mode,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict (for the run manifest)."""
-        d = asdict(self)
-        return json.loads(json.dumps(d, default=str))
 
 
 def _msg(role: str, content: str | None, **extra: Any) -> dict[str, Any]:
@@ -217,6 +152,51 @@ def probe_template(
     Raises TemplateUnusable when not even `[system?, user, assistant]` renders, and
     RenderLimitExceeded when a probe render runs over the render limits (`render_limits`).
     """
+    source = _template_text(tokenizer, chat_template)
+    gen_cfg = _load_generation_config(tokenizer, model_dir)
+    kwargs: dict[str, Any] = dict(render_kwargs or {})
+    supplied = _supply_special_tokens(tokenizer, source, gen_cfg, kwargs)
+    notes: list[str] = []
+    tools_required = _needs_tools_list(tokenizer, source, kwargs, notes)
+    r = _renderer(tokenizer, source, kwargs, tools_required)
+    roles = _probe_role_orders(r)
+    ua = roles.renders["user,assistant"]
+    system_mode = _probe_system(r, roles, notes)
+    base_u, _ = r([_msg("user", _U1)])
+    tail = ua[ua.rfind(_A1) + len(_A1) :]
+    eos_tok, eos_id, eos_src = _eos_fallback(tokenizer, gen_cfg)
+    eot = _probe_end_of_turn(tail, roles.renders, eos_tok, eos_src, notes)
+    gen = _probe_generation_prompt(ua, roles.renders, base_u, tail, eot.post_eot, eot.eot_source)
+    reasoning = _probe_reasoning(r, source, ua, base_u)
+    prefix = _probe_prefix_stability(r, source, reasoning, system_mode)
+    tools = _probe_tools(r)
+    tags = _probe_generation_tags(tokenizer, source, kwargs)
+    bos = _probe_bos(tokenizer, source, kwargs, ua, notes)
+    strategy, reason = _choose_strategy(tags, prefix, gen.generation_prefill, eot.eot_source)
+    opener, opener_kwargs = _open_reasoning_prefill(r, base_u, ua, reasoning.thinking_kwargs)
+    reason += _prefill_reasoning_reason(opener, opener_kwargs, reasoning)
+    probe = TemplateProbe(
+        template_sha256=hashlib.sha256(source.encode("utf-8")).hexdigest(),
+        template_source="argument" if chat_template is not None else "tokenizer",
+        render_kwargs=kwargs, supplied=supplied, tools_required=tools_required,
+        accepted_role_orders=roles.accepted, rejected_role_orders=roles.rejected,
+        system_mode=system_mode, **eot._asdict(), **gen._asdict(), **reasoning._asdict(),
+        **prefix._asdict(), **tools._asdict(), **tags._asdict(), **bos._asdict(),
+        eos_fallback_token=eos_tok, eos_fallback_id=eos_id, strategy=strategy, reason=reason,
+        notes=notes, prefill_reasoning=opener, prefill_reasoning_kwargs=opener_kwargs,
+        eos_appended=None if eot.eot_source == "template" else _eos_appended(
+            eos_tok, eos_id, eos_src, tail),
+    )
+    probe.fast_paths = fast_paths_for(tokenizer, probe, chat_template)
+    return probe
+
+
+# A probe render: messages, add_generation_prompt, tools, extra kwargs -> (text, error).
+_Render = Callable[..., tuple[str | None, str | None]]
+
+
+def _template_text(tokenizer: Any, chat_template: str | None) -> str:
+    """The template to probe: the one given, else the tokenizer's (its default when named)."""
     source = (
         chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     )
@@ -224,30 +204,32 @@ def probe_template(
         source = source.get("default") or next(iter(source.values()), None)
     if not source or not isinstance(source, str):
         raise TemplateUnusable("no chat template: the tokenizer has none and none was given")
-    template_source = "argument" if chat_template is not None else "tokenizer"
-    gen_cfg = _load_generation_config(tokenizer, model_dir)
-    kwargs: dict[str, Any] = dict(render_kwargs or {})
-    supplied = _supply_special_tokens(tokenizer, source, gen_cfg, kwargs)
-    notes: list[str] = []
+    return source
 
-    tools_required = False
-    plain, plain_err = try_render(
-        tokenizer, [_msg("user", _U1), _msg("assistant", _A1)], chat_template=source, kwargs=kwargs
+
+def _needs_tools_list(
+    tokenizer: Any, source: str, kwargs: dict[str, Any], notes: list[str]
+) -> bool:
+    """Some templates render only when given a tools list, even an empty one."""
+    conv = [_msg("user", _U1), _msg("assistant", _A1)]
+    plain, plain_err = try_render(tokenizer, conv, chat_template=source, kwargs=kwargs)
+    if plain is not None:
+        return False
+    with_empty, _ = try_render(tokenizer, conv, chat_template=source, tools=[], kwargs=kwargs)
+    if with_empty is None:
+        return False
+    notes.append(
+        f"renders only with a tools list ({plain_err}); an empty list is passed "
+        "for conversations without tools"
     )
-    if plain is None:
-        with_empty, _ = try_render(
-            tokenizer,
-            [_msg("user", _U1), _msg("assistant", _A1)],
-            chat_template=source,
-            tools=[],
-            kwargs=kwargs,
-        )
-        if with_empty is not None:
-            tools_required = True
-            notes.append(
-                f"renders only with a tools list ({plain_err}); an empty list is passed "
-                "for conversations without tools"
-            )
+    return True
+
+
+def _renderer(
+    tokenizer: Any, source: str, kwargs: dict[str, Any], tools_required: bool
+) -> _Render:
+    """The render every probe makes: this template, these kwargs, and the empty tools list a
+    template that needs one gets when a probe passes no tools."""
 
     def r(msgs: list[dict[str, Any]], gen: bool = False, tools: Any = None, **extra: Any):
         return try_render(
@@ -259,10 +241,20 @@ def probe_template(
             kwargs={**kwargs, **extra},
         )
 
+    return r
+
+
+class _RoleOrders(NamedTuple):
+    accepted: list[str]
+    rejected: dict[str, str]
+    renders: dict[str, str]  # accepted order -> its render
+
+
+def _probe_role_orders(r: _Render) -> _RoleOrders:
+    """1. Role orders: the valid ones first; the invalid ones only to report what the template
+    rejects. TemplateUnusable unless [user, assistant] renders with both contents."""
     u1, u2, s = _msg("user", _U1), _msg("user", _U2), _msg("system", _S)
     a1, a2 = _msg("assistant", _A1), _msg("assistant", _A2)
-
-    # 1. role orders (valid ones first; the invalid ones only to report what the template rejects)
     orders: dict[str, tuple[list[dict[str, Any]], bool]] = {
         "user,assistant": ([u1, a1], False),
         "system,user,assistant": ([s, u1, a1], False),
@@ -273,62 +265,83 @@ def probe_template(
         "user,user,assistant": ([u1, u2, a1], False),
         "developer,user,assistant": ([_msg("developer", _S), u1, a1], False),
     }
-    accepted: list[str] = []
-    rejected: dict[str, str] = {}
-    renders: dict[str, str] = {}
+    found = _RoleOrders([], {}, {})
     for name, (msgs, gen) in orders.items():
         text, err = r(msgs, gen)
         if err is None and text:
-            accepted.append(name)
-            renders[name] = text
+            found.accepted.append(name)
+            found.renders[name] = text
         else:
-            rejected[name] = err or "rendered empty text"
-    if "user,assistant" not in renders:
+            found.rejected[name] = err or "rendered empty text"
+    if "user,assistant" not in found.renders:
         raise TemplateUnusable(
             "template renders no valid conversation (user,assistant): "
-            + rejected.get("user,assistant", "?"),
-            rejected,
+            + found.rejected.get("user,assistant", "?"),
+            found.rejected,
         )
-    ua = renders["user,assistant"]
+    ua = found.renders["user,assistant"]
     if _U1 not in ua or _A1 not in ua:
         raise TemplateUnusable("template drops the user or assistant content of [user, assistant]")
+    return found
 
-    # 2. system turn: native, or merged into the first user turn when rejected/dropped
-    sua = renders.get("system,user,assistant")
+
+def _probe_system(r: _Render, roles: _RoleOrders, notes: list[str]) -> str:
+    """2. The system turn: native, or merged into the first user turn when rejected/dropped."""
+    sua = roles.renders.get("system,user,assistant")
     if sua is not None and _S in sua:
-        system_mode = "native"
-    else:
-        merged, err = r([_msg("user", f"{_S}\n\n{_U1}"), a1])
-        system_mode = "merge_into_user" if merged and _S in merged else "unsupported"
-        notes.append(
-            "system turn "
-            + ("rejected: " + rejected["system,user,assistant"] if sua is None else "dropped")
-        )
+        return "native"
+    merged, _ = r([_msg("user", f"{_S}\n\n{_U1}"), _msg("assistant", _A1)])
+    notes.append(
+        "system turn "
+        + ("rejected: " + roles.rejected["system,user,assistant"] if sua is None else "dropped")
+    )
+    return "merge_into_user" if merged and _S in merged else "unsupported"
 
-    # 3. end of turn: what follows the final assistant content
-    base_u, _ = r([u1])
-    tail = ua[ua.rfind(_A1) + len(_A1) :]
-    eos_tok, eos_id, eos_src = _eos_fallback(tokenizer, gen_cfg)
+
+class _EndOfTurn(NamedTuple):
+    eot_text: str
+    post_eot: str
+    eot_source: str
+
+
+def _probe_end_of_turn(
+    tail: str, renders: dict[str, str], eos_tok: str | None, eos_src: str, notes: list[str]
+) -> _EndOfTurn:
+    """3. End of turn: what follows the final assistant content (`tail`)."""
     m = LEADING_MARKER_RE.match(tail)
     if m:
-        eot_text, post_eot, eot_source = tail[: m.end()], tail[m.end() :], "template"
-    elif eos_tok and tail.lstrip().startswith(eos_tok):
+        return _EndOfTurn(tail[: m.end()], tail[m.end() :], "template")
+    if eos_tok and tail.lstrip().startswith(eos_tok):
         end = len(tail) - len(tail.lstrip()) + len(eos_tok)
-        eot_text, post_eot, eot_source = tail[:end], tail[end:], "template"
-    elif (mid := _mid_tail(renders.get("user,assistant,user,assistant"))) and (
+        return _EndOfTurn(tail[:end], tail[end:], "template")
+    if (mid := _mid_tail(renders.get("user,assistant,user,assistant"))) and (
         shared := tail[: common_prefix_len(tail, mid)].rstrip()
     ).strip():
         # no marker-shaped text, but the final and a middle assistant turn end the same way
-        eot_text, post_eot, eot_source = shared, tail[len(shared) :], "template"
         notes.append(f"end-of-turn {shared!r} taken from the text shared by final and middle turns")
-    else:
-        eot_text, post_eot, eot_source = "", tail, eos_src
-        notes.append(
-            f"no end-of-turn marker after the assistant content (tail {tail!r}); "
-            f"falls back to {eos_src} {eos_tok!r}"
-        )
+        return _EndOfTurn(shared, tail[len(shared) :], "template")
+    notes.append(
+        f"no end-of-turn marker after the assistant content (tail {tail!r}); "
+        f"falls back to {eos_src} {eos_tok!r}"
+    )
+    return _EndOfTurn("", tail, eos_src)
 
-    # 4. generation prompt and what it pre-fills compared with a rendered assistant turn
+
+class _GenerationPrompt(NamedTuple):
+    generation_prompt: str
+    generation_prefill: str
+    appends_assistant_header: bool
+
+
+def _probe_generation_prompt(
+    ua: str,
+    renders: dict[str, str],
+    base_u: str | None,
+    tail: str,
+    post_eot: str,
+    eot_source: str,
+) -> _GenerationPrompt:
+    """4. The generation prompt, and what it pre-fills compared with a rendered assistant turn."""
     gen_text = renders.get("user+generation_prompt")
     if eot_source != "template" and _quotes_turns(ua, gen_text):
         raise TemplateUnusable(
@@ -350,8 +363,19 @@ def probe_template(
         appends_header = bool(post_eot.strip()) and (base_u or "").rstrip().endswith(
             post_eot.strip()
         )
+    return _GenerationPrompt(generation_prompt, prefill, appends_header)
 
-    # 5. reasoning: which field the template reads, and for which turns
+
+class _Reasoning(NamedTuple):
+    reasoning_key: str | None
+    reasoning_inline: bool
+    reasoning_placement: str
+    injects_empty_think: bool
+    thinking_kwargs: list[str]
+
+
+def _probe_reasoning(r: _Render, source: str, ua: str, base_u: str | None) -> _Reasoning:
+    """5. Reasoning: which field the template reads, and for which turns."""
     thinking_kwargs = [k for k in THINKING_KWARGS if _reads_variable(source, k)]
     reasoning_key, reasoning_inline, placement = None, False, "never"
     candidates: list[tuple[str | None, bool]] = [
@@ -362,13 +386,9 @@ def probe_template(
     if THINK_CLOSE in source:
         candidates.append((None, True))
     for key, inline in candidates:
-        if inline:
-            ra1 = _msg("assistant", inline_reasoning(_R1, _A1))
-            ra2 = _msg("assistant", inline_reasoning(_R2, _A2))
-        else:
-            ra1 = _msg("assistant", _A1, **{key: _R1})  # type: ignore[arg-type]
-            ra2 = _msg("assistant", _A2, **{key: _R2})  # type: ignore[arg-type]
-        text, _ = r([u1, ra1, u2, ra2])
+        ra1 = _reason_msg(key, inline, _R1, _A1)
+        ra2 = _reason_msg(key, inline, _R2, _A2)
+        text, _ = r([_msg("user", _U1), ra1, _msg("user", _U2), ra2])
         if not text:
             continue
         if _R2 in text:
@@ -377,51 +397,72 @@ def probe_template(
             break
     single = ua[len(base_u) :] if base_u and ua.startswith(base_u) else ua
     injects_empty_think = bool(re.search(r"<think>\s*</think>", single))
+    return _Reasoning(reasoning_key, reasoning_inline, placement, injects_empty_think,
+                      thinking_kwargs)
 
-    # 6. prefix stability: render(history<=k) is a prefix of render(all), with gen prompt too
-    def stable_under(extra: dict[str, Any]) -> tuple[bool, str]:
-        if reasoning_key or reasoning_inline:
-            conv = [
-                s if system_mode == "native" else None,
-                u1,
-                _reason_msg(reasoning_key, reasoning_inline, _R1, _A1),
-                u2,
-                _reason_msg(reasoning_key, reasoning_inline, _R2, _A2),
-            ]
-        else:
-            conv = [s if system_mode == "native" else None, u1, a1, u2, a2]
-        conv = [c for c in conv if c is not None]
-        full, err = r(conv, **extra)
-        if full is None:
-            return False, f"full render failed: {err}"
-        for i, msg in enumerate(conv):
-            if msg["role"] != "assistant":
-                continue
-            upto, _ = r(conv[: i + 1], **extra)
-            if upto is None or not full.startswith(upto.rstrip()):
-                return False, f"render of messages[:{i + 1}] is not a prefix of the full render"
-            prompt, _ = r(conv[:i], gen=True, **extra)
-            if prompt is None or not full.startswith(prompt):
-                return False, f"generation prompt before message {i} is not a prefix of the render"
-        return True, "every history render and generation prompt is a prefix of the full render"
 
-    prefix_stable, prefix_detail = stable_under({})
+class _PrefixStability(NamedTuple):
+    prefix_stable: bool
+    stable_kwargs: dict[str, Any] | None
+    prefix_detail: str
+
+
+def _probe_prefix_stability(
+    r: _Render, source: str, reasoning: _Reasoning, system_mode: str
+) -> _PrefixStability:
+    """6. Prefix stability: render(history<=k) is a prefix of render(all), with the generation
+    prompt too; by default, else under a stable kwarg the template reads."""
+    key, inline = reasoning.reasoning_key, reasoning.reasoning_inline
+    if key or inline:
+        a1, a2 = _reason_msg(key, inline, _R1, _A1), _reason_msg(key, inline, _R2, _A2)
+    else:
+        a1, a2 = _msg("assistant", _A1), _msg("assistant", _A2)
+    system = [_msg("system", _S)] if system_mode == "native" else []
+    conv = [*system, _msg("user", _U1), a1, _msg("user", _U2), a2]
+    prefix_stable, prefix_detail = _stable_under(r, conv, {})
     stable_kwargs: dict[str, Any] | None = None
     if not prefix_stable:
         for name, value in STABLE_KWARG_CANDIDATES:
-            if _reads_variable(source, name) and stable_under({name: value})[0]:
+            if _reads_variable(source, name) and _stable_under(r, conv, {name: value})[0]:
                 stable_kwargs = {name: value}
                 break
+    return _PrefixStability(prefix_stable, stable_kwargs, prefix_detail)
 
-    # 7. tools, tool calls, tool role
-    renders_tools = False
-    with_tools, _ = r([u1, a1], tools=_TOOLS)
-    if with_tools and _TOOL_NAME in with_tools:
-        renders_tools = True
-    tool_call_args: str | None = None
+
+def _stable_under(
+    r: _Render, conv: list[dict[str, Any]], extra: dict[str, Any]
+) -> tuple[bool, str]:
+    """Whether every history render and generation prompt of `conv` is a prefix of its full
+    render under the kwargs `extra`, and in words why not."""
+    full, err = r(conv, **extra)
+    if full is None:
+        return False, f"full render failed: {err}"
+    for i, msg in enumerate(conv):
+        if msg["role"] != "assistant":
+            continue
+        upto, _ = r(conv[: i + 1], **extra)
+        if upto is None or not full.startswith(upto.rstrip()):
+            return False, f"render of messages[:{i + 1}] is not a prefix of the full render"
+        prompt, _ = r(conv[:i], gen=True, **extra)
+        if prompt is None or not full.startswith(prompt):
+            return False, f"generation prompt before message {i} is not a prefix of the render"
+    return True, "every history render and generation prompt is a prefix of the full render"
+
+
+class _Tools(NamedTuple):
+    renders_tools: bool
+    tool_call_args: str | None
+    tool_call_error: str | None
+    empty_content: str
+    tool_role: str
+
+
+def _probe_tools(r: _Render) -> _Tools:
+    """7. Tools, tool calls (arguments as an object or a JSON string, empty content as None or
+    ""), the tool role."""
+    with_tools, _ = r([_msg("user", _U1), _msg("assistant", _A1)], tools=_TOOLS)
+    renders_tools = bool(with_tools and _TOOL_NAME in with_tools)
     tool_call_error: str | None = None
-    empty_content = "none"
-    tool_role = "untested"
     for args_kind, args in (
         ("object", {"query": _TOOL_ARG}),
         ("string", json.dumps({"query": _TOOL_ARG})),
@@ -429,29 +470,45 @@ def probe_template(
         for ec, content in (("none", None), ("empty", "")):
             call = _msg("assistant", content, tool_calls=[_tool_call(args)])
             tmsg = _msg("tool", _TOOL_RESULT, tool_call_id="call_probe_1", name=_TOOL_NAME)
-            conv = [u1, call, tmsg, a2]
+            conv = [_msg("user", _U1), call, tmsg, _msg("assistant", _A2)]
             text, err = r(conv, tools=_TOOLS if renders_tools else None)
             if text is None:
                 tool_call_error = tool_call_error or err
                 continue
             if _TOOL_NAME in text and _TOOL_ARG in text and "None" not in text.replace(_S, ""):
-                tool_call_args, empty_content = args_kind, ec
                 tool_role = "native" if _TOOL_RESULT in text else "dropped"
-                break
-        if tool_call_args:
-            break
-    if tool_call_args is None and tool_call_error and "tool" in tool_call_error.lower():
-        tool_role = "rejected"
+                return _Tools(renders_tools, args_kind, None, ec, tool_role)
+    rejected = bool(tool_call_error and "tool" in tool_call_error.lower())
+    return _Tools(renders_tools, None, tool_call_error, "none",
+                  "rejected" if rejected else "untested")
 
-    # 8. {% generation %} tags and HF's assistant mask
-    has_tags = bool(_GEN_TAG_RE.search(source))
-    mask_usable = False
-    if has_tags:
-        mask_usable = _generation_mask_ok(tokenizer, source, kwargs, [u1, a1], _A1)
 
-    # 9. BOS handling
+class _GenerationTags(NamedTuple):
+    has_generation_tags: bool
+    generation_mask_usable: bool
+
+
+def _probe_generation_tags(
+    tokenizer: Any, source: str, kwargs: dict[str, Any]
+) -> _GenerationTags:
+    """8. {% generation %} tags, and whether HF's assistant mask from them is usable."""
+    if not _GEN_TAG_RE.search(source):
+        return _GenerationTags(False, False)
+    conv = [_msg("user", _U1), _msg("assistant", _A1)]
+    return _GenerationTags(True, _generation_mask_ok(tokenizer, source, kwargs, conv, _A1))
+
+
+class _Bos(NamedTuple):
+    template_uses_bos: bool
+    template_emits_bos: bool
+    tokenizer_adds_bos: bool
+
+
+def _probe_bos(
+    tokenizer: Any, source: str, kwargs: dict[str, Any], ua: str, notes: list[str]
+) -> _Bos:
+    """9. BOS handling: the template's, and whether the tokenizer adds special tokens."""
     bos = kwargs.get("bos_token") or getattr(tokenizer, "bos_token", None)
-    uses_bos = "bos_token" in source
     emits_bos = bool(bos) and ua.startswith(bos)
     try:
         adds_bos = len(tokenizer("a")["input_ids"]) > len(
@@ -464,71 +521,14 @@ def probe_template(
             "tokenizer adds special tokens when asked; rows are encoded without them "
             "(the rendered template is authoritative)"
         )
-
-    strategy, reason = _choose_strategy(
-        has_tags, mask_usable, prefix_stable, stable_kwargs, prefix_detail, prefill, eot_source
-    )
-    opener, opener_kwargs = _open_reasoning_prefill(r, u1, base_u, ua, thinking_kwargs)
-    if opener is not None and (placement == "never" or not opener_kwargs):
-        # the opener decides how reasoning turns are masked (not merely a thinking switch whose
-        # prompt the template's own reasoning render continues)
-        reason += _prefill_reasoning_reason(opener, opener_kwargs or {}, thinking_kwargs)
-    eos_appended = None
-    if eot_source != "template":
-        eos_appended = _eos_appended(eos_tok, eos_id, eos_src, tail)
-    probe = TemplateProbe(
-        template_sha256=hashlib.sha256(source.encode("utf-8")).hexdigest(),
-        template_source=template_source,
-        render_kwargs=kwargs,
-        supplied=supplied,
-        accepted_role_orders=accepted,
-        rejected_role_orders=rejected,
-        system_mode=system_mode,
-        has_generation_tags=has_tags,
-        generation_mask_usable=mask_usable,
-        renders_tools=renders_tools,
-        tools_required=tools_required,
-        tool_role=tool_role,
-        tool_call_args=tool_call_args,
-        tool_call_error=tool_call_error if tool_call_args is None else None,
-        empty_content=empty_content,
-        reasoning_key=reasoning_key,
-        reasoning_inline=reasoning_inline,
-        reasoning_placement=placement,
-        injects_empty_think=injects_empty_think,
-        thinking_kwargs=thinking_kwargs,
-        prefix_stable=prefix_stable,
-        stable_kwargs=stable_kwargs,
-        prefix_detail=prefix_detail,
-        generation_prompt=generation_prompt,
-        generation_prefill=prefill,
-        appends_assistant_header=appends_header,
-        template_uses_bos=uses_bos,
-        template_emits_bos=emits_bos,
-        tokenizer_adds_bos=adds_bos,
-        eot_text=eot_text,
-        post_eot=post_eot,
-        eot_source=eot_source,
-        eos_fallback_token=eos_tok,
-        eos_fallback_id=eos_id,
-        strategy=strategy,
-        reason=reason,
-        notes=notes,
-        prefill_reasoning=opener,
-        prefill_reasoning_kwargs=opener_kwargs,
-        eos_appended=eos_appended,
-    )
-    from dflash_etl.templates.masks import fast_paths_for  # masks imports this module
-
-    probe.fast_paths = fast_paths_for(tokenizer, probe, chat_template)
-    return probe
+    return _Bos("bos_token" in source, emits_bos, adds_bos)
 
 
 _OPEN_REASONING_END_RE = re.compile(r"<(think|thinking|thought|reasoning)>\n?\Z")
 
 
 def _open_reasoning_prefill(
-    r: Any, u1: dict[str, Any], base_u: str | None, ua: str, thinking_kwargs: list[str]
+    r: _Render, base_u: str | None, ua: str, thinking_kwargs: list[str]
 ) -> tuple[str | None, dict[str, Any] | None]:
     """The reasoning opener a generation prompt ends with (by default, else with a thinking
     kwarg on) that the template's rendered assistant turn lacks, and those kwargs."""
@@ -536,7 +536,7 @@ def _open_reasoning_prefill(
         return None, None
     turn = ua[len(base_u):]
     for extra in [{}] + [{k: True} for k in thinking_kwargs]:
-        text, _ = r([u1], gen=True, **extra)
+        text, _ = r([_msg("user", _U1)], gen=True, **extra)
         if not text or not text.startswith(base_u):
             continue
         m = _OPEN_REASONING_END_RE.search(text)
@@ -551,8 +551,14 @@ def _open_reasoning_prefill(
 
 
 def _prefill_reasoning_reason(
-    opener: str, kwargs: dict[str, Any], thinking_kwargs: list[str]
+    opener: str | None, kwargs: dict[str, Any] | None, reasoning: _Reasoning
 ) -> str:
+    """What the strategy's reason adds when the generation prompt leaves a reasoning opener
+    that decides how reasoning turns are masked ("" when there is none, or when it is merely a
+    thinking switch whose prompt the template's own reasoning render continues)."""
+    if opener is None or (reasoning.reasoning_placement != "never" and kwargs):
+        return ""
+    thinking_kwargs = reasoning.thinking_kwargs
     when = f" with {kwargs}" if kwargs else ""
     without = (
         "takes the generation prompt with " + ", ".join(f"{k}=False" for k in thinking_kwargs)
@@ -653,15 +659,11 @@ def _generation_mask_ok(
 
 
 def _choose_strategy(
-    has_tags: bool,
-    mask_usable: bool,
-    prefix_stable: bool,
-    stable_kwargs: dict[str, Any] | None,
-    prefix_detail: str,
-    prefill: str,
-    eot_source: str,
+    tags: _GenerationTags, prefix: _PrefixStability, prefill: str, eot_source: str
 ) -> tuple[str, str]:
     """Pick the default strategy and say why, in words a reviewer can check."""
+    has_tags, mask_usable = tags
+    prefix_stable, stable_kwargs, prefix_detail = prefix
     eot = (
         "the template ends assistant turns with its own marker"
         if eot_source == "template"

@@ -1,0 +1,149 @@
+"""The entry: conversations to verified rows, or the reason each is refused."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from dflash_etl.templates.masks.encoding import _encode_many, _Encoded
+from dflash_etl.templates.masks.plan import _build_planned, _plan, _Planned
+from dflash_etl.templates.masks.policy import (
+    LIMIT_CODES,
+    R_MASK_VERIFICATION_FAILED,
+    R_RENDER_ERROR,
+    MaskPolicy,
+    MaskRefused,
+    TokenizedRow,
+)
+from dflash_etl.templates.masks.prepare import _prepare, _Prepared
+from dflash_etl.templates.masks.renders import _classify_render_error, _render_prefix
+from dflash_etl.templates.probe_record import TemplateProbe
+from dflash_etl.templates.render import RenderError, RenderLimitExceeded
+
+
+def tokenize_conversation(
+    conv: dict[str, Any],
+    tokenizer: Any,
+    probe: TemplateProbe,
+    policy: MaskPolicy | None = None,
+    *,
+    chat_template: str | None = None,
+) -> list[TokenizedRow]:
+    """Rows with verified loss masks for one canonical conversation, or MaskRefused.
+
+    `chat_template` must be the template the probe was made with when it was not the tokenizer's.
+    """
+    (result,) = tokenize_conversations([conv], tokenizer, probe, policy,
+                                       chat_template=chat_template)
+    if isinstance(result, MaskRefused):
+        raise result
+    return result
+
+
+def tokenize_conversations(
+    convs: list[dict[str, Any]],
+    tokenizer: Any,
+    probe: TemplateProbe,
+    policy: MaskPolicy | None = None,
+    *,
+    chat_template: str | None = None,
+    fast: bool = True,
+    cross_check: float = 0.0,
+) -> list[list[TokenizedRow] | MaskRefused]:
+    """`tokenize_conversation` for many conversations: for each, its rows or why it is refused.
+
+    Every conversation is rendered and planned first, then all row texts are encoded in one pass,
+    then masked and verified. The same rows as one at a time; the encoding pass is ~a third
+    cheaper when it is not interleaved with rendering (a large tokenizer's tables stay in cache).
+    """
+    policy = policy or MaskPolicy()
+    planned: list[_Planned | MaskRefused] = []
+    for conv in convs:
+        prep = None
+        try:
+            prep = _prepare(conv, probe, policy)
+            planned.append(_plan(prep, tokenizer, probe, policy, chat_template, fast))
+        except (MaskRefused, RenderError) as exc:
+            planned.append(_refusal(exc, prep, tokenizer, probe, chat_template))
+    pieces = [piece for item in planned if isinstance(item, _Planned)
+              for plan in item.rows for piece in plan.pieces()]
+    encodings = iter(_encode_many(tokenizer, pieces))
+    results: list[list[TokenizedRow] | MaskRefused] = []
+    for item in planned:
+        if isinstance(item, MaskRefused):
+            results.append(item)
+            continue
+        encoded = [_Encoded.join(texts, [next(encodings) for _ in texts])
+                   for texts in (plan.pieces() for plan in item.rows)]
+        try:
+            results.append(_build_planned(item, tokenizer, probe, policy, encoded))
+        except (MaskRefused, RenderError) as exc:
+            results.append(_refusal(exc, item.prep, tokenizer, probe, chat_template))
+    if fast and cross_check > 0 and probe.fast_paths:
+        for k, conv in enumerate(convs):
+            if zlib.crc32(str(conv.get("id")).encode()) < cross_check * 2**32:
+                results[k] = _cross_checked(results[k], conv, tokenizer, probe, policy,
+                                            chat_template)
+    return results
+
+
+def _cross_checked(
+    result: list[TokenizedRow] | MaskRefused,
+    conv: dict[str, Any],
+    tokenizer: Any,
+    probe: TemplateProbe,
+    policy: MaskPolicy,
+    template: str | None,
+) -> list[TokenizedRow] | MaskRefused:
+    """The conversation tokenized again without shortcuts (every turn rendered, HF's tag mask
+    compared): rows that differ are quarantined, since one of the two is wrong."""
+    (slow,) = tokenize_conversations([conv], tokenizer, probe, policy, chat_template=template,
+                                     fast=False)
+    if _outcome(slow) != _outcome(result):
+        return MaskRefused(R_MASK_VERIFICATION_FAILED, (
+            f"cross-check: the shortcut gives {_describe(result)} but rendering every turn "
+            f"gives {_describe(slow)}; set [tokenize] strategy = \"render_diff\" for this "
+            "template and report it"))
+    for row in () if isinstance(result, MaskRefused) else result:
+        row.cross_checked = True
+    return result
+
+
+def _describe(result: list[TokenizedRow] | MaskRefused) -> str:
+    if isinstance(result, MaskRefused):
+        return f"a refusal ({result.code})"
+    return f"{len(result)} row(s) of {[len(r.input_ids) for r in result]} tokens, " \
+        f"{[sum(r.loss_mask) for r in result]} supervised"
+
+
+def _outcome(result: list[TokenizedRow] | MaskRefused) -> Any:
+    if isinstance(result, MaskRefused):
+        return result.code
+    return [(r.input_ids, r.loss_mask, r.turn, r.normalizations, r.strategy) for r in result]
+
+
+def _refusal(
+    exc: MaskRefused | RenderError,
+    prep: _Prepared | None,
+    tokenizer: Any,
+    probe: TemplateProbe,
+    template: str | None,
+) -> MaskRefused:
+    """The refusal to report. A template that rejects the conversation as such (its role order,
+    with its own error text) is the reason, whatever step failed first: the full default render
+    is the test, made only for refused conversations."""
+    if isinstance(exc, RenderLimitExceeded):  # rendering it again would spend the limit again
+        return MaskRefused(exc.code, str(exc))
+    if isinstance(exc, MaskRefused) and (exc.is_filter or prep is None or exc.code in LIMIT_CODES):
+        return exc
+    assert prep is not None
+    kw = dict(probe.render_kwargs)
+    try:
+        _render_prefix(tokenizer, prep, len(prep.messages), False, kw, template)
+    except RenderLimitExceeded as err:
+        return MaskRefused(err.code, str(err))
+    except RenderError as err:
+        return _classify_render_error(tokenizer, prep, kw, template, err)
+    if isinstance(exc, RenderError):
+        return MaskRefused(R_RENDER_ERROR, str(exc))
+    return exc
