@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.config import PipelineConfig, project_path
 from dflash_etl.core.errors import StageError
 
 CREATED_MARKER = ".dflash_etl_target"  # in a target directory the project made (and may replace)
-PROJECT_TOKENIZER = Path(__file__).resolve().parents[3] / "data" / "tokenizer"
+PROJECT_TOKENIZER = project_path("data/tokenizer")
 
 
 def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads: int = 4,
