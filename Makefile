@@ -88,7 +88,7 @@ wheel-check: setup
 	cd $(WHEEL_TRY)/work/default && $(IN_WHEEL_ENV) dflash-etl check runs/try
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks data
+	$(BIN)/ruff check src tests benchmarks data setup.py
 
 bench: setup
 	$(BIN)/python benchmarks/bench_ingest.py
