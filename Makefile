@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-existing browser run test lint bench clean
+.PHONY: setup setup-existing browser run test wheel-check lint bench clean
 
 # Set-up time dominated CI on a slow 2-core machine: pip resolves and unpacks on one core and
 # byte-compiles every file it installs (measured here: 24 min for the dev set even without
@@ -64,11 +64,34 @@ test:
 	@date -u +"%T set-up done, tests start"
 	$(BIN)/python -m pytest -q --durations=15
 
+# The package as a user gets it, not this checkout: the sdist and the wheel built from it, the
+# wheel installed with its dependencies (torch as above) into a fresh environment, and from an
+# empty directory `dflash-etl init` -> ingest -> tokenize -> check on the embedded default.
+WHEEL_TRY := build/wheel-try
+# the installed commands only: no PYTHONPATH that could reach the checkout's src/
+IN_WHEEL_ENV := env -u PYTHONPATH PATH=$(CURDIR)/$(WHEEL_TRY)/venv/bin:$$PATH
+wheel-check: setup
+	rm -rf dist $(WHEEL_TRY)
+	$(BIN)/uv build --quiet --out-dir dist
+	$(BIN)/uv venv --quiet --python $(PYTHON) $(WHEEL_TRY)/venv
+	$(BIN)/uv pip install --quiet --python $(WHEEL_TRY)/venv/bin/python \
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) "torch==2.13.0+cpu" \
+		"$$(ls dist/dflash_etl-*.whl)[tokenize]"
+	mkdir -p $(WHEEL_TRY)/work
+	cd $(WHEEL_TRY)/work && $(IN_WHEEL_ENV) python -c 'import sys, dflash_etl as p; \
+		print(p.__file__); sys.exit("site-packages" not in p.__file__)'
+	cd $(WHEEL_TRY)/work && $(IN_WHEEL_ENV) dflash-etl init default
+	cd $(WHEEL_TRY)/work/default && $(IN_WHEEL_ENV) dflash-etl ingest --config pipeline.toml \
+		--run runs/try
+	cd $(WHEEL_TRY)/work/default && $(IN_WHEEL_ENV) dflash-etl tokenize --config pipeline.toml \
+		--run runs/try
+	cd $(WHEEL_TRY)/work/default && $(IN_WHEEL_ENV) dflash-etl check runs/try
+
 lint: setup
-	$(BIN)/ruff check src tests benchmarks data
+	$(BIN)/ruff check src tests benchmarks data setup.py
 
 bench: setup
 	$(BIN)/python benchmarks/bench_ingest.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache build dist

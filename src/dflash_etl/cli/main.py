@@ -12,13 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash_etl.cli import init
 from dflash_etl.cli.flags import add_settings_flags, field_help
-from dflash_etl.core.config import ConfigError, PipelineConfig, load_config
+from dflash_etl.core.config import DEFAULT_CONFIG, ConfigError, PipelineConfig, load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.stages import STAGES, StageSpec
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_CONFIG = REPO_ROOT / "data" / "pipeline.toml"
 
 
 def _say(text: str = "") -> None:
@@ -353,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("docs", help="rebuild a run's HTML report (runs/<name>/docs/index.html)")
     p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
     p.set_defaults(func=cmd_docs)
+    init.add_parser(sub)
     return parser
 
 

@@ -430,6 +430,21 @@ def parse_config(data: dict[str, Any], base_dir: Path) -> PipelineConfig:
     )
 
 
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+CHECKOUT = PACKAGE_DIR.parents[1]  # the repository, when the package runs from its src/
+
+
+def project_path(name: str) -> Path:
+    """contracts/, expectations/ or data/ (or a file in them): the checkout's own, their one
+    source, or once installed from a wheel the copy its build hook bundled (setup.py)."""
+    if (CHECKOUT / "pyproject.toml").is_file() and (CHECKOUT / name).exists():
+        return CHECKOUT / name
+    return PACKAGE_DIR / "_bundled" / name
+
+
+DEFAULT_CONFIG = project_path("data/pipeline.toml")  # the embedded default
+
+
 def load_config(path: str | Path) -> PipelineConfig:
     path = Path(path)
     try:

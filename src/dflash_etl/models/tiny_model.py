@@ -9,20 +9,27 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.config import PipelineConfig, project_path
 from dflash_etl.core.errors import StageError
 
 CREATED_MARKER = ".dflash_etl_target"  # in a target directory the project made (and may replace)
-PROJECT_TOKENIZER = Path(__file__).resolve().parents[3] / "data" / "tokenizer"
+PROJECT_TOKENIZER = project_path("data/tokenizer")
 
 
 def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads: int = 4,
                      kv_heads: int = 2, seed: int = 0, tie_word_embeddings: bool = True,
+                     exponential_decay_length_penalty: tuple[int, float] | None = None,
                      tokenizer_dir: Path = PROJECT_TOKENIZER) -> Path:
     """Write the model (seeded weights, MLP width 2 x hidden) and the tokenizer files to `out`;
     a directory that already holds a config.json is reused as it is. A tied random model's
     greedy reply mostly repeats its input token (its output row is its input row); an untied one
-    writes varied text, which is what a drafter should learn from."""
+    writes varied text, which is what a drafter should learn from.
+
+    Random weights almost never pick the end-of-turn token, so every reply would run to
+    max_new_tokens. `exponential_decay_length_penalty` ([start, factor], transformers' generation
+    option, kept in the model's generation_config.json) raises that token's score by `factor`
+    per token after `start` tokens of the reply: the replies then end, at lengths that vary with
+    the prompt, as a real target's do."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -40,8 +47,10 @@ def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads
         num_attention_heads=heads, num_key_value_heads=kv_heads, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=tie_word_embeddings)).save_pretrained(out)
     # save_pretrained writes its own generation config; keep the tokenizer's end-of-turn id
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2,
-                                                            "pad_token_id": 0}))
+    generation: dict[str, Any] = {"eos_token_id": 2, "pad_token_id": 0}
+    if exponential_decay_length_penalty is not None:
+        generation["exponential_decay_length_penalty"] = list(exponential_decay_length_penalty)
+    (out / "generation_config.json").write_text(json.dumps(generation))
     return out
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from dflash_etl.core.config import project_path
 from dflash_etl.core.errors import ContractError
 from dflash_etl.formats import roles
 
@@ -22,8 +23,6 @@ if TYPE_CHECKING:  # pandera (and pandas under it) is imported where a contract 
     # ~1 s of a stage's start that `read_arrow` and the named checks do not need
     import pandera.polars as pa
     from pandera.errors import SchemaError, SchemaErrors
-
-CONTRACTS_DIR = Path(__file__).resolve().parents[3] / "contracts"
 
 MESSAGE = pl.Struct(
     {
@@ -39,10 +38,7 @@ DTYPES: dict[str, pl.DataType] = {
 
 
 def contracts_dir() -> Path:
-    """contracts/ of the source tree (editable install) or the packaged copy."""
-    if CONTRACTS_DIR.is_dir():
-        return CONTRACTS_DIR
-    return Path(__file__).resolve().parents[1] / "_contracts"
+    return project_path("contracts")
 
 
 # --------------------------------------------------------------- named checks (polars)

@@ -30,14 +30,13 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_etl.core.config import ConfigError
+from dflash_etl.core.config import ConfigError, project_path
 from dflash_etl.core.errors import StageError
 from dflash_etl.formats import roles
 from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper
 from dflash_etl.validation.contracts import arrow_slices, read_arrow
 
-EXPECTATIONS_DIR = Path(__file__).resolve().parents[3] / "expectations"
 STAGE_SUITES = {s.name: s.suite for s in STAGES if s.suite}
 # Where each suite's stage writes its shards (the contract of the same name checks them).
 OUTPUT_DIRS = {s.suite: s.output for s in STAGES if s.suite}
@@ -116,10 +115,7 @@ class Thresholds:
 
 # --------------------------------------------------------------- suite files
 def expectations_dir() -> Path:
-    """expectations/ of the source tree (editable install) or a packaged copy."""
-    if EXPECTATIONS_DIR.is_dir():
-        return EXPECTATIONS_DIR
-    return Path(__file__).resolve().parents[1] / "_expectations"
+    return project_path("expectations")
 
 
 def load_suite(name: str) -> dict[str, Any]:
