@@ -341,7 +341,7 @@ def test_begin_drops_what_a_killed_writer_left_half_written(tmp_path):
 
 
 def test_the_regenerate_cache_drops_a_line_cut_by_a_kill(tmp_path):
-    from dflash_etl.stages.regenerate import _Cache
+    from dflash_etl.models.generation.conversations import ReplyCache as _Cache
 
     path = tmp_path / "generations.jsonl"
     whole = [json.dumps({"key": k, "text": f"reply {k}"}) + "\n" for k in ("a", "b")]
