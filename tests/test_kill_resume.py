@@ -355,7 +355,9 @@ def test_the_regenerate_cache_drops_a_line_cut_by_a_kill(tmp_path):
 
 
 def test_train_resume_tidies_checkpoints_and_log_left_by_a_kill(tmp_path):
-    from dflash_etl.stages.train import _checkpoints, _log_through, _tidy_checkpoints
+    from dflash_etl.models.training.checkpoints import list_checkpoints as _checkpoints
+    from dflash_etl.models.training.checkpoints import log_through as _log_through
+    from dflash_etl.models.training.checkpoints import tidy_checkpoints as _tidy_checkpoints
 
     ckpt = tmp_path / "checkpoints"
     for name in ("step-000100", "step-000200"):
