@@ -21,8 +21,9 @@ import pytest
 
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.generation.fleet import OpenAIBackend
 from dflash_etl.stages import ingest, regenerate
-from dflash_etl.stages.regenerate import OpenAIBackend, RegenerateSettings
+from dflash_etl.stages.regenerate import RegenerateSettings
 
 TICK_S = 0.2  # a slow-loris byte (or an endless stream's chunk) this often
 HTML_PAGE = ("<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1>"

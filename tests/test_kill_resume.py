@@ -341,7 +341,7 @@ def test_begin_drops_what_a_killed_writer_left_half_written(tmp_path):
 
 
 def test_the_regenerate_cache_drops_a_line_cut_by_a_kill(tmp_path):
-    from dflash_etl.stages.regenerate import _Cache
+    from dflash_etl.models.generation.conversations import ReplyCache as _Cache
 
     path = tmp_path / "generations.jsonl"
     whole = [json.dumps({"key": k, "text": f"reply {k}"}) + "\n" for k in ("a", "b")]
@@ -355,7 +355,9 @@ def test_the_regenerate_cache_drops_a_line_cut_by_a_kill(tmp_path):
 
 
 def test_train_resume_tidies_checkpoints_and_log_left_by_a_kill(tmp_path):
-    from dflash_etl.stages.train import _checkpoints, _log_through, _tidy_checkpoints
+    from dflash_etl.models.training.checkpoints import list_checkpoints as _checkpoints
+    from dflash_etl.models.training.checkpoints import log_through as _log_through
+    from dflash_etl.models.training.checkpoints import tidy_checkpoints as _tidy_checkpoints
 
     ckpt = tmp_path / "checkpoints"
     for name in ("step-000100", "step-000200"):

@@ -83,8 +83,9 @@ def test_regenerated_with_thinking_on_then_tokenized_off_policy_fails_naming_bot
     model writes no think markup); template, prompts, splitter and tokenize are real."""
     import shutil
 
+    from dflash_etl.models.generation.local import TransformersBackend
+    from dflash_etl.models.generation.replies import Reply
     from dflash_etl.stages import regenerate, tokenize
-    from dflash_etl.stages.regenerate import Reply, TransformersBackend
 
     def scripted(self, prompts):
         opened = "\n</think>\n\n" if thinking == "on" else ""

@@ -183,13 +183,13 @@ def test_check_fails_a_run_whose_stage_failed(models, tokenized, tmp_path):
 
 # ---------------------------------------------------------------- thinking on: one think block
 def test_the_splitter_reads_qwen36_replies_that_start_inside_the_think_block():
-    from dflash_etl.stages.regenerate import (
-        RegenerateSettings,
+    from dflash_etl.models.generation.replies import (
         Reply,
         check_reply,
         reply_parts,
         split_reasoning,
     )
+    from dflash_etl.stages.regenerate import RegenerateSettings
 
     qwen36 = "Add two and two.\n</think>\n\n4."  # after a generation prompt ending "<think>\n"
     assert split_reasoning(qwen36, think_open=True) == ("4.", "Add two and two.")
@@ -274,9 +274,10 @@ def test_thinking_on_regenerate_then_tokenize_supervises_one_think_block(models,
     import polars as pl
 
     from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.generation.local import TransformersBackend
+    from dflash_etl.models.generation.replies import Reply
     from dflash_etl.models.tokenizer import load_tokenizer
     from dflash_etl.stages import regenerate
-    from dflash_etl.stages.regenerate import Reply, TransformersBackend
 
     prompts_seen: list[str] = []
 

@@ -16,8 +16,9 @@ import pytest
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.devserver import DevServer
+from dflash_etl.models.generation.fleet import OpenAIBackend
 from dflash_etl.stages import ingest, regenerate
-from dflash_etl.stages.regenerate import OpenAIBackend, RegenerateSettings
+from dflash_etl.stages.regenerate import RegenerateSettings
 
 N_PROMPTS = 24
 ROWS = [{"id": f"p{k}", "prompt": f"Question {k}: what is {k} plus {k}?"}

@@ -13,14 +13,9 @@ import pytest
 
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.generation.replies import Reply, check_reply, dummy_replies, split_reasoning
 from dflash_etl.stages import ingest, regenerate
-from dflash_etl.stages.regenerate import (
-    RegenerateSettings,
-    Reply,
-    check_reply,
-    dummy_replies,
-    split_reasoning,
-)
+from dflash_etl.stages.regenerate import RegenerateSettings
 
 ROWS = [
     {"id": "p1", "prompt": "Name three colours of the rainbow."},
@@ -247,7 +242,7 @@ def test_openai_backend_over_real_http_matches_the_local_model(tiny_model, serve
 
 
 def test_openai_backend_retries_failures_and_timeouts(server, ingested):
-    from dflash_etl.stages.regenerate import OpenAIBackend
+    from dflash_etl.models.generation.fleet import OpenAIBackend
 
     kw = _openai_kw(server, timeout_s=5.0, retries=2)  # generous: CI machines can be slow
     backend = OpenAIBackend(RegenerateSettings(**{k: v for k, v in kw.items()
@@ -390,7 +385,7 @@ def test_the_summary_counts_replies_that_were_generated_then_filtered(tiny_model
 
 
 def test_thinking_mode_of_a_reply_with_the_templates_default():
-    from dflash_etl.stages.regenerate import thinking_mode
+    from dflash_etl.models.generation.replies import thinking_mode
 
     assert thinking_mode(Reply("x", "stop", 1), "on") == "on"
     assert thinking_mode(Reply("<think>x", "length", 1), "off") == "off"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_etl.core.errors import StageError
-from dflash_etl.stages import train
+from dflash_etl.models.training import loss as train
 
 torch = pytest.importorskip("torch")
 from dflash_etl.models.drafter import (  # noqa: E402

@@ -244,7 +244,8 @@ def attempt(name, fn):
         results[name] = "refused: " + str(exc)
 from dflash_etl.models.target import Target, TargetSpec
 from dflash_etl.stages.extract import _n_layers
-from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
+from dflash_etl.models.generation.local import TransformersBackend
+from dflash_etl.stages.regenerate import RegenerateSettings
 from dflash_etl.stages.train import resolve_mask_token
 attempt("extract", lambda: _n_layers(model))
 attempt("target", lambda: Target(TargetSpec(model=model, device="cpu")))

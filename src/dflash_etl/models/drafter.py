@@ -8,8 +8,11 @@ token followed by block_size-1 mask tokens; its queries see the context before t
 whole block (bidirectional), and each mask position predicts its own token. The target's embedding
 and LM head are shared and frozen, so the drafter stores only its layers, fc and norms.
 
-Pure torch, no transformers internals: the same module trains, evaluates and is saved as
-safetensors with a config.json a DFlash loader understands.
+One source for the architecture: the norms, the MLP and the attention's projections are the
+classes of dflash_remote.py, the standalone remote code every drafter directory carries (as
+`dflash.py`, which config.json's `auto_map` names). This module adds what training needs around
+them: several blocks per row in one pass (their positions and attention mask), the config.json
+writer, the safetensors files and the chunked LM-head loss.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_etl.models import dflash_remote as remote
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 
 WEIGHTS = "model.safetensors"
@@ -109,19 +113,6 @@ class DrafterConfig:
         return cls(**values)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (the half-split layout of Llama/Qwen) at explicit positions.
     x: [B, heads, S, D]; positions: [B, S]."""
@@ -135,31 +126,22 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return x * cos + rotated * sin
 
 
-class Attention(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, n, self.c.head_dim).transpose(1, 2)
+class BlockAttention(remote.DFlashAttention):
+    """The remote code's attention (its projections, norms, shapes and config parsing) over the
+    blocks of a training batch: the context's keys and values, then every block's. Its forward
+    is its own for the rotary embedding: `rotate` gives the remote `_rotate`'s values with its
+    operations in another order, so autograd sums their gradients in another order, and the
+    trained weights are byte-identical outputs (tests/run_compare.py) only in this order."""
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
                 context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        c = self.c
-        q = self.q_norm(self._heads(self.q_proj(x), c.num_attention_heads))
+        q = self.q_norm(self._split(self.q_proj(x), self.heads))
         keys_in = torch.cat([context, x], dim=1)
-        k = self.k_norm(self._heads(self.k_proj(keys_in), c.num_key_value_heads))
-        v = self._heads(self.v_proj(keys_in), c.num_key_value_heads)
-        q = rotate(q, positions, c.rope_theta)
-        k = rotate(k, torch.cat([context_positions, positions], dim=1), c.rope_theta)
-        groups = c.num_attention_heads // c.num_key_value_heads
+        k = self.k_norm(self._split(self.k_proj(keys_in), self.kv_heads))
+        v = self._split(self.v_proj(keys_in), self.kv_heads)
+        q = rotate(q, positions, self.theta)
+        k = rotate(k, torch.cat([context_positions, positions], dim=1), self.theta)
+        groups = self.heads // self.kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
@@ -168,36 +150,38 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: DrafterConfig) -> None:
+    """The remote code's decoder layer (its norms and MLP, in its order) with BlockAttention."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = nn.ModuleDict({
-            "gate_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
-            "up_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
-            "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False)})
+        self.input_layernorm = remote.DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = BlockAttention(config, layer_idx)
+        self.post_attention_layernorm = remote.DFlashRMSNorm(config.hidden_size,
+                                                             config.rms_norm_eps)
+        self.mlp = remote.DFlashMLP(config)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
                 context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, positions, context_positions,
                                mask)
-        h = self.post_attention_layernorm(x)
-        m = self.mlp
-        return x + m["down_proj"](F.silu(m["gate_proj"](h)) * m["up_proj"](h))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
-    """The trainable part of a DFlash drafter (the embedding and LM head are the target's)."""
+    """The trainable part of a DFlash drafter (the embedding and LM head are the target's). Its
+    layers are built from the config.json it writes, parsed as the remote code parses it."""
 
     def __init__(self, config: DrafterConfig) -> None:
+        from transformers import Qwen3Config
+
         super().__init__()
         self.config = config
         c = config
+        written = Qwen3Config(**c.to_json())
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = remote.DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(written, i) for i in range(c.num_hidden_layers))
+        self.norm = remote.DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.apply(self._init)
 
     @staticmethod

@@ -1,0 +1,37 @@
+"""What generation reads of the regenerate stage's settings.
+
+A protocol, not the settings class itself: the stage owns its settings (TOML, CLI, help), and
+the code here must not import the stage it serves."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class GenerationSettings(Protocol):
+    """The regenerate settings the backends, the reply checks and the transform read."""
+
+    model: str
+    mode: str
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    batch_size: int
+    thinking: str
+    keep_truncated: bool
+    dummy_min_repeats: int
+    served_model: str | None
+    concurrency: int
+    timeout_s: float
+    request_deadline_s: float
+    retries: int
+    stream: bool
+    device_map: str
+    max_memory: str
+    cooldown_s: float
+    repeat_tail_chars: int
+    repeat_max_cycle: int
+    ngram_repeat_max: float
+
+    @property
+    def servers(self) -> tuple[str, ...]: ...
