@@ -33,16 +33,6 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A 2-layer random Qwen2 with the project's tokenizer: generates real (meaningless) text."""
-    pytest.importorskip("torch")
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-model") / "model", hidden_size=32,
-                            layers=2, heads=2, kv_heads=1)
-
-
 @pytest.fixture()
 def ingested(tmp_path) -> Path:
     src = tmp_path / "rows.jsonl"
