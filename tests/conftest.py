@@ -123,6 +123,24 @@ def copy_run() -> Callable[..., Path]:
     return _copy_run
 
 
+@pytest.fixture
+def ingest_rows(tmp_path) -> Callable[[list[dict], str], Path]:
+    """Rows written as one JSONL source called `name` and ingested by one worker into
+    tmp_path/run: a small run of the test's own."""
+    from dflash_etl.core.config import load_config
+    from dflash_etl.stages import ingest
+
+    def run(rows: list[dict], name: str) -> Path:
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / "pipeline.toml").write_text(
+            f'[[sources]]\nname = "{name}"\npath = "rows.jsonl"\n')
+        run_dir = tmp_path / "run"
+        ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
+        return run_dir
+
+    return run
+
+
 # ---------------------------------------------------------------- runs shared by the CLI, suite
 # and report tests: one real run of the embedded default per session (great_expectations' import
 # alone takes minutes on a slow machine; each extra process pays it again).

@@ -13,7 +13,7 @@ import pytest
 
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
-from dflash_etl.stages import ingest, regenerate
+from dflash_etl.stages import regenerate
 from dflash_etl.stages.regenerate import (
     RegenerateSettings,
     Reply,
@@ -34,14 +34,8 @@ ROWS = [
 
 
 @pytest.fixture()
-def ingested(tmp_path) -> Path:
-    src = tmp_path / "rows.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (tmp_path / "pipeline.toml").write_text(
-        '[[sources]]\nname = "mixed"\npath = "rows.jsonl"\n')
-    run_dir = tmp_path / "run"
-    ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
-    return run_dir
+def ingested(ingest_rows) -> Path:
+    return ingest_rows(ROWS, "mixed")
 
 
 def _conversations(run_dir: Path) -> dict[str, dict]:
