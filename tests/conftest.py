@@ -1,5 +1,9 @@
 """Shared fixtures: the real third-party rows under ../shared/fixtures (skipped when absent), the
 tokenizers, the tiny targets, copies of runs, and the runs of the embedded default.
+
+`make test` (plain `pytest`) runs every test; for a fast loop leave out the slow ones (each over
+~10 s on a 2-core machine, or behind a fixture that is):
+    pytest -m "not slow"
 """
 
 from __future__ import annotations
@@ -169,9 +173,14 @@ def _in_browser_module(item: pytest.Item) -> bool:
     return item.path.name == "test_report_browser.py"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so the marks made here count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the default run go last, so the background run has time to finish; the browser
-    tests stay together among them, so one Chromium serves them all."""
+    """Tests on the default run are slow (they wait for it) and go last, so the background run
+    has time to finish; the browser tests stay together among them, so one Chromium serves them
+    all."""
+    for item in items:
+        if _uses_default_run(item):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: (_uses_default_run(item) or _in_browser_module(item),
                                  _in_browser_module(item)))
 

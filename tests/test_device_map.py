@@ -59,6 +59,7 @@ def test_max_memory_without_device_map_auto_is_refused(untied_target, tmp_path):
                     max_memory="cpu=2GiB")
 
 
+@pytest.mark.slow
 def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(untied_target,
                                                                                default_tokenized,
                                                                                tmp_path):
@@ -131,6 +132,7 @@ def split_memory(untied_target) -> str:
     return _cpu_budget_for_one_layer(untied_target)
 
 
+@pytest.mark.slow
 def test_a_target_split_over_devices_extracts_and_trains_as_the_plain_load(
         untied_target, default_tokenized, tmp_path, split_memory):
     """Embedding and layer 0 on the CPU, the rest offloaded to disk (accelerate's hooks load

@@ -157,6 +157,7 @@ def test_errors_name_the_cause(tiny_target, tmp_path, monkeypatch):
         extract._check_disk(tmp_path, 10**12, 5, 4096, "bf16")
 
 
+@pytest.mark.slow
 def test_run_chains_every_stage_on_a_named_target(tiny_target, tmp_path, capsys):
     """`dflash-etl run` on the embedded default's sources with `[target] model = DIR` (a real
     pipeline's form): the prompt-only rows get real replies and every stage completes in order."""
@@ -257,7 +258,7 @@ def _bytes_on_disk(out: Path) -> int:
         out / "index.parquet").stat().st_size
 
 
-@pytest.mark.parametrize("fmt", ["native", "speculators"])
+@pytest.mark.parametrize("fmt", ["native", pytest.param("speculators", marks=pytest.mark.slow)])
 def test_the_plan_projects_the_actual_run_and_publishes_nothing(tiny_target, default_tokenized,
                                                                 tmp_path,
                                                                 fmt, copy_run):

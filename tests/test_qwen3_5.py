@@ -439,6 +439,7 @@ def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
     assert got.tokens == greedy
 
 
+@pytest.mark.slow
 def test_the_linear_attention_kernels_are_named_once_per_process(models):
     """Two stages in one process (`dflash-etl run`) load the hybrid target twice and run it:
     which linear-attention kernels it uses is said once, and transformers' per-function
