@@ -21,6 +21,7 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.handoff.export import export
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # every test reads native_run: extract and train of the default
 
 REPO = Path(__file__).resolve().parents[1]
 SPECFORGE = REPO.parent / "shared" / "fixtures" / "specforge"

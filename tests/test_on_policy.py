@@ -70,6 +70,7 @@ def prompts_run(tmp_path_factory, tiny_qwen2) -> tuple[Path, Path]:
     return base / "run", target
 
 
+@pytest.mark.slow  # prompts_run builds a target with the 248k Qwen3.6 vocabulary
 @pytest.mark.parametrize("thinking", ["on", "off"])
 def test_regenerated_with_thinking_on_then_tokenized_off_policy_fails_naming_both(
         prompts_run, tmp_path, monkeypatch, thinking):
