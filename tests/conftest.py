@@ -1,7 +1,15 @@
-"""Shared fixtures: the real third-party rows under ../shared/fixtures (skipped when absent)."""
+"""Shared fixtures: the real third-party rows under ../shared/fixtures (skipped when absent), the
+tokenizers, the tiny targets, copies of runs, and the runs of the embedded default.
+
+`make test` (plain `pytest`) runs every test; for a fast loop leave out the slow ones (each over
+~10 s on a 2-core machine, or behind a fixture that is):
+    pytest -m "not slow"
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +34,7 @@ except ImportError:  # hypothesis is a dev dependency; its tests skip without it
 # The repository is <root>/main (or any checkout name); fixtures live next to it in
 # <root>/shared/fixtures, locally and in CI.
 FIXTURES_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def require_fixtures_dir() -> Path:
@@ -50,12 +59,95 @@ def fixture_data(fixtures_dir: Path) -> Path:
     return fixtures_dir / "data"
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The Qwen3.6 tokenizer (../shared/fixtures/qwen36-tokenizer) and its strict chat template."""
+    from templates_helpers import qwen_tokenizer
+
+    return qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def project_tok():
+    """The project's own small tokenizer (data/tokenizer), the embedded default's."""
+    pytest.importorskip("transformers")
+    from dflash_etl.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(REPO_ROOT / "data" / "tokenizer"))
+
+
+# ---------------------------------------------------------------- tiny targets: built once per
+# session and shared, so a test that changes a target's files changes a copy.
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Callable[..., Path]:
+    """build_tiny_qwen2 with the given keywords, built on first use and reused for the same
+    keywords (in `<hash of the keywords>/model`)."""
+    pytest.importorskip("torch")
+    from dflash_etl.models.tiny_model import build_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("tiny-targets")
+
+    def build(**spec: object) -> Path:
+        key = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+        return build_tiny_qwen2(root / key[:16] / "model", **spec)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_qwen2) -> Path:
+    """The extract tests' target: 4 layers of hidden 64, tied head, the project's tokenizer."""
+    return tiny_qwen2()
+
+
+@pytest.fixture(scope="session")
+def untied_target(tiny_qwen2) -> Path:
+    """tiny_target with an untied head: its greedy replies vary, which a drafter learns from."""
+    return tiny_qwen2(tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_qwen2) -> Path:
+    """The smallest generator (2 layers of hidden 32, 2 heads): real, meaningless text, fast."""
+    return tiny_qwen2(hidden_size=32, layers=2, heads=2, kv_heads=1)
+
+
+# ---------------------------------------------------------------- copies of runs
+def _copy_run(source: Path, into: Path, *skip: str) -> Path:
+    """`source` copied to `into/<its name>` without the files and folders matching `skip` (glob
+    patterns, e.g. "*extract*" for a stage's outputs, to run that stage again)."""
+    out = into / source.name
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns(*skip))
+    return out
+
+
+@pytest.fixture(scope="session")
+def copy_run() -> Callable[..., Path]:
+    """_copy_run: a test changes its own copy of a shared run, never the run itself."""
+    return _copy_run
+
+
+@pytest.fixture
+def ingest_rows(tmp_path) -> Callable[[list[dict], str], Path]:
+    """Rows written as one JSONL source called `name` and ingested by one worker into
+    tmp_path/run: a small run of the test's own."""
+    from dflash_etl.core.config import load_config
+    from dflash_etl.stages import ingest
+
+    def run(rows: list[dict], name: str) -> Path:
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / "pipeline.toml").write_text(
+            f'[[sources]]\nname = "{name}"\npath = "rows.jsonl"\n')
+        run_dir = tmp_path / "run"
+        ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
+        return run_dir
+
+    return run
+
+
 # ---------------------------------------------------------------- runs shared by the CLI, suite
 # and report tests: one real run of the embedded default per session (great_expectations' import
 # alone takes minutes on a slow machine; each extra process pays it again).
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 _DEFAULT_RUN: dict[str, object] = {}
 
 
@@ -81,9 +173,14 @@ def _in_browser_module(item: pytest.Item) -> bool:
     return item.path.name == "test_report_browser.py"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so the marks made here count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the default run go last, so the background run has time to finish; the browser
-    tests stay together among them, so one Chromium serves them all."""
+    """Tests on the default run are slow (they wait for it) and go last, so the background run
+    has time to finish; the browser tests stay together among them, so one Chromium serves them
+    all."""
+    for item in items:
+        if _uses_default_run(item):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: (_uses_default_run(item) or _in_browser_module(item),
                                  _in_browser_module(item)))
 
@@ -150,7 +247,7 @@ def default_tokenized(tmp_path_factory) -> Path:
     from dflash_etl.stages import ingest, tokenize
 
     run_dir = tmp_path_factory.mktemp("default-tokenized") / "run"
-    config = load_config(Path(__file__).resolve().parents[1] / "data" / "pipeline.toml")
+    config = load_config(REPO_ROOT / "data" / "pipeline.toml")
     ingest.run(config, run_dir, progress=False)
     tokenize.run(config, run_dir, progress=False)
     return run_dir

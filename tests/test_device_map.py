@@ -21,14 +21,6 @@ pytest.importorskip("accelerate")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("dm-target") / "model",
-                            tie_word_embeddings=False)
-
-
 def test_max_memory_is_parsed_into_accelerates_mapping():
     assert parse_max_memory("0=70GiB, 1=70GiB,cpu=200GiB") == {0: "70GiB", 1: "70GiB",
                                                              "cpu": "200GiB"}
@@ -46,14 +38,14 @@ def test_max_memory_is_parsed_into_accelerates_mapping():
     ("disk=100GiB", "disk offload is not supported"),
     ("0=1GiB,0=2GiB", "0 is given twice"),
 ])
-def test_a_bad_max_memory_is_a_stage_error_naming_the_setting(target, default_tokenized, tmp_path,
-                                                               text, says):
+def test_a_bad_max_memory_is_a_stage_error_naming_the_setting(untied_target, default_tokenized,
+                                                              tmp_path, text, says):
     for run in (
-        lambda: extract.run(None, tmp_path / "run", progress=False, model=str(target),
+        lambda: extract.run(None, tmp_path / "run", progress=False, model=str(untied_target),
                             device_map="auto", max_memory=text),
-        lambda: train.run(None, tmp_path / "run", progress=False, target=str(target),
+        lambda: train.run(None, tmp_path / "run", progress=False, target=str(untied_target),
                           device_map="auto", max_memory=text),
-        lambda: regenerate.run(None, tmp_path / "run", progress=False, model=str(target),
+        lambda: regenerate.run(None, tmp_path / "run", progress=False, model=str(untied_target),
                                device_map="auto", max_memory=text),
     ):
         with pytest.raises(StageError, match="--max-memory") as caught:
@@ -61,24 +53,25 @@ def test_a_bad_max_memory_is_a_stage_error_naming_the_setting(target, default_to
         assert says in str(caught.value)
 
 
-def test_max_memory_without_device_map_auto_is_refused(target, tmp_path):
+def test_max_memory_without_device_map_auto_is_refused(untied_target, tmp_path):
     with pytest.raises(StageError, match="applies only with --device-map auto"):
-        extract.run(None, tmp_path / "run", progress=False, model=str(target),
+        extract.run(None, tmp_path / "run", progress=False, model=str(untied_target),
                     max_memory="cpu=2GiB")
 
 
-def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(target,
+@pytest.mark.slow
+def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(untied_target,
                                                                                default_tokenized,
                                                                                tmp_path):
     from safetensors.torch import load_file
 
     from dflash_etl.models.target import Target, TargetSpec
 
-    mapped = Target(TargetSpec(model=str(target), layers="0,2", device_map="auto",
+    mapped = Target(TargetSpec(model=str(untied_target), layers="0,2", device_map="auto",
                                max_memory="cpu=4GiB"))
     # transformers sets hf_device_map only for a map over several devices: here one, the CPU
     assert mapped.placement == {"": "cpu"} and str(mapped.device) == "cpu"
-    plain = Target(TargetSpec(model=str(target), layers="0,2"))
+    plain = Target(TargetSpec(model=str(untied_target), layers="0,2"))
     rows = [[5, 9, 100, 7, 3], [11, 12]]
     # the calls online training and tau evaluation make: equal exactly
     for a, b in zip(mapped.forward(rows, logits=True), plain.forward(rows, logits=True),
@@ -95,11 +88,11 @@ def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(t
                                                  "max_memory": "cpu=4GiB"})):
         run_dir = tmp_path / name
         shutil.copytree(default_tokenized, run_dir, ignore=shutil.ignore_patterns("*extract*"))
-        extract.run(None, run_dir, progress=False, model=str(target), layers="0,2",
+        extract.run(None, run_dir, progress=False, model=str(untied_target), layers="0,2",
                     batch_tokens=2048, **extra)
         runs[name] = sorted((run_dir / "extract" / "hidden_states").glob("*.safetensors"))
     # the placement is not part of the fingerprint: a complete run is not redone elsewhere
-    again = extract.run(None, tmp_path / "plain", progress=False, model=str(target),
+    again = extract.run(None, tmp_path / "plain", progress=False, model=str(untied_target),
                         layers="0,2", batch_tokens=2048, device_map="auto")
     assert again.get("skipped") is True
     assert [p.name for p in runs["plain"]] == [p.name for p in runs["auto"]]
@@ -108,11 +101,11 @@ def test_device_map_auto_loads_through_accelerate_and_extracts_the_same_states(t
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), a.name
 
 
-def test_regenerate_transformers_backend_with_device_map_auto(target):
+def test_regenerate_transformers_backend_with_device_map_auto(untied_target):
     backend = regenerate.TransformersBackend(regenerate.RegenerateSettings(
-        model=str(target), max_new_tokens=6, device_map="auto"))
+        model=str(untied_target), max_new_tokens=6, device_map="auto"))
     plain = regenerate.TransformersBackend(regenerate.RegenerateSettings(
-        model=str(target), max_new_tokens=6))
+        model=str(untied_target), max_new_tokens=6))
     prompts = ["Hello there", "What is two plus two?"]
     assert backend.generate_text(prompts) == plain.generate_text(prompts)
 
@@ -135,12 +128,13 @@ def _cpu_budget_for_one_layer(target: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def split_memory(target) -> str:
-    return _cpu_budget_for_one_layer(target)
+def split_memory(untied_target) -> str:
+    return _cpu_budget_for_one_layer(untied_target)
 
 
+@pytest.mark.slow
 def test_a_target_split_over_devices_extracts_and_trains_as_the_plain_load(
-        target, default_tokenized, tmp_path, split_memory):
+        untied_target, default_tokenized, tmp_path, split_memory):
     """Embedding and layer 0 on the CPU, the rest offloaded to disk (accelerate's hooks load
     each layer for its call, the head is on "meta" between calls): the extracted states and a
     few online training steps (the hooks' states, the head's loss, tau) equal the plain run's."""
@@ -148,7 +142,7 @@ def test_a_target_split_over_devices_extracts_and_trains_as_the_plain_load(
 
     from dflash_etl.models.target import Target, TargetSpec
 
-    split = Target(TargetSpec(model=str(target), layers="0,2", device_map="auto",
+    split = Target(TargetSpec(model=str(untied_target), layers="0,2", device_map="auto",
                               max_memory=split_memory))
     assert split.placement["model.embed_tokens"] == split.placement["model.layers.0"] == "cpu"
     assert split.placement["model.layers.2"] == split.placement["lm_head"] == "disk"
@@ -159,10 +153,10 @@ def test_a_target_split_over_devices_extracts_and_trains_as_the_plain_load(
                                                   "max_memory": split_memory})):
         run_dir = tmp_path / name
         shutil.copytree(default_tokenized, run_dir, ignore=shutil.ignore_patterns("*extract*"))
-        extract.run(None, run_dir, progress=False, model=str(target), layers="0,2",
+        extract.run(None, run_dir, progress=False, model=str(untied_target), layers="0,2",
                     batch_tokens=2048, **extra)
         runs[name] = run_dir
-        doc = train.run(None, run_dir, progress=False, target=str(target), online=True,
+        doc = train.run(None, run_dir, progress=False, target=str(untied_target), online=True,
                         steps=3, draft_layers=1, block_size=8, batch_rows=4, anchors_per_row=8,
                         eval_prompts=2, eval_new_tokens=6, layers="0,2", **extra)
         runs[name + "_tau"] = doc["total"]["tau_final"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,32 +27,19 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun with g
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    pytest.importorskip("torch")
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("ddp-target") / "model")
-
-
-@pytest.fixture(scope="module")
-def one_process(target, default_tokenized, tmp_path_factory) -> Path:
+def one_process(tiny_target, default_tokenized, tmp_path_factory, copy_run) -> Path:
     """The reference: extract in this one process (one thread, as each torchrun rank runs)."""
     import torch
 
-    run_dir = _copy(default_tokenized, tmp_path_factory.mktemp("one-process"))
+    run_dir = copy_run(default_tokenized, tmp_path_factory.mktemp("one-process"), "*extract*",
+                       "docs")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        extract.run(None, run_dir, progress=False, model=str(target), shard_rows=SHARD_ROWS)
+        extract.run(None, run_dir, progress=False, model=str(tiny_target), shard_rows=SHARD_ROWS)
     finally:
         torch.set_num_threads(threads)
     return run_dir
-
-
-def _copy(run_dir: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*", "docs"))
-    return out
 
 
 def _torchrun(nproc: int, run_dir: Path, target: Path) -> list[str]:
@@ -102,13 +88,14 @@ def test_run_does_not_launch_torchrun(tmp_path):
     assert extract.relaunch(None, {"launcher": "none"}, ["--run", "x"]) is None
 
 
-def test_torchrun_extract_equals_one_process(target, default_tokenized, one_process, tmp_path):
+def test_torchrun_extract_equals_one_process(tiny_target, default_tokenized, one_process, tmp_path,
+                                             copy_run):
     """`dflash-etl extract --launcher torchrun --nproc-per-node 2` runs itself again under
     torchrun; rank 0 alone reports and writes the manifest, and the output is one process's."""
-    run_dir = _copy(default_tokenized, tmp_path)
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*", "docs")
     result = subprocess.run(
         [sys.executable, "-m", "dflash_etl.cli.main", "extract", "--run", str(run_dir),
-         "--model", str(target), "--shard-rows", str(SHARD_ROWS), "--launcher", "torchrun",
+         "--model", str(tiny_target), "--shard-rows", str(SHARD_ROWS), "--launcher", "torchrun",
          "--nproc-per-node", "2"],
         capture_output=True, text=True, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -150,16 +137,16 @@ def _plan(run_dir: Path, world: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, default_tokenized,
-                                                                 one_process, tmp_path):
+def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(tiny_target, default_tokenized,
+                                                                 one_process, tmp_path, copy_run):
     """Rank 1 SIGKILLed mid-run: torchrun fails, nothing is published, the finished shards stay.
     Then rank 1 fails on a shard it cannot write: rank 0 fails too, with rank 1's message in the
     manifest, after finishing its own shards. Fixed and rerun on 3 ranks: the output is one
     process's, and the shards written before were not redone."""
-    run_dir = _copy(default_tokenized, tmp_path)
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*", "docs")
     partial = run_dir / ".extract.partial"
     mine = _plan(run_dir, 2)
-    launch = subprocess.Popen(_torchrun(2, run_dir, target), stdout=subprocess.PIPE,
+    launch = subprocess.Popen(_torchrun(2, run_dir, tiny_target), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 300
     killed = False
@@ -188,7 +175,7 @@ def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, default
     assert todo, "rank 1 finished before it was killed: use smaller shards"
     blocker = partial / "hidden_states" / f"shard-{todo[-1]:05d}.safetensors"
     blocker.mkdir()
-    result = subprocess.run(_torchrun(2, run_dir, target), capture_output=True, text=True,
+    result = subprocess.run(_torchrun(2, run_dir, tiny_target), capture_output=True, text=True,
                             env=ENV, timeout=600)
     assert result.returncode != 0
     assert "rank 1 failed: extract: Is a directory" in result.stderr, result.stderr[-3000:]
@@ -197,7 +184,7 @@ def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(target, default
     assert all((partial / "shards" / f"shard-{n:05d}.json").exists() for n in mine[0])
 
     blocker.rmdir()
-    result = subprocess.run(_torchrun(3, run_dir, target), capture_output=True, text=True,
+    result = subprocess.run(_torchrun(3, run_dir, tiny_target), capture_output=True, text=True,
                             env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_output(run_dir, one_process)

@@ -4,12 +4,9 @@ padding) fail extract with the numbers, and `dflash-etl check` finds zeros in pu
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import ContractError
 from dflash_etl.validation.health import (
     HealthLimits,
@@ -19,7 +16,6 @@ from dflash_etl.validation.health import (
 )
 
 torch = pytest.importorskip("torch")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_zeros_and_a_padding_leak_are_problems_and_good_states_are_not():
@@ -45,31 +41,11 @@ def test_outliers_are_counted_not_failed():
     assert not shard_problems(health, None, HealthLimits())
 
 
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> tuple[Path, Path]:
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-    from dflash_etl.stages import ingest, tokenize
-
-    base = tmp_path_factory.mktemp("health")
-    target = build_tiny_qwen2(base / "target")
-    config = load_config(REPO / "data" / "pipeline.toml")
-    ingest.run(config, base / "run", progress=False)
-    tokenize.run(config, base / "run", progress=False)
-    return base / "run", target
-
-
-def _copy(run: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(run, out)
-    return out
-
-
-def test_healthy_states_record_their_numbers(tokenized, tmp_path):
+def test_healthy_states_record_their_numbers(default_tokenized, tiny_target, tmp_path, copy_run):
     from dflash_etl.stages import extract
 
-    source, target = tokenized
-    run = _copy(source, tmp_path)
-    doc = extract.run(None, run, progress=False, model=str(target), layers="1,2")
+    run = copy_run(default_tokenized, tmp_path)
+    doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2")
     health = doc["health"]
     assert [layer["layer"] for layer in health["layers"]] == [1, 2]
     assert all(layer["zero_share"] < 0.01 and layer["norm_mean"] > 0
@@ -89,13 +65,12 @@ def test_healthy_states_record_their_numbers(tokenized, tmp_path):
 
 
 @pytest.mark.parametrize("corruption", ["zeros", "padding_leak"])
-def test_corrupted_states_fail_extract_with_the_numbers(tokenized, tmp_path, monkeypatch,
-                                                        corruption):
+def test_corrupted_states_fail_extract_with_the_numbers(default_tokenized, tiny_target, tmp_path,
+                                                        monkeypatch, corruption, copy_run):
     from dflash_etl.models.target import Target
     from dflash_etl.stages import extract
 
-    source, target = tokenized
-    run = _copy(source, tmp_path)
+    run = copy_run(default_tokenized, tmp_path)
     real = Target.forward
 
     def corrupted(self, rows, logits=False, extra_layers=()):
@@ -108,7 +83,7 @@ def test_corrupted_states_fail_extract_with_the_numbers(tokenized, tmp_path, mon
 
     monkeypatch.setattr(Target, "forward", corrupted)
     with pytest.raises(ContractError) as caught:
-        extract.run(None, run, progress=False, model=str(target), layers="1,2")
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2")
     message = str(caught.value)
     expected = "exactly zero" if corruption == "zeros" else "padding leaks"
     assert "health check failed" in message and expected in message
@@ -118,14 +93,14 @@ def test_corrupted_states_fail_extract_with_the_numbers(tokenized, tmp_path, mon
     assert total["rows_in"] == total["rows_out"] + total["rows_quarantined"]
 
 
-def test_check_finds_zeros_in_published_states(tokenized, tmp_path):
+def test_check_finds_zeros_in_published_states(default_tokenized, tiny_target, tmp_path,
+                                               copy_run):
     from safetensors.torch import load_file, save_file
 
     from dflash_etl.stages import extract
 
-    source, target = tokenized
-    run = _copy(source, tmp_path)
-    extract.run(None, run, progress=False, model=str(target), layers="1,2")
+    run = copy_run(default_tokenized, tmp_path)
+    extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2")
     shard = sorted((run / "extract" / "hidden_states").glob("*.safetensors"))[0]
     data = load_file(str(shard))
     data["hidden_states"][:, 0] = 0  # layer 1 zeroed, shape and token ids intact

@@ -20,27 +20,14 @@ from dflash_etl.stages.extract import length_batches, padding_share
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    pytest.importorskip("torch")
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-target") / "model")  # 4 x 64
-
-
-def _copy(run_dir: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*"))
-    return out
-
-
-def test_states_equal_an_independent_forward_pass(target, default_tokenized, tmp_path):
+def test_states_equal_an_independent_forward_pass(tiny_target, default_tokenized, tmp_path,
+                                                  copy_run):
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    run_dir = _copy(default_tokenized, tmp_path)
-    doc = extract.run(None, run_dir, progress=False, model=str(target), layers="0,2,3",
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
+    doc = extract.run(None, run_dir, progress=False, model=str(tiny_target), layers="0,2,3",
                       batch_tokens=2048, shard_rows=100)
     total = doc["total"]
     rows_in = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
@@ -49,7 +36,7 @@ def test_states_equal_an_independent_forward_pass(target, default_tokenized, tmp
     assert total["padding_share"] < 0.05
     index = pq.read_table(run_dir / "extract" / "index.parquet").to_pylist()
     assert len(index) == total["rows_out"]
-    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target)).eval()
     dataset = tokenize_rows(run_dir)
     for entry in index[:: max(1, len(index) // 12)]:  # a dozen rows across the shards
         ids = dataset[entry["row"]]
@@ -75,11 +62,11 @@ def tokenize_rows(run_dir: Path) -> list[list[int]]:
         "input_ids"]
 
 
-def test_speculators_format_resume_and_contract(target, default_tokenized, tmp_path):
+def test_speculators_format_resume_and_contract(tiny_target, default_tokenized, tmp_path, copy_run):
     from safetensors.torch import load_file, save_file
 
-    run_dir = _copy(default_tokenized, tmp_path)
-    doc = extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
+    doc = extract.run(None, run_dir, progress=False, model=str(tiny_target), format="speculators",
                       shard_rows=64)
     layers = auto_layers(4, 5)
     assert doc["total"]["layers"] == layers == [1]  # L-3 = 1: the rule leaves only layer 1
@@ -91,7 +78,7 @@ def test_speculators_format_resume_and_contract(target, default_tokenized, tmp_p
     assert sample["hidden_states"].shape == (len(ids[7]), 2, 64)
     assert sample["token_ids"].tolist() == ids[7]
 
-    again = extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
+    again = extract.run(None, run_dir, progress=False, model=str(tiny_target), format="speculators",
                         shard_rows=64)
     assert again.get("skipped") is True  # same inputs and settings: not redone
 
@@ -104,7 +91,8 @@ def test_speculators_format_resume_and_contract(target, default_tokenized, tmp_p
     assert problems and "token ids differ" in problems[0]
 
 
-def test_speculators_export_loads_with_speculators_data_loader(target, default_tokenized, tmp_path):
+def test_speculators_export_loads_with_speculators_data_loader(tiny_target, default_tokenized,
+                                                               tmp_path, copy_run):
     """speculators' own ArrowDataset reads the export: the chosen layers as its auxiliary states,
     the appended last layer as the verifier's, the tokenized row's ids and loss mask."""
     pytest.importorskip("speculators.train.data")
@@ -112,8 +100,8 @@ def test_speculators_export_loads_with_speculators_data_loader(target, default_t
     from hs_connectors import FileTransfer
     from speculators.train.data import ArrowDataset
 
-    run_dir = _copy(default_tokenized, tmp_path)
-    extract.run(None, run_dir, progress=False, model=str(target), format="speculators",
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
+    extract.run(None, run_dir, progress=False, model=str(tiny_target), format="speculators",
                 layers="1,2")
     loaded = ArrowDataset(max_len=1024, datapath=run_dir / "tokenize" / "dataset",
                           transfer=FileTransfer(run_dir / "extract" / "hidden_states"),
@@ -127,9 +115,9 @@ def test_speculators_export_loads_with_speculators_data_loader(target, default_t
     assert int(sample["loss_mask"].sum()) > 0
 
 
-def test_interrupted_extract_resumes_from_finished_shards(target, default_tokenized, tmp_path,
-                                                          monkeypatch):
-    run_dir = _copy(default_tokenized, tmp_path)
+def test_interrupted_extract_resumes_from_finished_shards(tiny_target, default_tokenized, tmp_path,
+                                                          monkeypatch, copy_run):
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
     real = extract._write_shard
     written = []
 
@@ -141,11 +129,11 @@ def test_interrupted_extract_resumes_from_finished_shards(target, default_tokeni
 
     monkeypatch.setattr(extract, "_write_shard", stop_after_two)
     with pytest.raises(KeyboardInterrupt):
-        extract.run(None, run_dir, progress=False, model=str(target), shard_rows=64)
+        extract.run(None, run_dir, progress=False, model=str(tiny_target), shard_rows=64)
     assert written == ["shard-00000", "shard-00001"]
     monkeypatch.setattr(extract, "_write_shard", lambda *a, **k: (written.append(a[3]),
                                                                   real(*a, **k))[1])
-    doc = extract.run(None, run_dir, progress=False, model=str(target), shard_rows=64)
+    doc = extract.run(None, run_dir, progress=False, model=str(tiny_target), shard_rows=64)
     assert "shard-00000" not in written[2:] and "shard-00001" not in written[2:]
     assert doc["total"]["rows_out"] == len(tokenize_rows(run_dir))
 
@@ -162,14 +150,15 @@ def test_bucketing_and_layer_rules():
         parse_layers("1,9", 4, 5)
 
 
-def test_errors_name_the_cause(target, tmp_path, monkeypatch):
+def test_errors_name_the_cause(tiny_target, tmp_path, monkeypatch):
     with pytest.raises(StageError, match="run `dflash-etl tokenize`"):
-        extract.run(None, tmp_path / "empty-run", progress=False, model=str(target))
+        extract.run(None, tmp_path / "empty-run", progress=False, model=str(tiny_target))
     with pytest.raises(StageError, match="GiB free"):
         extract._check_disk(tmp_path, 10**12, 5, 4096, "bf16")
 
 
-def test_run_chains_every_stage_on_a_named_target(target, tmp_path, capsys):
+@pytest.mark.slow
+def test_run_chains_every_stage_on_a_named_target(tiny_target, tmp_path, capsys):
     """`dflash-etl run` on the embedded default's sources with `[target] model = DIR` (a real
     pipeline's form): the prompt-only rows get real replies and every stage completes in order."""
     from dflash_etl.cli.main import main
@@ -177,7 +166,7 @@ def test_run_chains_every_stage_on_a_named_target(target, tmp_path, capsys):
     data = tmp_path / "data"
     shutil.copytree(REPO / "data", data)
     text = (data / "pipeline.toml").read_text()
-    text = re.sub(r"(?m)^tiny = .*$", f'model = "{target}"', text)
+    text = re.sub(r"(?m)^tiny = .*$", f'model = "{tiny_target}"', text)
     text = text.replace("max_new_tokens = 64", "max_new_tokens = 8\ntemperature = 1.0").replace(
         "[extract]\n", '[extract]\nlayers = "1,2"\n').replace("steps = 300", "steps = 3").replace(
         "eval_new_tokens = 48", "eval_new_tokens = 8")
@@ -242,18 +231,19 @@ def test_hooks_capture_moe_and_hybrid_architectures(family, tmp_path):
         assert torch.allclose(states, expected, atol=1e-4), family
 
 
-def test_replacing_pytorch_model_bin_redoes_extract(target, default_tokenized, tmp_path):
+def test_replacing_pytorch_model_bin_redoes_extract(tiny_target, default_tokenized, tmp_path,
+                                                    copy_run):
     """A target whose weights are pytorch_model.bin: new weights are a new model, never a
     skip as "complete" on the old model's hidden states (issue 16)."""
     import torch
     from safetensors.torch import load_file
 
     model = tmp_path / "bin-target"
-    shutil.copytree(target, model)
+    shutil.copytree(tiny_target, model)
     weights = load_file(str(model / "model.safetensors"))
     (model / "model.safetensors").unlink()
     torch.save(weights, model / "pytorch_model.bin")
-    run_dir = _copy(default_tokenized, tmp_path)
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
     first = extract.run(None, run_dir, progress=False, model=str(model), shard_rows=64)
     states = load_file(str(sorted((run_dir / "extract").rglob("*.safetensors"))[0]))
     torch.save({k: v * 0.5 for k, v in weights.items()}, model / "pytorch_model.bin")
@@ -268,14 +258,15 @@ def _bytes_on_disk(out: Path) -> int:
         out / "index.parquet").stat().st_size
 
 
-@pytest.mark.parametrize("fmt", ["native", "speculators"])
-def test_the_plan_projects_the_actual_run_and_publishes_nothing(target, default_tokenized, tmp_path,
-                                                                fmt):
+@pytest.mark.parametrize("fmt", ["native", pytest.param("speculators", marks=pytest.mark.slow)])
+def test_the_plan_projects_the_actual_run_and_publishes_nothing(tiny_target, default_tokenized,
+                                                                tmp_path,
+                                                                fmt, copy_run):
     """`extract --plan` measures a few batches of the real run and projects the whole dataset:
     the bytes within 30% of what the run then writes, the tokens exact; it is a dry run (no
     output, no partial, no manifest entry), and the real run after it is not changed by it."""
-    run_dir = _copy(default_tokenized, tmp_path)
-    layers = {"model": str(target), "layers": "0,2", "format": fmt, "batch_tokens": 2048}
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
+    layers = {"model": str(tiny_target), "layers": "0,2", "format": fmt, "batch_tokens": 2048}
     doc = extract.run(None, run_dir, progress=False, plan=True, plan_batches=3, **layers)
     assert not (run_dir / "extract").exists() and not list(run_dir.glob(".extract*"))
     assert "extract" not in json.loads((run_dir / "manifest.json").read_text())["stages"]
@@ -292,17 +283,17 @@ def test_the_plan_projects_the_actual_run_and_publishes_nothing(target, default_
 
 
 def test_the_plan_recommends_online_training_when_the_output_would_not_fit(
-        target, default_tokenized, tmp_path, monkeypatch, capsys):
+        tiny_target, default_tokenized, tmp_path, monkeypatch, capsys, copy_run):
     """Free disk smaller than the projected output: the plan says by how much and to train
     with --online (through the CLI, as a user runs it)."""
     import collections
 
     from dflash_etl.cli.main import main
 
-    run_dir = _copy(default_tokenized, tmp_path)
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 10**5, 10**5))
-    code = main(["extract", "--run", str(run_dir), "--model", str(target), "--plan",
+    code = main(["extract", "--run", str(run_dir), "--model", str(tiny_target), "--plan",
                  "--plan-batches", "1"])
     out = capsys.readouterr().out
     assert code == 0, out

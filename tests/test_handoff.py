@@ -21,6 +21,7 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.handoff.export import export
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # every test reads native_run: extract and train of the default
 
 REPO = Path(__file__).resolve().parents[1]
 SPECFORGE = REPO.parent / "shared" / "fixtures" / "specforge"
@@ -42,24 +43,20 @@ def _specforge() -> None:
 
 
 @pytest.fixture(scope="module")
-def native_run(tmp_path_factory) -> Path:
+def native_run(tmp_path_factory, tiny_target, default_tokenized, copy_run) -> Path:
     """The embedded default's sources tokenized, extracted natively (2 layers of a tiny target
     whose embedding is padded beyond the tokenizer) and a drafter trained for a few steps."""
-    from dflash_etl.core.config import load_config
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-    from dflash_etl.stages import extract, ingest, tokenize, train
+    from dflash_etl.stages import extract, train
 
     base = tmp_path_factory.mktemp("handoff")
-    target = build_tiny_qwen2(base / "target")
+    target = base / "target"
+    shutil.copytree(tiny_target, target)  # the shared target stays as it is
     config_path = target / "config.json"  # speculators reads head_dim, as real checkpoints have
     target_config = json.loads(config_path.read_text())
     target_config["head_dim"] = target_config["hidden_size"] // target_config[
         "num_attention_heads"]
     config_path.write_text(json.dumps(target_config))
-    run = base / "run"
-    config = load_config(REPO / "data" / "pipeline.toml")
-    ingest.run(config, run, progress=False)
-    tokenize.run(config, run, progress=False)
+    run = copy_run(default_tokenized, base)
     extract.run(None, run, progress=False, model=str(target), layers="1,2")
     train.run(None, run, progress=False, target=str(target), layers="1,2", draft_layers=1,
               block_size=4, steps=2, batch_rows=2, eval_prompts=1, eval_new_tokens=4,

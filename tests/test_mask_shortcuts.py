@@ -8,11 +8,6 @@ import json
 
 import pytest
 
-try:
-    from tests.templates_helpers import qwen_tokenizer, require_fixtures
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from templates_helpers import qwen_tokenizer, require_fixtures
-
 import dflash_etl.templates.masks.renders as masks
 from dflash_etl.templates import MaskPolicy, MaskRefused, probe_template, tokenize_conversations
 
@@ -37,12 +32,6 @@ TOOLS = CHATML.replace(
     "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
     "{% for k, v in c.function.arguments.items() %} {{ k }}={{ v }}{% endfor %}</tool_call>"
     "{% endfor %}<|im_end|>")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    require_fixtures()
-    return qwen_tokenizer()
 
 
 def _conv(*pairs: tuple[str, str], **extra) -> dict:

@@ -11,8 +11,6 @@ try:
         DATA_DIR,
         TEMPLATES_DIR,
         independent_problems,
-        qwen_tokenizer,
-        require_fixtures,
         runs,
     )
     from tests.test_template_probe import STRICT_CHATML
@@ -21,8 +19,6 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
         DATA_DIR,
         TEMPLATES_DIR,
         independent_problems,
-        qwen_tokenizer,
-        require_fixtures,
         runs,
     )
     from test_template_probe import STRICT_CHATML
@@ -54,12 +50,6 @@ def M(role, content="", reasoning=None, tool_calls=None, tool_call_id=None, name
 
 def conv(*messages, tools=None):
     return {"id": "t", "messages": list(messages), "tools": tools}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    require_fixtures()
-    return qwen_tokenizer()
 
 
 @pytest.fixture(scope="module")

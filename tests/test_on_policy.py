@@ -52,17 +52,15 @@ def test_without_regenerate_or_with_the_templates_default_nothing_is_claimed():
 
 
 @pytest.fixture(scope="module")
-def prompts_run(tmp_path_factory) -> tuple[Path, Path]:
+def prompts_run(tmp_path_factory, tiny_qwen2) -> tuple[Path, Path]:
     """Prompt-only rows ingested, and a tiny random target with the Qwen3.6 tokenizer."""
     if not QWEN.is_dir():
         pytest.skip("../shared/fixtures/qwen36-tokenizer is absent")
-    pytest.importorskip("torch")
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
     from dflash_etl.stages import ingest
 
     base = tmp_path_factory.mktemp("policy")
-    target = build_tiny_qwen2(base / "target", hidden_size=32, layers=2, heads=2, kv_heads=1,
-                              tokenizer_dir=QWEN, tie_word_embeddings=False)
+    target = tiny_qwen2(hidden_size=32, layers=2, heads=2, kv_heads=1, tokenizer_dir=QWEN,
+                        tie_word_embeddings=False)
     (base / "rows.jsonl").write_text("".join(
         json.dumps({"prompt": f"Question number {i}: what is {i} + {i}?"}) + "\n"
         for i in range(4)))
@@ -72,6 +70,7 @@ def prompts_run(tmp_path_factory) -> tuple[Path, Path]:
     return base / "run", target
 
 
+@pytest.mark.slow  # prompts_run builds a target with the 248k Qwen3.6 vocabulary
 @pytest.mark.parametrize("thinking", ["on", "off"])
 def test_regenerated_with_thinking_on_then_tokenized_off_policy_fails_naming_both(
         prompts_run, tmp_path, monkeypatch, thinking):

@@ -22,7 +22,6 @@ try:
         independent_problems,
         load_rows,
         prefill_conversations,
-        qwen_tokenizer,
         require_fixtures,
     )
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
@@ -31,7 +30,6 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
         independent_problems,
         load_rows,
         prefill_conversations,
-        qwen_tokenizer,
         require_fixtures,
     )
 
@@ -56,12 +54,6 @@ FAMILIES = [
     ("MiniMax-M2.jinja", {}, "[e~["),  # renders the final turn's reasoning itself
 ]
 NO_EXTRA = ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "llama-cpp-deepseek-r1.jinja")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    require_fixtures()
-    return qwen_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,14 +68,18 @@ def tokenized(tmp_path_factory, models) -> Path:
     return run_dir
 
 
-def _copy(run_dir: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*extract*", "*train*"))
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["stages"] = {k: v for k, v in manifest["stages"].items()
-                          if k in ("ingest", "tokenize")}
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out
+@pytest.fixture
+def tokenized_copy(tokenized, copy_run) -> Callable[[Path], Path]:
+    """`tokenized` copied into a folder, with no stage after tokenize in it or its manifest."""
+    def copy(into: Path) -> Path:
+        out = copy_run(tokenized, into, "*extract*", "*train*")
+        manifest = json.loads((out / "manifest.json").read_text())
+        manifest["stages"] = {k: v for k, v in manifest["stages"].items()
+                              if k in ("ingest", "tokenize")}
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        return out
+
+    return copy
 
 
 @functools.cache
@@ -139,14 +144,14 @@ def test_a_padded_batch_of_different_lengths_equals_unbatched_runs(models, kind)
 
 
 @pytest.mark.parametrize("kind", ["text", "vl"])
-def test_extract_on_qwen3_5_equals_an_independent_forward_pass(models, tokenized, tmp_path,
+def test_extract_on_qwen3_5_equals_an_independent_forward_pass(models, tokenized_copy, tmp_path,
                                                                kind):
     import datasets
     import pyarrow.parquet as pq
     import torch
     from safetensors import safe_open
 
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = tokenized_copy(tmp_path)
     doc = extract.run(None, run_dir, progress=False, model=str(models[kind]), layers="0,1,2",
                       batch_tokens=4096, shard_rows=100)
     assert doc["total"]["n_layers"] == LAYERS and doc["total"]["hidden_size"] == HIDDEN
@@ -163,10 +168,10 @@ def test_extract_on_qwen3_5_equals_an_independent_forward_pass(models, tokenized
     assert check_path(run_dir, suites=False)["passed"]
 
 
-def test_check_fails_a_run_whose_stage_failed(models, tokenized, tmp_path):
+def test_check_fails_a_run_whose_stage_failed(models, tokenized_copy, tmp_path):
     """A stage that failed leaves the manifest saying so; `check` on the run directory must not
     print "all checks passed" over the published stages before it."""
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = tokenized_copy(tmp_path)
     broken = tmp_path / "broken-model"
     shutil.copytree(models["vl"], broken)
     (broken / "config.json").write_text('{"model_type": "qwen3_5", "text_config": 7}')
@@ -317,12 +322,12 @@ def test_thinking_on_regenerate_then_tokenize_supervises_one_think_block(models,
             assert turn.count("<think>") <= 1 and turn.count("</think>") <= 1, turn
 
 
-def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
+def test_offline_training_on_the_vl_target(models, tokenized_copy, tmp_path):
     """train on a VL checkpoint's extract: the drafter is shaped from the text config (the
     composite config has no hidden_size of its own) and tau is measured."""
     from dflash_etl.stages import train
 
-    run_dir = _copy(tokenized, tmp_path)
+    run_dir = tokenized_copy(tmp_path)
     extract.run(None, run_dir, progress=False, model=str(models["vl"]), layers="1,2")
     doc = train.run(None, run_dir, progress=False, target=str(models["vl"]), steps=2,
                     batch_rows=2, anchors_per_row=4, block_size=4, draft_layers=1,
@@ -334,7 +339,7 @@ def test_offline_training_on_the_vl_target(models, tokenized, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["text", "vl"])
-def test_online_training_equals_offline_on_qwen3_5(models, tokenized, tmp_path, kind):
+def test_online_training_equals_offline_on_qwen3_5(models, tokenized_copy, tmp_path, kind):
     """train --online computes the hybrid target's states per padded batch (Gated DeltaNet
     layers are where padding leaks): the drafter equals the one trained offline on extract's
     states of the same rows, and tau is measured."""
@@ -345,10 +350,10 @@ def test_online_training_equals_offline_on_qwen3_5(models, tokenized, tmp_path, 
 
     settings = {"steps": 2, "batch_rows": 2, "anchors_per_row": 4, "block_size": 4,
                 "draft_layers": 1, "eval_prompts": 1, "eval_new_tokens": 4, "layers": "1,2"}
-    offline = _copy(tokenized, tmp_path / "offline")
+    offline = tokenized_copy(tmp_path / "offline")
     extract.run(None, offline, progress=False, model=str(models[kind]), layers="1,2")
     train.run(None, offline, progress=False, target=str(models[kind]), **settings)
-    online = _copy(tokenized, tmp_path / "online")
+    online = tokenized_copy(tmp_path / "online")
     doc = train.run(None, online, progress=False, target=str(models[kind]), online=True,
                     **settings)
     assert doc["total"]["online"] is True and doc["total"]["target_layers"] == [1, 2]
@@ -436,6 +441,7 @@ def test_tau_verify_pass_keeps_only_the_last_blocks_logits(models):
     assert got.tokens == greedy
 
 
+@pytest.mark.slow
 def test_the_linear_attention_kernels_are_named_once_per_process(models):
     """Two stages in one process (`dflash-etl run`) load the hybrid target twice and run it:
     which linear-attention kernels it uses is said once, and transformers' per-function

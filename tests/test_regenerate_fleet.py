@@ -5,7 +5,6 @@ mid-run, all down, or serving different models."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -13,11 +12,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.devserver import DevServer
 from dflash_etl.models.generation.fleet import OpenAIBackend
-from dflash_etl.stages import ingest, regenerate
+from dflash_etl.stages import regenerate
 from dflash_etl.stages.regenerate import RegenerateSettings
 
 N_PROMPTS = 24
@@ -28,13 +26,8 @@ ROWS = [{"id": f"p{k}", "prompt": f"Question {k}: what is {k} plus {k}?"}
 
 
 @pytest.fixture()
-def ingested(tmp_path) -> Path:
-    src = tmp_path / "rows.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "q"\npath = "rows.jsonl"\n')
-    run_dir = tmp_path / "run"
-    ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
-    return run_dir
+def ingested(ingest_rows) -> Path:
+    return ingest_rows(ROWS, "q")
 
 
 @pytest.fixture()
@@ -63,11 +56,6 @@ def _backend(urls: list[str], **extra) -> OpenAIBackend:
     return OpenAIBackend(RegenerateSettings(**_kw(urls, **extra)))
 
 
-def _copy(run_dir: Path, to: Path) -> Path:
-    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns("*regenerate*"))
-    return to
-
-
 def _outputs(run_dir: Path) -> tuple[list[dict], list[dict]]:
     convs = pl.read_parquet(run_dir / "regenerate" / "conversations" / "*.parquet")
     turns = pl.read_parquet(run_dir / "regenerate" / "generated_turns.parquet")
@@ -83,11 +71,11 @@ def _accounted(total: dict) -> bool:
                                 + sum(total["rows_filtered"].values()))
 
 
-def test_two_servers_give_the_same_rows_as_one(servers, ingested, tmp_path):
+def test_two_servers_give_the_same_rows_as_one(servers, ingested, tmp_path, copy_run):
     one, = servers(1)
     regenerate.run(None, ingested, progress=False, **_kw([one.url]))
     a, b = servers(2)
-    fleet_run = _copy(ingested, tmp_path / "fleet")
+    fleet_run = copy_run(ingested, tmp_path / "fleet", "*regenerate*")
     doc = regenerate.run(None, fleet_run, progress=False, **_kw([a.url, b.url]))
     assert _outputs(fleet_run) == _outputs(ingested)  # rows, turns and cache keys alike
     assert doc["total"]["rows_out"] == N_PROMPTS + 1 and _accounted(doc["total"])
@@ -122,7 +110,7 @@ def test_requests_go_to_the_least_loaded_server(servers):
     assert all(7 <= s.requests <= 13 for s in even), [s.requests for s in even]  # ~ a third each
 
 
-def test_a_server_killed_mid_run_loses_no_row(servers, ingested, tmp_path):
+def test_a_server_killed_mid_run_loses_no_row(servers, ingested, tmp_path, copy_run):
     a, b = servers(2, latency_ms=10)
     a.die_after = 5  # the 6th request it receives kills it, in-flight ones are dropped
     backend = _backend([a.url, b.url], cooldown_s=30.0)
@@ -139,7 +127,7 @@ def test_a_server_killed_mid_run_loses_no_row(servers, ingested, tmp_path):
     keys = [json.loads(line)["key"] for line in lines]
     assert len(keys) == len(set(keys)) == N_PROMPTS  # none lost, none twice
     one, = servers(1)
-    alone = _copy(ingested, tmp_path / "alone")
+    alone = copy_run(ingested, tmp_path / "alone", "*regenerate*")
     regenerate.run(None, alone, progress=False, **_kw([one.url]))
     assert _outputs(ingested) == _outputs(alone)
 

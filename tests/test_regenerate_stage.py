@@ -14,7 +14,7 @@ import pytest
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.generation.replies import Reply, check_reply, dummy_replies, split_reasoning
-from dflash_etl.stages import ingest, regenerate
+from dflash_etl.stages import regenerate
 from dflash_etl.stages.regenerate import RegenerateSettings
 
 ROWS = [
@@ -28,25 +28,9 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A 2-layer random Qwen2 with the project's tokenizer: generates real (meaningless) text."""
-    pytest.importorskip("torch")
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-model") / "model", hidden_size=32,
-                            layers=2, heads=2, kv_heads=1)
-
-
 @pytest.fixture()
-def ingested(tmp_path) -> Path:
-    src = tmp_path / "rows.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (tmp_path / "pipeline.toml").write_text(
-        '[[sources]]\nname = "mixed"\npath = "rows.jsonl"\n')
-    run_dir = tmp_path / "run"
-    ingest.run(load_config(tmp_path / "pipeline.toml"), run_dir, progress=False, workers=1)
-    return run_dir
+def ingested(ingest_rows) -> Path:
+    return ingest_rows(ROWS, "mixed")
 
 
 def _conversations(run_dir: Path) -> dict[str, dict]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +30,6 @@ def _failed(result: dict) -> dict[tuple[str, str], dict]:
     """Failing expectations by (type, first column)."""
     return {(e["type"], (e["columns"] or [""])[0]): e
             for e in result["expectations"] if not e["success"]}
-
-
-def _copy(stage_dir: Path, tmp_path: Path) -> Path:
-    target = tmp_path / stage_dir.name
-    shutil.copytree(stage_dir, target)
-    return target
 
 
 def _rewrite_dataset(stage_dir: Path, change) -> None:
@@ -140,8 +133,8 @@ def test_default_run_passes_both_gates_and_saves_results(default_run_dir):
     assert (default_run_dir / "docs" / "index.html").exists()
 
 
-def test_broken_role_order_fails_with_the_rows_roles(default_run_dir, tmp_path):
-    stage = _copy(default_run_dir / "ingest", tmp_path)
+def test_broken_role_order_fails_with_the_rows_roles(default_run_dir, tmp_path, copy_run):
+    stage = copy_run(default_run_dir / "ingest", tmp_path)
 
     def reverse_first(frame: pl.DataFrame) -> pl.DataFrame:
         messages = frame["messages"].to_list()
@@ -166,8 +159,9 @@ def test_broken_role_order_fails_with_the_rows_roles(default_run_dir, tmp_path):
     assert "Report: r/docs/validations/ingest.html" in message and "[expectations]" in message
 
 
-def test_a_single_supervised_token_and_seq_len_over_the_limit_fail(default_run_dir, tmp_path):
-    stage = _copy(default_run_dir / "tokenize", tmp_path)
+def test_a_single_supervised_token_and_seq_len_over_the_limit_fail(default_run_dir, tmp_path,
+                                                                   copy_run):
+    stage = copy_run(default_run_dir / "tokenize", tmp_path)
     settings = json.loads((stage / "settings.json").read_text())
     limit = settings["seq_length"]
 
@@ -209,8 +203,8 @@ def test_mean_supervised_fraction_bounds_come_from_the_config(default_run_dir):
     assert "observed 0." in suites.describe_failure(entry)
 
 
-def test_source_share_off_the_mix_fails(default_run_dir, tmp_path):
-    stage = _copy(default_run_dir / "ingest", tmp_path)
+def test_source_share_off_the_mix_fails(default_run_dir, tmp_path, copy_run):
+    stage = copy_run(default_run_dir / "ingest", tmp_path)
     orca = pl.read_parquet(next((stage / "conversations").glob("*.parquet"))).filter(
         pl.col("source") == "orca")
     drop = set(orca["id"].to_list()[4:])  # keep 4 orca rows next to 24 parts rows
@@ -257,7 +251,7 @@ def test_a_failed_gate_stops_the_stage_and_explains_itself(failed_gate_run):
 
 
 def test_check_runs_contracts_and_suites_with_a_one_screen_summary(default_run_dir, tmp_path,
-                                                                   capsys):
+                                                                   capsys, copy_run):
     out = tmp_path / "report"
     assert main(["check", str(default_run_dir), "--report", str(out)]) == 0
     summary = capsys.readouterr().out
@@ -267,7 +261,7 @@ def test_check_runs_contracts_and_suites_with_a_one_screen_summary(default_run_d
     html = (out / "index.html").read_text()
     assert "Suite tokenized" in html and 'data-status="fail"' not in html
 
-    broken = _copy(default_run_dir / "tokenize", tmp_path)
+    broken = copy_run(default_run_dir / "tokenize", tmp_path)
     _rewrite_dataset(broken, lambda f: f.with_columns(pl.col("seq_len") + 5000))
     assert main(["check", str(broken), "--suite", "tokenized", "--report",
                  str(tmp_path / "bad.html")]) == 1
@@ -296,10 +290,11 @@ VARYING = {"seconds", "run_id", "run_time", "validation_time", "batch_id", "acti
            "checkpoint_id", "batch_spec", "batch_markers"}
 
 
-def test_the_gate_in_the_helper_process_gives_the_in_process_result(default_run_dir, tmp_path):
+def test_the_gate_in_the_helper_process_gives_the_in_process_result(default_run_dir, tmp_path,
+                                                                    copy_run):
     thresholds = suites.Thresholds.from_section(DEFAULT_LIMITS)
-    good = _copy(default_run_dir / "tokenize", tmp_path / "good")
-    bad = _copy(default_run_dir / "tokenize", tmp_path / "bad")
+    good = copy_run(default_run_dir / "tokenize", tmp_path / "good")
+    bad = copy_run(default_run_dir / "tokenize", tmp_path / "bad")
 
     def one_token(frame: pl.DataFrame) -> pl.DataFrame:
         masks = frame["loss_mask"].to_list()

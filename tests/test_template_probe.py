@@ -7,9 +7,9 @@ import json
 import pytest
 
 try:
-    from tests.templates_helpers import TEMPLATES_DIR, qwen_tokenizer, require_fixtures
+    from tests.templates_helpers import TEMPLATES_DIR
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from templates_helpers import TEMPLATES_DIR, qwen_tokenizer, require_fixtures
+    from templates_helpers import TEMPLATES_DIR
 
 STRICT_CHATML = (
     "{%- for m in messages %}"
@@ -26,12 +26,6 @@ STRICT_CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    require_fixtures()
-    return qwen_tokenizer()
 
 
 def test_qwen36_probe_records_its_quirks(tok):

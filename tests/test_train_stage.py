@@ -28,34 +28,21 @@ SMALL = {"draft_layers": 1, "block_size": 8, "batch_rows": 4, "anchors_per_row":
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("train-target") / "model",
-                            tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def extracted(tmp_path_factory, target) -> Path:
+def extracted(tmp_path_factory, untied_target) -> Path:
     """The embedded default's sources, replies rewritten by the target, tokenized, extracted."""
     run_dir = tmp_path_factory.mktemp("train-run") / "run"
     config = load_config(REPO / "data" / "pipeline.toml")
     ingest.run(config, run_dir, progress=False)
-    regenerate.run(config, run_dir, progress=False, model=str(target), max_new_tokens=48)
+    regenerate.run(config, run_dir, progress=False, model=str(untied_target), max_new_tokens=48)
     tokenize.run(config, run_dir, progress=False)
-    extract.run(config, run_dir, progress=False, model=str(target), draft_layers=1)
+    extract.run(config, run_dir, progress=False, model=str(untied_target), draft_layers=1)
     return run_dir
 
 
-def _copy(run_dir: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("*train*", "docs"))
-    return out
-
-
-def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, target, tmp_path):
-    run_dir = _copy(extracted, tmp_path)
-    doc = train.run(None, run_dir, progress=False, target=str(target),
+def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, untied_target, tmp_path,
+                                                               copy_run):
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
+    doc = train.run(None, run_dir, progress=False, target=str(untied_target),
                     **{**SMALL, "block_size": 16, "steps": 250, "batch_rows": 8,
                        "anchors_per_row": 32, "eval_prompts": 8, "eval_new_tokens": 32,
                        "save_every": 100})
@@ -90,7 +77,7 @@ def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, target
     assert f'data-key="train-tau_final">{evaluation["tau_final"]:.3f}' in report
 
 
-def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
+def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, untied_target):
     """Whatever is proposed, the output is the target's greedy continuation (transformers'
     generate), and each step scores the accepted prefix + 1: a drafter, an oracle that is right
     on the first 2 of each block's 3 drafts, and a perfect one."""
@@ -98,7 +85,7 @@ def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, target):
     from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
     from dflash_etl.models.target import Target, TargetSpec
 
-    tgt = Target(TargetSpec(model=str(target), layers="1,2", device="cpu"))
+    tgt = Target(TargetSpec(model=str(untied_target), layers="1,2", device="cpu"))
     config = DrafterConfig.from_target(tgt.model.config, draft_layers=1, target_layer_ids=[1, 2],
                                        mask_token_id=1226, block_size=4)
     drafter = DFlashDrafter(config).eval()
@@ -184,15 +171,15 @@ def test_blocks_see_only_the_context_before_their_anchor():
     assert train.anchor_candidates(np.array([1, 1, 0, 1, 1, 1, 0])).tolist() == [0, 3, 4]
 
 
-def test_interrupted_training_resumes_to_the_same_weights(extracted, target, tmp_path,
-                                                          monkeypatch):
+def test_interrupted_training_resumes_to_the_same_weights(extracted, untied_target, tmp_path,
+                                                          monkeypatch, copy_run):
     from safetensors.torch import load_file
 
     settings = {**SMALL, "steps": 6, "save_every": 3}
-    whole = _copy(extracted, tmp_path / "whole")
-    train.run(None, whole, progress=False, target=str(target), **settings)
+    whole = copy_run(extracted, tmp_path / "whole", "*train*", "docs")
+    train.run(None, whole, progress=False, target=str(untied_target), **settings)
 
-    broken = _copy(extracted, tmp_path / "broken")
+    broken = copy_run(extracted, tmp_path / "broken", "*train*", "docs")
     real = train.Trainer.step
 
     def crash_at_five(self, step):
@@ -202,25 +189,25 @@ def test_interrupted_training_resumes_to_the_same_weights(extracted, target, tmp
 
     monkeypatch.setattr(train.Trainer, "step", crash_at_five)
     with pytest.raises(KeyboardInterrupt):
-        train.run(None, broken, progress=False, target=str(target), **settings)
+        train.run(None, broken, progress=False, target=str(untied_target), **settings)
     partial = broken / ".train.partial"
     assert [p.name for p in (partial / "checkpoints").iterdir()] == ["step-000003"]
     monkeypatch.setattr(train.Trainer, "step", real)
-    doc = train.run(None, broken, progress=False, target=str(target), **settings)
+    doc = train.run(None, broken, progress=False, target=str(untied_target), **settings)
     assert doc["total"]["steps_this_run"] == 3  # steps 4..6 only
     a = load_file(str(whole / "train" / "drafter" / "model.safetensors"))
     b = load_file(str(broken / "train" / "drafter" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     log = [json.loads(x)["step"] for x in (broken / "train" / "log.jsonl").read_text().splitlines()]
     assert log == [1, 2, 3, 4, 5, 6]
-    again = train.run(None, broken, progress=False, target=str(target), **settings)
+    again = train.run(None, broken, progress=False, target=str(untied_target), **settings)
     assert again.get("skipped") is True
 
 
 @pytest.fixture(scope="module")
-def interrupted(extracted, target, tmp_path_factory) -> Path:
+def interrupted(extracted, untied_target, tmp_path_factory, copy_run) -> Path:
     """A run killed after its step-3 checkpoint (settings: INTERRUPTED): resumable as it is."""
-    run_dir = _copy(extracted, tmp_path_factory.mktemp("interrupted"))
+    run_dir = copy_run(extracted, tmp_path_factory.mktemp("interrupted"), "*train*", "docs")
     real = train.Trainer.step
 
     def crash_at_five(self, step):
@@ -231,7 +218,7 @@ def interrupted(extracted, target, tmp_path_factory) -> Path:
     train.Trainer.step = crash_at_five
     try:
         with pytest.raises(KeyboardInterrupt):
-            train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+            train.run(None, run_dir, progress=False, target=str(untied_target), **INTERRUPTED)
     finally:
         train.Trainer.step = real
     return run_dir
@@ -289,7 +276,7 @@ TAMPERED = {
 
 
 @pytest.mark.parametrize("case", list(TAMPERED))
-def test_a_checkpoint_that_does_not_match_its_files_is_refused(interrupted, target, tmp_path,
+def test_a_checkpoint_that_does_not_match_its_files_is_refused(interrupted, untied_target, tmp_path,
                                                                case):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
@@ -298,27 +285,28 @@ def test_a_checkpoint_that_does_not_match_its_files_is_refused(interrupted, targ
     tamper(ckpt)
     with pytest.raises(StageError, match="cannot resume from the checkpoint .*step-00000[36]: "
                                          + reason) as caught:
-        train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+        train.run(None, run_dir, progress=False, target=str(untied_target), **INTERRUPTED)
     assert "Delete that directory" in str(caught.value)
 
 
-def test_online_and_speculators_format_states_train_like_native_ones(extracted, target,
-                                                                     tmp_path):
+def test_online_and_speculators_format_states_train_like_native_ones(extracted, untied_target,
+                                                                     tmp_path, copy_run):
     from safetensors.torch import load_file
 
     settings = {**SMALL, "steps": 3, "eval_prompts": 2, "eval_new_tokens": 4}
-    offline = _copy(extracted, tmp_path / "offline")
-    train.run(None, offline, progress=False, target=str(target), **settings)
-    online = _copy(extracted, tmp_path / "online")
+    offline = copy_run(extracted, tmp_path / "offline", "*train*", "docs")
+    train.run(None, offline, progress=False, target=str(untied_target), **settings)
+    online = copy_run(extracted, tmp_path / "online", "*train*", "docs")
     shutil.rmtree(online / "extract")
     # online takes [extract]'s layers (no config: extract's default, K = 5); name extract's here
-    doc = train.run(None, online, progress=False, target=str(target), online=True, layers="2",
-                    **settings)
+    doc = train.run(None, online, progress=False, target=str(untied_target), online=True,
+                    layers="2", **settings)
     assert doc["total"]["target_layers"] == [2] and doc["total"]["online"] is True
-    speculators = _copy(extracted, tmp_path / "speculators")  # per-row files + the last layer
-    extract.run(None, speculators, force=True, progress=False, model=str(target),
+    # per-row files + the last layer
+    speculators = copy_run(extracted, tmp_path / "speculators", "*train*", "docs")
+    extract.run(None, speculators, force=True, progress=False, model=str(untied_target),
                 draft_layers=1, format="speculators")
-    train.run(None, speculators, progress=False, target=str(target), **settings)
+    train.run(None, speculators, progress=False, target=str(untied_target), **settings)
     a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
     for other in (online, speculators):
         b = load_file(str(other / "train" / "drafter" / "model.safetensors"))
@@ -326,7 +314,7 @@ def test_online_and_speculators_format_states_train_like_native_ones(extracted, 
 
 
 def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
-        extracted, target, tmp_path, capsys):
+        extracted, untied_target, tmp_path, capsys, copy_run):
     """Before: no model code and no auto_map (AutoModel with remote code gave a plain
     Qwen3Model), max_position_embeddings left to vLLM's default, one layer-id convention. Now
     train/drafter holds dflash.py, AutoModel gives our drafter's output, config.json names the
@@ -339,22 +327,22 @@ def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
 
     ext = json.loads((extracted / "extract" / "stats.json").read_text())["total"]
     assert (ext["target_layer_ids"], ext["aux_hidden_state_layer_ids"]) == ([2], [3])
-    run_dir = _copy(extracted, tmp_path)
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     with pytest.raises(StageError, match="no trained drafter"):
         vllm_command(run_dir)
     capsys.readouterr()
-    train.run(None, run_dir, progress=False, target=str(target),
+    train.run(None, run_dir, progress=False, target=str(untied_target),
               **{**SMALL, "steps": 2, "eval_prompts": 2, "eval_new_tokens": 4})
     line = vllm_command(run_dir)
     assert line in capsys.readouterr().err
     drafter_dir = run_dir / "train" / "drafter"
     argv = shlex.split(line)
-    assert argv[:3] == ["vllm", "serve", str(target.resolve())]
+    assert argv[:3] == ["vllm", "serve", str(untied_target.resolve())]
     assert json.loads(argv[4]) == {"method": "dflash", "model": str(drafter_dir.resolve()),
                                    "num_speculative_tokens": 7}  # block_size 8
     config = json.loads((drafter_dir / "config.json").read_text())
     assert config["max_position_embeddings"] == AutoConfig.from_pretrained(
-        target).max_position_embeddings
+        untied_target).max_position_embeddings
     assert config["dflash_config"]["target_layer_ids"] == [2]
     assert config["eagle_aux_hidden_state_layer_ids"] == [3]
     assert (drafter_dir / "dflash.py").is_file()
@@ -371,29 +359,30 @@ def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
     assert float((got - expected[:, 0]).abs().max()) < 1e-6
 
 
-def test_errors_name_the_cause(extracted, target, tmp_path):
-    run_dir = _copy(extracted, tmp_path)
+def test_errors_name_the_cause(extracted, untied_target, tmp_path, copy_run):
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     shutil.rmtree(run_dir / "extract")
     with pytest.raises(StageError, match="run `dflash-etl extract` first, or train with --online"):
-        train.run(None, run_dir, progress=False, target=str(target), **SMALL)
+        train.run(None, run_dir, progress=False, target=str(untied_target), **SMALL)
     with pytest.raises(StageError, match="needs the target model"):
         train.run(None, run_dir, progress=False, **SMALL)
     with pytest.raises(StageError, match="no evaluation prompts"):
-        train.run(None, run_dir, progress=False, target=str(target), online=True,
+        train.run(None, run_dir, progress=False, target=str(untied_target), online=True,
                   **{**SMALL, "eval_prompts": 0})
     with pytest.raises(StageError, match="a block needs the anchor"):
-        train.run(None, run_dir, progress=False, target=str(target), block_size=1)
+        train.run(None, run_dir, progress=False, target=str(untied_target), block_size=1)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 @pytest.mark.parametrize("mode", ["offline", pytest.param("online", marks=pytest.mark.slow)])
-def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path, mode):
+def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_path, mode,
+                                                  copy_run):
     """`torchrun --nproc-per-node 2 -m -- dflash_etl.stages.train`: DDP over gloo on CPU; each rank
     takes half of every batch, rank 0 writes, and the drafter equals one process's on the whole
     batches (the loss is normalised by the whole batch's weight total on every rank). Online,
     each rank holds a target replica and computes its half's states per batch: the drafter
     still equals one process's trained offline on the extracted states of the same batches."""
-    run_dir = _copy(extracted, tmp_path)
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     online = ["--online", "--layers", "2"] if mode == "online" else []
     if online:
         shutil.rmtree(run_dir / "extract")  # nothing but the target gives the states
@@ -401,7 +390,7 @@ def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path, m
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(29500 + os.getpid() % 1000), "-m", "--", "dflash_etl.stages.train",
-         "--run", str(run_dir), "--target", str(target), "--draft-layers", "1",
+         "--run", str(run_dir), "--target", str(untied_target), "--draft-layers", "1",
          "--block-size", "8", "--steps", "4", "--batch-rows", "4", "--anchors-per-row", "8",
          "--eval-prompts", "2", "--eval-new-tokens", "4", *online],
         capture_output=True, text=True, env=env, timeout=600)
@@ -413,8 +402,8 @@ def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path, m
     # the same steps in one process on the whole batches: the same drafter
     from safetensors.torch import load_file
 
-    single = _copy(extracted, tmp_path / "single")
-    train.run(None, single, progress=False, target=str(target), draft_layers=1, block_size=8,
+    single = copy_run(extracted, tmp_path / "single", "*train*", "docs")
+    train.run(None, single, progress=False, target=str(untied_target), draft_layers=1, block_size=8,
               steps=4, batch_rows=4, anchors_per_row=8, eval_prompts=2, eval_new_tokens=4)
     a = load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
     b = load_file(str(single / "train" / "drafter" / "model.safetensors"))
@@ -425,7 +414,8 @@ def test_torchrun_two_processes_train_one_drafter(extracted, target, tmp_path, m
     assert np.allclose([x["loss"] for x in log], [x["loss"] for x in alone], atol=1e-4)
 
 
-def test_online_and_offline_take_their_target_layers_by_one_rule(extracted, target, tmp_path):
+def test_online_and_offline_take_their_target_layers_by_one_rule(extracted, untied_target,
+                                                                 tmp_path, copy_run):
     """Before: offline trained on the layers extract chose ([extract] draft_layers = 1: [2]),
     online on layers its own draft_layers chose (2: [1]), so one config gave two drafters
     reading different target layers. Now online resolves [extract] as extract does, offline
@@ -437,16 +427,18 @@ def test_online_and_offline_take_their_target_layers_by_one_rule(extracted, targ
                            "[extract]\ndraft_layers = 1\n")
     config = load_config(config_path)
     settings = {**SMALL, "draft_layers": 2, "steps": 1, "eval_prompts": 2, "eval_new_tokens": 4}
-    offline = _copy(extracted, tmp_path / "offline")
+    offline = copy_run(extracted, tmp_path / "offline", "*train*", "docs")
     with pytest.raises(StageError, match=r"train --layers 1 \(\[1\]\) but the extract output "
                                          r"holds layers \[2\]"):
-        train.run(config, offline, progress=False, target=str(target), layers="1", **settings)
-    doc = train.run(config, offline, progress=False, target=str(target), **settings)
+        train.run(config, offline, progress=False, target=str(untied_target), layers="1",
+                  **settings)
+    doc = train.run(config, offline, progress=False, target=str(untied_target), **settings)
     assert doc["total"]["target_layers"] == [2]
     assert doc["total"]["target_layers_from"] == "the extract output (extract/stats.json)"
-    online = _copy(extracted, tmp_path / "online")
+    online = copy_run(extracted, tmp_path / "online", "*train*", "docs")
     shutil.rmtree(online / "extract")
-    doc = train.run(config, online, progress=False, target=str(target), online=True, **settings)
+    doc = train.run(config, online, progress=False, target=str(untied_target), online=True,
+                    **settings)
     assert doc["total"]["target_layers"] == [2]
     assert "[extract] layers = 'auto', draft_layers = 1" in doc["total"]["target_layers_from"]
     manifest = json.loads((online / "manifest.json").read_text())["stages"]["train"]
@@ -594,14 +586,15 @@ def test_the_tiny_target_follows_its_config(tmp_path):
         configured_target(config_with("hiden_size = 16"), tmp_path / "run")
 
 
-def test_the_manifests_seconds_count_every_call_of_a_resumed_training(extracted, target,
-                                                                        tmp_path, monkeypatch):
+def test_the_manifests_seconds_count_every_call_of_a_resumed_training(extracted, untied_target,
+                                                                        tmp_path, monkeypatch,
+                                                                        copy_run):
     """A call that spends >= 1.8 s on its 3 steps before a kill, then a resumed call: the
     manifest's train seconds are both calls' (it counted the last call only), and say which
     part was this call's; the checkpoints' state.json stays free of timings (it is data)."""
     import time
 
-    run_dir = _copy(extracted, tmp_path)
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     real = train.Trainer.step
 
     def slow_then_killed(self, step):
@@ -612,10 +605,10 @@ def test_the_manifests_seconds_count_every_call_of_a_resumed_training(extracted,
 
     monkeypatch.setattr(train.Trainer, "step", slow_then_killed)
     with pytest.raises(KeyboardInterrupt):
-        train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+        train.run(None, run_dir, progress=False, target=str(untied_target), **INTERRUPTED)
     monkeypatch.setattr(train.Trainer, "step", real)
     start = time.perf_counter()
-    train.run(None, run_dir, progress=False, target=str(target), **INTERRUPTED)
+    train.run(None, run_dir, progress=False, target=str(untied_target), **INTERRUPTED)
     wall = time.perf_counter() - start
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
     assert stage["seconds"] > wall and stage["seconds"] >= 1.8, (stage, wall)
@@ -626,12 +619,12 @@ def test_the_manifests_seconds_count_every_call_of_a_resumed_training(extracted,
 
 
 def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_out(
-        extracted, target, tmp_path):
+        extracted, untied_target, tmp_path, copy_run):
     """--head-vocab draft: the loss over tokenize's t2d rows of the head (here cut to the most
     frequent supervised tokens, ~90% of them, so that labels fall outside); the drafter learns
     (loss down, tau up with the full head, as served) and stats.json counts the labels left
     out, at about the data's own share of supervised tokens outside the draft vocabulary."""
-    run_dir = _copy(extracted, tmp_path)
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     rows = tokenize_rows(run_dir)
     supervised = np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) == 1]
                                  for r in rows])
@@ -645,7 +638,7 @@ def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_
     t2d = np.zeros(len(np.load(run_dir / "tokenize" / vocab_doc["t2d"])), dtype=bool)
     t2d[draft] = True
     np.save(run_dir / "tokenize" / vocab_doc["t2d"], t2d)
-    doc = train.run(None, run_dir, progress=False, target=str(target), head_vocab="draft",
+    doc = train.run(None, run_dir, progress=False, target=str(untied_target), head_vocab="draft",
                     **{**SMALL, "block_size": 16, "steps": 120, "batch_rows": 8,
                        "anchors_per_row": 32, "eval_prompts": 8, "eval_new_tokens": 32})
     total = doc["total"]

@@ -14,7 +14,6 @@ import pytest
 
 from dflash_etl.core.config import parse_config
 from dflash_etl.core.errors import StageError
-from dflash_etl.models.tokenizer import load_tokenizer
 from dflash_etl.stages import ingest, tokenize
 from dflash_etl.templates.render import (
     RenderError,
@@ -65,35 +64,30 @@ BLOWS_UP = {
 }
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(str(TOKENIZER))
-
-
 @pytest.mark.parametrize("name", list(SPINS))
-def test_a_template_that_spins_is_stopped_at_the_time_limit(tok, name):
+def test_a_template_that_spins_is_stopped_at_the_time_limit(project_tok, name):
     start = time.monotonic()
     with render_limits(SMALL), pytest.raises(RenderTimeout, match=r"within 0\.5 s"):
-        render(tok, MESSAGES, chat_template=SPINS[name])
+        render(project_tok, MESSAGES, chat_template=SPINS[name])
     assert time.monotonic() - start < 3
 
 
 @pytest.mark.parametrize("name", list(BLOWS_UP))
-def test_a_template_that_blows_up_is_refused_before_it_allocates(tok, name):
+def test_a_template_that_blows_up_is_refused_before_it_allocates(project_tok, name):
     start = time.monotonic()
     with render_limits(SMALL), pytest.raises(RenderTooLarge, match="over the render size limit"):
-        render(tok, MESSAGES, chat_template=BLOWS_UP[name])
+        render(project_tok, MESSAGES, chat_template=BLOWS_UP[name])
     assert time.monotonic() - start < 3
 
 
-def test_the_time_limit_holds_off_the_main_thread(tok):
+def test_the_time_limit_holds_off_the_main_thread(project_tok):
     """No SIGALRM there: the loops' own deadline checks stop the render."""
     caught: list[BaseException] = []
 
     def spin() -> None:
         try:
             with render_limits(SMALL):
-                render(tok, MESSAGES, chat_template=SPINS["nested loops over a list"])
+                render(project_tok, MESSAGES, chat_template=SPINS["nested loops over a list"])
         except BaseException as exc:  # the test reports what it was
             caught.append(exc)
 
@@ -103,7 +97,7 @@ def test_the_time_limit_holds_off_the_main_thread(tok):
     assert not worker.is_alive() and len(caught) == 1 and isinstance(caught[0], RenderTimeout)
 
 
-def test_what_transformers_renders_itself_is_stopped_by_sigalrm(tok):
+def test_what_transformers_renders_itself_is_stopped_by_sigalrm(project_tok):
     """The fallback render and the {% generation %} mask run transformers' own compiled template
     (no loop checks): SIGALRM ends them, and an alarm outside a render still reaches the
     handler that was there before."""
@@ -116,7 +110,7 @@ def test_what_transformers_renders_itself_is_stopped_by_sigalrm(tok):
     try:
         start = time.monotonic()
         with render_limits(SMALL), pytest.raises(RenderTimeout):
-            guarded_call(MESSAGES, None, render_with_transformers, tok, MESSAGES,
+            guarded_call(MESSAGES, None, render_with_transformers, project_tok, MESSAGES,
                          chat_template=SPINS["nested loops over a list"])
         assert time.monotonic() - start < 3
         signal.raise_signal(signal.SIGALRM)
@@ -125,23 +119,23 @@ def test_what_transformers_renders_itself_is_stopped_by_sigalrm(tok):
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_a_guarded_transformers_render_takes_every_keyword(tok):
+def test_a_guarded_transformers_render_takes_every_keyword(project_tok):
     """The {% generation %} mask call passes tools= (and the rest) through the guard."""
     from dflash_etl.templates.render import guarded_call
 
     with render_limits(SMALL):
-        text = guarded_call(MESSAGES, [], tok.apply_chat_template, MESSAGES, tools=[],
+        text = guarded_call(MESSAGES, [], project_tok.apply_chat_template, MESSAGES, tools=[],
                             chat_template=CHATML, tokenize=False)
-        assert text == render(tok, MESSAGES, chat_template=CHATML, tools=[])
+        assert text == render(project_tok, MESSAGES, chat_template=CHATML, tools=[])
 
 
-def test_limits_leave_real_templates_and_big_ranges_alone(tok):
+def test_limits_leave_real_templates_and_big_ranges_alone(project_tok):
     long = [{"role": "user", "content": "word " * 50_000}, {"role": "assistant", "content": "ok"}]
     with render_limits(SMALL):  # the size limit grows with the conversation
-        assert render(tok, long, chat_template=CHATML).count("word") == 50_000
+        assert render(project_tok, long, chat_template=CHATML).count("word") == 50_000
         with pytest.raises(RenderError, match="MAX_RANGE"):  # jinja's own bound on range()
-            render(tok, MESSAGES, chat_template="{{ range(10 ** 9) | length }}")
-        assert render(tok, MESSAGES, chat_template="{{ 2 ** 64 }}{{ 'ab' * 3 }}") \
+            render(project_tok, MESSAGES, chat_template="{{ range(10 ** 9) | length }}")
+        assert render(project_tok, MESSAGES, chat_template="{{ 2 ** 64 }}{{ 'ab' * 3 }}") \
             == "18446744073709551616ababab"
 
 
@@ -253,13 +247,6 @@ attempt("regenerate", lambda: TransformersBackend(RegenerateSettings(model=model
 attempt("train", lambda: resolve_mask_token(model, 10**6, -1))
 print(json.dumps(results))
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from dflash_etl.models.tiny_model import build_tiny_qwen2
-
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, layers=2)
 
 
 def _with_own_code(tiny_model: Path, out: Path, model_type: str) -> Path:
