@@ -17,7 +17,7 @@ from typing import Any
 
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import rank_world
-from dflash_etl.core.errors import StageError
+from dflash_etl.core.errors import StageError, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
 from dflash_etl.core.stage import Stage, StageContext
@@ -136,32 +136,3 @@ def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
                        "died before it finished; its completed work is kept and a rerun resumes it")
             run.fail(stage, message)
             _say(f"{stage}: {message}")
-
-
-def describe_error(exc: BaseException, stage: str) -> StageError | BaseException:
-    """An unexpected exception as one paragraph: what went wrong, where, what to do."""
-    from concurrent.futures.process import BrokenProcessPool
-
-    if isinstance(exc, KeyboardInterrupt):
-        return exc
-    if isinstance(exc, BrokenProcessPool):
-        return StageError(
-            f"{stage}: a worker process died (killed by the operating system — often out of "
-            "memory — or crashed). Completed work is kept: rerun to resume, with fewer "
-            "--workers if memory is short (see `dmesg` for the kernel's reason)")
-    if isinstance(exc, OSError):
-        where = exc.filename or "the run directory"
-        if exc.errno == errno.ENOSPC:
-            return StageError(f"{stage}: the disk is full (writing {where}). Completed work is "
-                              "kept: free space and rerun to resume")
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return StageError(f"{stage}: cannot write {where} ({exc.strerror}): make the run "
-                              "directory writable or choose another --run")
-        return StageError(f"{stage}: {exc.strerror or exc} ({where}); rerun with --debug for "
-                          "the traceback")
-    if isinstance(exc, MemoryError):
-        return StageError(f"{stage}: out of memory; rerun with fewer --workers or a smaller "
-                          "batch (completed work is kept)")
-    return StageError(f"{stage}: internal error {type(exc).__name__}: {exc}. This is a bug in "
-                      "dflash_etl: rerun with --debug for the traceback and report it with the "
-                      "run's manifest.json")
