@@ -54,9 +54,10 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.layers import resolve_layers
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
-from dflash_etl.models.target import Target, parse_layers, text_config
+from dflash_etl.models.target import Target
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
@@ -362,24 +363,6 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
     return problems
 
 
-# how the work is launched, not what it computes: a rerun with other values resumes
-def resolve_layers(settings: ExtractSettings) -> list[int]:
-    """The target layers extract stores: `layers` ('auto': DFlash's rule for `draft_layers`)
-    on the target's decoder. train --online resolves its layers with this same rule."""
-    return parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
-
-
-def _n_layers(model: str) -> int:
-    """The target's decoder layer count, from its (text) config (no weights loaded)."""
-    from dflash_etl.models.loading import load_config, refuse_remote_code
-
-    refuse_remote_code(model)
-    try:
-        return int(text_config(load_config(model)).num_hidden_layers)
-    except Exception as exc:  # transformers raises many types for a bad directory
-        raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
-
-
 class ExtractStage(Stage):
     """Tokenized rows -> the target's hidden states at the chosen layers."""
 
@@ -400,7 +383,7 @@ class ExtractStage(Stage):
         rows = table.to_pylist()
         for position, row in enumerate(rows):
             row["row"] = position
-        layers = resolve_layers(settings)
+        layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
         ctx.state["rows"] = rows
         # under torchrun every rank prepares; joining the group waits for rank 0's recovery
         ctx.rank, ctx.world = join(settings.dist_timeout_s)
