@@ -380,7 +380,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import execute
+    from dflash_etl.cli.stage import execute
 
     parser = add_arguments(argparse.ArgumentParser(prog="python -m dflash_etl.handoff.export",
                                                    description=__doc__.splitlines()[0]))

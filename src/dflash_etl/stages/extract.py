@@ -21,10 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,11 +43,10 @@ from dflash_etl.core.distributed import (
     device_for_rank,
     join,
     rank_world,
-    under_launcher,
 )
 from dflash_etl.core.errors import ContractError, StageError
-from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
+from dflash_etl.core.progress import progress_bar, size_text
+from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
@@ -520,36 +516,7 @@ def _merge(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]
     return doc
 
 
-def relaunch(config: PipelineConfig | None, overrides: dict[str, Any],
-             argv: list[str] | None) -> int | None:
-    """`--launcher torchrun`: this extract command again under `python -m torch.distributed.run
-    --standalone` (one node), whose exit status it returns; None when extract runs here (no
-    launcher asked for, or this process already is a rank)."""
-    section = config.section("extract") if config else {}
-    launcher = overrides.get("launcher") or section.get("launcher") or "none"
-    if launcher != "torchrun" or under_launcher() or _wants_plan(config, overrides):
-        return None  # the plan measures one replica, in this process
-    if argv is None:
-        raise StageError("[extract] launcher = 'torchrun' re-runs the `dflash-etl extract` "
-                         "command under torchrun; `dflash-etl run` cannot: run `dflash-etl "
-                         "extract --launcher torchrun` on the run, then `dflash-etl run` for the "
-                         "rest (it skips the finished extract)")
-    nproc = overrides.get("nproc_per_node") or section.get("nproc_per_node") or 0
-    if not nproc:
-        import torch
-
-        nproc = torch.cuda.device_count() or 1
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "--", "dflash_etl.stages.extract", *argv]
-    print(f"extract: {shlex.join(command)}", file=sys.stderr, flush=True)
-    # each rank's collectives have a deadline (--dist-timeout-s): a lost rank ends the launch
-    return subprocess.run(command, check=False).returncode
-
-
 # ---------------------------------------------------------------- the dry run (--plan)
-PLAN_FILE = "extract.plan.json"
-
-
 def plan_sample(batches: list[list[int]], wanted: int) -> list[int]:
     """Which of the run's batches (in length order) the plan measures: `wanted` of them spread
     evenly from the shortest to the longest, so the projection sees the whole length range."""
@@ -580,10 +547,6 @@ def project(total: dict[str, int], sample: dict[str, float], free: int) -> dict[
     seconds = sample["seconds"] * total["padded_tokens"] / sample["padded_tokens"]
     return {"bytes": bytes_, "seconds": round(seconds, 3), "hours": round(seconds / 3600, 4),
             "free_bytes": free, "fits": bytes_ <= free, "short_by_bytes": max(0, bytes_ - free)}
-
-
-def size_text(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
 def plan_advice(doc: dict[str, Any]) -> str:
@@ -682,7 +645,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("extract", argv)
 

@@ -406,7 +406,7 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("ingest", argv)
 

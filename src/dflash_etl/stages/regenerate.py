@@ -1259,7 +1259,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("regenerate", argv)
 

@@ -554,7 +554,7 @@ def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("tokenize", argv)
 

@@ -964,7 +964,7 @@ def _earlier_seconds(run: RunDir, start: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("train", argv)
 
