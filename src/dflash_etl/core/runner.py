@@ -20,7 +20,7 @@ from dflash_etl.core.distributed import rank_world
 from dflash_etl.core.errors import StageError, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
-from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.core.stage import Shell, Stage, StageContext
 
 
 def fingerprint_of(payload: dict[str, Any]) -> str:
@@ -34,13 +34,12 @@ def _say(text: str) -> None:
 def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, *,
               force: bool = False, progress: bool | None = None, workers: int | None = None,
               executor: str | None = None, ray_address: str | None = None,
-              **overrides: Any) -> dict[str, Any]:
+              shell: Shell | None = None, **overrides: Any) -> dict[str, Any]:
     """Run `stage` into `run_dir/<stage>`; returns its stats document (`skipped: True` when it
-    was already complete for the same inputs and its published files are intact)."""
-    if stage.gated:
-        from dflash_etl.validation import suite_helper
-
-        suite_helper.start()  # the gate's great_expectations loads meanwhile
+    was already complete for the same inputs and its published files are intact). `shell`:
+    what the layers above lend (see `Shell`); `dflash_etl.stages.shell.run_stage` passes it."""
+    shell = shell or Shell()
+    shell.start_gate(stage.name)  # its great_expectations loads meanwhile
     run = RunDir(run_dir)
     rank, world = rank_world()
     run_config = config.run if config else None
@@ -48,7 +47,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         name=stage.name, run=run, config=config, progress=progress, workers=workers,
         executor=executor or (run_config.executor if run_config else "local"),
         ray_address=ray_address or (run_config.ray_address if run_config else None),
-        rank=rank, world=world,
+        rank=rank, world=world, shell=shell,
     )
     lock = run_lock(run.root, stage.name) if rank == 0 else contextlib.nullcontext()
     with lock as stale:
@@ -84,18 +83,19 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         except BaseException as exc:
             error = exc if isinstance(exc, StageError) else describe_error(exc, stage.name)
             if rank == 0 and run.root.is_dir():
-                _record_failure(run, stage.name, error, begun)
+                _record_failure(ctx, error, begun)
             if error is exc or isinstance(exc, KeyboardInterrupt):
                 raise
             raise error from exc
         if rank == 0:
-            _publish_docs(run)
+            _publish_docs(ctx)
         stage.end(ctx)
         return doc
 
 
-def _record_failure(run: RunDir, stage: str, error: BaseException, begun: bool) -> None:
+def _record_failure(ctx: StageContext, error: BaseException, begun: bool) -> None:
     """The manifest says `failed` with the message (never `running`); the report shows it."""
+    run, stage = ctx.run, ctx.name
     message = str(error) or type(error).__name__
     if isinstance(error, KeyboardInterrupt):
         message = "interrupted: completed work is kept in the partial directory; rerun to resume"
@@ -107,13 +107,11 @@ def _record_failure(run: RunDir, stage: str, error: BaseException, begun: bool) 
             with contextlib.suppress(OSError):
                 run.fail(stage, message)
     if begun:
-        _publish_docs(run)
+        _publish_docs(ctx)
 
 
-def _publish_docs(run: RunDir) -> None:
-    from dflash_etl.report import publish_docs
-
-    publish_docs(run.root)
+def _publish_docs(ctx: StageContext) -> None:
+    ctx.shell.publish_docs(ctx.run.root)
 
 
 def _recover(run: RunDir, name: str) -> None:

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, remove_tree, write_json_atomic
 
 
@@ -39,6 +41,7 @@ class StageContext:
     partial: Path = Path()
     rank: int = 0
     world: int = 1
+    shell: Shell = field(default_factory=lambda: Shell())
     state: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)  # kept in the manifest, not the data
 
@@ -52,7 +55,6 @@ class Stage:
     """A stage of the pipeline. Subclasses set `name` and implement `prepare` and `execute`."""
 
     name: ClassVar[str]
-    gated: ClassVar[bool] = False  # has a great-expectations suite: start the suite helper early
 
     def make_settings(self, config: PipelineConfig | None, run_dir: Path,
                       overrides: dict[str, Any]) -> Any:
@@ -134,16 +136,40 @@ class BatchStage(Stage):
         raise NotImplementedError
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        from dflash_etl.executors import get_executor
-
         work_dir = ctx.partial / "units"
         work_dir.mkdir(exist_ok=True)
         items = self.plan(ctx)
-        results = get_executor(ctx).map(self, ctx, items, work_dir)
+        results = ctx.shell.executor(ctx).map(self, ctx, items, work_dir)
         return self.finish(ctx, results, work_dir)
 
     def cleanup(self, ctx: StageContext) -> None:
         remove_tree(ctx.partial / "units")  # a kill meanwhile leaves no done marker without data
+
+
+class Executor(Protocol):
+    """Runs a batch stage's work items (skipping those done before) and returns their results
+    in item order; it never changes what an item produces."""
+
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
+            work_dir: Path) -> list[dict[str, Any]]: ...
+
+
+def _no_executor(ctx: StageContext) -> Executor:
+    raise StageError(f"{ctx.name}: no executor: run batch stages with dflash_etl.stages.shell's "
+                     "run_stage")
+
+
+@dataclass(frozen=True)
+class Shell:
+    """What core's lifecycle takes from the layers above it, which core never imports: the
+    executor a batch stage's items run on, the gate's early start (a stage's suite is declared
+    in the stage registry) and the run's report. `dflash_etl.stages.shell` installs the real
+    one (its `run_stage`); core's own `run_stage` alone runs stages with no report, no suite
+    helper and no executor."""
+
+    executor: Callable[[StageContext], Executor] = _no_executor
+    start_gate: Callable[[str], None] = lambda stage: None
+    publish_docs: Callable[[Path], None] = lambda run_root: None
 
 
 def item_paths(work_dir: Path, index: int) -> tuple[Path, Path, Path]:

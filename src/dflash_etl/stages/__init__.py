@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from dflash_etl.core.config import SECTION_SCHEMAS, register_section_loader
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -115,3 +117,14 @@ STAGES = StageRegistry(
         requires="target", target_fallback=True, after=("tokenize",),
     ),
 )
+
+
+def _register_settings() -> None:
+    """Import the stage modules whose settings dataclasses are the schemas of their config
+    sections (each registers its own), once a config is first checked."""
+    for spec in STAGES:
+        if spec.section and spec.section not in SECTION_SCHEMAS:
+            spec.module()
+
+
+register_section_loader(_register_settings)

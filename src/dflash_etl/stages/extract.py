@@ -47,7 +47,6 @@ from dflash_etl.core.distributed import (
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.progress import progress_bar, size_text
 from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.layers import resolve_layers
@@ -55,6 +54,7 @@ from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target
 from dflash_etl.models.tiny_model import with_target
+from dflash_etl.stages.shell import run_stage
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
     HealthLimits,

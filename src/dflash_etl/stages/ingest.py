@@ -33,10 +33,10 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
+from dflash_etl.stages.shell import run_stage
 from dflash_etl.validation import suites
 
 STAGE = "ingest"
@@ -202,7 +202,6 @@ class IngestStage(BatchStage):
     """Source files -> canonical conversations; a work item is one unit of one source file."""
 
     name = STAGE
-    gated = True
 
     def make_settings(self, config: PipelineConfig | None, run_dir: Path,
                       overrides: dict[str, Any]) -> IngestSettings:

@@ -46,11 +46,11 @@ from dflash_etl.core.config import (
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic, write_text_atomic
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.models.tiny_model import with_target
+from dflash_etl.stages.shell import run_stage
 from dflash_etl.templates.render import RenderError
 from dflash_etl.validation import suites
 
@@ -1148,7 +1148,6 @@ class RegenerateStage(Stage):
     """Conversations -> the same conversations with the target's replies."""
 
     name = STAGE
-    gated = True
 
     def __init__(self, generator: Backend | None = None) -> None:
         self.generator = generator

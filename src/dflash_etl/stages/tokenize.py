@@ -26,12 +26,12 @@ from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import PipelineConfig, register_section, setting, stage_settings
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.schema import numeric_array, string_array
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
+from dflash_etl.stages.shell import run_stage
 from dflash_etl.validation import suites
 from dflash_etl.validation.on_policy import on_policy_report
 
@@ -283,7 +283,6 @@ class TokenizeStage(BatchStage):
     """Conversations -> verified training rows; a work item is a chunk of conversations."""
 
     name = STAGE
-    gated = True
 
     def make_settings(self, config: PipelineConfig | None, run_dir: Path,
                       overrides: dict[str, Any]) -> TokenizeSettings:

@@ -51,12 +51,12 @@ from dflash_etl.core.rundir import (
     write_json_atomic,
     write_text_atomic,
 )
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.models.mask_token import resolve_mask_token
 from dflash_etl.models.tiny_model import with_target
+from dflash_etl.stages.shell import run_stage
 from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
