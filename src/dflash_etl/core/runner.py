@@ -1,8 +1,9 @@
 """The one lifecycle every stage runs through.
 
 settings -> lock -> prepare (inputs, fingerprint) -> skip if complete and intact -> partial
-directory -> execute (work, contract, suite) -> publish or fail -> report. Any error ends with
-the stage marked `failed` in the manifest, with the same message the user sees.
+directory -> execute (the work) -> accounting, contract, suite -> publish or fail -> report.
+Any error ends with the stage marked `failed` in the manifest, with the same message the user
+sees.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import rank_world
 from dflash_etl.core.errors import StageError, describe_error
@@ -76,6 +78,8 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             stage.begin(ctx)
             doc = stage.execute(ctx)
             if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
+                check_accounting(doc, stage.name)
+                shell.gate(ctx, doc, stage.contract_params(ctx))
                 stage.cleanup(ctx)
                 # a resumed stage's seconds include the earlier calls' work it resumed from
                 seconds = timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
@@ -91,6 +95,12 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             _publish_docs(ctx)
         stage.end(ctx)
         return doc
+
+
+def check_accounting(doc: dict[str, Any], stage: str) -> None:
+    """Every row the stage read is out, quarantined or filtered, in total and per source."""
+    for name, counts in [("total", doc["total"]), *doc.get("sources", {}).items()]:
+        Stats.from_dict(counts).check(f"{stage} ({name})")
 
 
 def _record_failure(ctx: StageContext, error: BaseException, begun: bool) -> None:

@@ -74,8 +74,13 @@ class Stage:
         """The partial directory exists (and may hold an interrupted run's work)."""
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        """Write the output into ctx.partial, pass its gates; returns the stats document."""
+        """Write the output into ctx.partial; returns the stats document (the runner checks its
+        accounting and gates the output with the contract and suite the registry names)."""
         raise NotImplementedError
+
+    def contract_params(self, ctx: StageContext) -> dict[str, Any]:
+        """The limits the output's contract checks against (vocab size, seq_length...)."""
+        return {}
 
     def cleanup(self, ctx: StageContext) -> None:
         """Remove work files from ctx.partial before it is published."""
@@ -162,13 +167,16 @@ def _no_executor(ctx: StageContext) -> Executor:
 @dataclass(frozen=True)
 class Shell:
     """What core's lifecycle takes from the layers above it, which core never imports: the
-    executor a batch stage's items run on, the gate's early start (a stage's suite is declared
-    in the stage registry) and the run's report. `dflash_etl.stages.shell` installs the real
+    executor a batch stage's items run on, the gate (its early start, and the contract and
+    suite a stage's output must pass, as the stage registry declares them) and the run's
+    report. `dflash_etl.stages.shell` installs the real
     one (its `run_stage`); core's own `run_stage` alone runs stages with no report, no suite
     helper and no executor."""
 
     executor: Callable[[StageContext], Executor] = _no_executor
     start_gate: Callable[[str], None] = lambda stage: None
+    gate: Callable[[StageContext, dict[str, Any], dict[str, Any]], None] = (
+        lambda ctx, doc, contract_params: None)
     publish_docs: Callable[[Path], None] = lambda run_root: None
 
 

@@ -45,14 +45,13 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic, write_text_atomic
+from dflash_etl.core.rundir import RunDir, sha256_file, write_text_atomic
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.stages.shell import run_stage
 from dflash_etl.templates.render import RenderError
-from dflash_etl.validation import suites
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
@@ -1191,12 +1190,8 @@ class RegenerateStage(Stage):
                              input_fingerprint=ingest_fingerprint)
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        from dflash_etl.validation.contracts import validate_conversations
-
         settings: RegenerateSettings = ctx.settings
         partial = ctx.partial
-        thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
-                      else suites.Thresholds.from_manifest(ctx.run.root))
         cache = _Cache(partial / "generations.jsonl")
         conversations = pl.read_parquet(ctx.state["files"]).to_dicts()
         total = sum(len(_targets(c, settings.mode)) for c in conversations)
@@ -1242,9 +1237,6 @@ class RegenerateStage(Stage):
         if unanswered:  # an invariant of the code above, checked on the data it wrote
             raise StageError(f"{len(unanswered)} conversations still end without a reply, "
                              f"e.g. {unanswered[:3]}")
-        validate_conversations(out, partial)
-        write_json_atomic(partial / "stats.json", doc)
-        suites.gate(STAGE, partial, ctx.run.root, thresholds)
         return doc
 
 

@@ -1,19 +1,23 @@
 """The shell around core's lifecycle: what `core.runner.run_stage` takes from the layers above
 core, resolved here once for every stage: the executor a batch stage's items run on (local or
-Ray, from --executor / [run] executor), the suite helper's early start for a stage the registry
-gives a suite, and the run's HTML report after each stage."""
+Ray, from --executor / [run] executor), the gate of a stage the registry gives a contract file
+and a suite (the suite helper started early; stats.json, the contract and the suite before the
+output is published), and the run's HTML report after each stage."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 from dflash_etl.core import runner
 from dflash_etl.core.config import PipelineConfig
-from dflash_etl.core.stage import Shell, Stage
+from dflash_etl.core.rundir import write_json_atomic
+from dflash_etl.core.stage import Shell, Stage, StageContext
 from dflash_etl.executors import get_executor
 from dflash_etl.stages import STAGES
-from dflash_etl.validation import suite_helper
+from dflash_etl.validation import suite_helper, suites
+from dflash_etl.validation.contracts import validate_output
 
 
 def _start_gate(stage: str) -> None:
@@ -24,13 +28,38 @@ def _start_gate(stage: str) -> None:
         suite_helper.start()
 
 
+def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any]) -> None:
+    """stats.json, the contract and the suite the registry names, before the output is
+    published. extract's and train's outputs (no suite) are checked by their own stage: a
+    model's states and a drafter have no contract file."""
+    spec = STAGES.get(ctx.name)
+    if spec is None or spec.suite is None:
+        return
+    write_json_atomic(ctx.partial / "stats.json", doc)
+    thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
+                  else suites.Thresholds.from_manifest(ctx.run.root))
+    if not spec.contract_beside_suite:
+        validate_output(spec.contract, ctx.partial, contract_params)
+        suites.gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
+        return
+    finish_suite = suites.start_gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
+    try:
+        validate_output(spec.contract, ctx.partial, contract_params)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the contract's failure is the one raised
+            finish_suite(in_process=False)  # the helper's answer, if it is computing one
+        raise
+    finish_suite()
+
+
 def _publish_docs(run_root: Path) -> None:
     from dflash_etl.report import publish_docs  # the report's pages: loaded when one is due
 
     publish_docs(run_root)
 
 
-SHELL = Shell(executor=get_executor, start_gate=_start_gate, publish_docs=_publish_docs)
+SHELL = Shell(executor=get_executor, start_gate=_start_gate, gate=_gate,
+              publish_docs=_publish_docs)
 
 
 def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path,
