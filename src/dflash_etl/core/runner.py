@@ -62,7 +62,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         try:
             if rank == 0:
                 _recover(run, stage.name)
-            ctx.settings = stage.make_settings(config, run.root, overrides)
+            ctx.settings = shell.settings(stage.name, config, run.root, overrides)
             ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
             if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
                                                           say=_say)):

@@ -56,10 +56,6 @@ class Stage:
 
     name: ClassVar[str]
 
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> Any:
-        return None
-
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         """Read what the stage needs to decide whether it must run; returns what the fingerprint
         covers (settings, input hashes, model identity)."""
@@ -166,13 +162,16 @@ def _no_executor(ctx: StageContext) -> Executor:
 
 @dataclass(frozen=True)
 class Shell:
-    """What core's lifecycle takes from the layers above it, which core never imports: the
-    executor a batch stage's items run on, the gate (its early start, and the contract and
+    """What core's lifecycle takes from the layers above it, which core never imports: a
+    stage's settings, the executor its items run on, the gate (its early start, and the contract and
     suite a stage's output must pass, as the stage registry declares them) and the run's
     report. `dflash_etl.stages.shell` installs the real
     one (its `run_stage`); core's own `run_stage` alone runs stages with no report, no suite
     helper and no executor."""
 
+    # a stage's settings (name, config, run directory, the command line's overrides)
+    settings: Callable[[str, PipelineConfig | None, Path, dict[str, Any]], Any] = (
+        lambda stage, config, run_dir, overrides: None)
     executor: Callable[[StageContext], Executor] = _no_executor
     start_gate: Callable[[str], None] = lambda stage: None
     gate: Callable[[StageContext, dict[str, Any], dict[str, Any]], None] = (

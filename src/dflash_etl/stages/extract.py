@@ -53,8 +53,7 @@ from dflash_etl.models.layers import resolve_layers
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target
-from dflash_etl.models.tiny_model import with_target
-from dflash_etl.stages.shell import run_stage
+from dflash_etl.stages.shell import run_stage, settings_of
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
     HealthLimits,
@@ -364,13 +363,6 @@ class ExtractStage(Stage):
 
     name = STAGE
 
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> ExtractSettings:
-        section = config.section("extract") if config else {}
-        overrides = with_target(config, run_dir, section, overrides, "model")
-        return ExtractSettings.from_sources(section, overrides,
-                                            config.base_dir if config else None)
-
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: ExtractSettings = ctx.settings
         files = _dataset_files(ctx.run)
@@ -573,7 +565,7 @@ def plan(config: PipelineConfig | None, run_dir: str | Path, progress: bool | No
 
     run = RunDir(run_dir)
     with run_lock(run.root, "extract --plan"):
-        settings = ExtractStage().make_settings(config, run.root, overrides)
+        settings = settings_of(STAGE, config, run.root, overrides)
         rows = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
                                  for f in _dataset_files(run)]).to_pylist()
         for position, row in enumerate(rows):

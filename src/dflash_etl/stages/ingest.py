@@ -36,7 +36,7 @@ from dflash_etl.core.rundir import sha256_file
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
-from dflash_etl.stages.shell import run_stage
+from dflash_etl.stages.shell import stage_runner
 from dflash_etl.validation import suites
 
 STAGE = "ingest"
@@ -203,12 +203,6 @@ class IngestStage(BatchStage):
 
     name = STAGE
 
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> IngestSettings:
-        section = config.section(STAGE) if config else {}
-        return IngestSettings.from_sources(section, overrides,
-                                           config.base_dir if config else None)
-
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
         sources = _inputs(config)
@@ -280,17 +274,7 @@ def _require_config(config: PipelineConfig | None) -> PipelineConfig:
     return config
 
 
-def run(
-    config: PipelineConfig,
-    run_dir: str | Path,
-    force: bool = False,
-    progress: bool | None = None,
-    workers: int | None = None,
-    **options: Any,
-) -> dict[str, Any]:
-    """Run ingest into `run_dir/ingest`; returns the stats document. Skips when complete."""
-    return run_stage(IngestStage(), config, run_dir, force=force, progress=progress,
-                     workers=workers, **options)
+run = stage_runner(IngestStage)
 
 
 def source_warnings(config: PipelineConfig, results: list[dict[str, Any]],

@@ -49,7 +49,6 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_text_atomic
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
-from dflash_etl.models.tiny_model import with_target
 from dflash_etl.stages.shell import run_stage
 from dflash_etl.templates.render import RenderError
 
@@ -1150,13 +1149,6 @@ class RegenerateStage(Stage):
 
     def __init__(self, generator: Backend | None = None) -> None:
         self.generator = generator
-
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> RegenerateSettings:
-        section = config.section("regenerate") if config else {}
-        overrides = with_target(config, run_dir, section, overrides, "model")
-        return RegenerateSettings.from_sources(section, overrides,
-                                               config.base_dir if config else None)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: RegenerateSettings = ctx.settings

@@ -1,5 +1,7 @@
 """The shell around core's lifecycle: what `core.runner.run_stage` takes from the layers above
-core, resolved here once for every stage: the executor a batch stage's items run on (local or
+core, resolved here once for every stage from the stage registry's declarations: its settings
+(its config section, the command line, and the [target] model where the registry says the
+stage falls back to it), the executor a batch stage's items run on (local or
 Ray, from --executor / [run] executor), the gate of a stage the registry gives a contract file
 and a suite (the suite helper started early; stats.json, the contract and the suite before the
 output is published), and the run's HTML report after each stage."""
@@ -7,6 +9,7 @@ output is published), and the run's HTML report after each stage."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,23 @@ from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.rundir import write_json_atomic
 from dflash_etl.core.stage import Shell, Stage, StageContext
 from dflash_etl.executors import get_executor
+from dflash_etl.models.tiny_model import with_target
 from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper, suites
 from dflash_etl.validation.contracts import validate_output
+
+
+def settings_of(stage: str, config: PipelineConfig | None, run_dir: Path,
+                overrides: dict[str, Any]) -> Any:
+    """A stage's settings dataclass (None for a stage the registry does not know)."""
+    spec = STAGES.get(stage)
+    if spec is None or spec.settings_class is None:
+        return None
+    section = config.section(spec.section or spec.name) if config else {}
+    if spec.target_fallback and spec.requires:  # its model, unless given: the [target]'s
+        overrides = with_target(config, run_dir, section, overrides, spec.requires)
+    return spec.settings_class.from_sources(section, overrides,
+                                            config.base_dir if config else None)
 
 
 def _start_gate(stage: str) -> None:
@@ -58,7 +75,7 @@ def _publish_docs(run_root: Path) -> None:
     publish_docs(run_root)
 
 
-SHELL = Shell(executor=get_executor, start_gate=_start_gate, gate=_gate,
+SHELL = Shell(settings=settings_of, executor=get_executor, start_gate=_start_gate, gate=_gate,
               publish_docs=_publish_docs)
 
 
@@ -66,3 +83,15 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path,
               **options: Any) -> dict[str, Any]:
     """`core.runner.run_stage` with this package's executors, gate and report."""
     return runner.run_stage(stage, config, run_dir, shell=SHELL, **options)
+
+
+def stage_runner(stage_class: type[Stage]) -> Callable[..., dict[str, Any]]:
+    """A stage module's `run(config, run_dir, **options)` (options: force, progress, workers,
+    executor, ray_address and the settings)."""
+    def run(config: PipelineConfig | None, run_dir: str | Path, **options: Any
+            ) -> dict[str, Any]:
+        return run_stage(stage_class(), config, run_dir, **options)
+
+    run.__doc__ = (f"Run {stage_class.name} into `run_dir/{stage_class.name}`; returns its stats "
+                   "document (`skipped: True` when it was complete for the same inputs).")
+    return run

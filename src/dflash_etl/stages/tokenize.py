@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import PipelineConfig, register_section, setting, stage_settings
+from dflash_etl.core.config import register_section, setting, stage_settings
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.schema import numeric_array, string_array
@@ -30,7 +30,7 @@ from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkIte
 from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
-from dflash_etl.stages.shell import run_stage
+from dflash_etl.stages.shell import stage_runner
 from dflash_etl.validation import suites
 from dflash_etl.validation.on_policy import on_policy_report
 
@@ -283,12 +283,6 @@ class TokenizeStage(BatchStage):
 
     name = STAGE
 
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> TokenizeSettings:
-        section = config.section("tokenize") if config else {}
-        return TokenizeSettings.from_sources(section, overrides,
-                                             config.base_dir if config else None)
-
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TokenizeSettings = ctx.settings
         files = _conversations(ctx.run)
@@ -379,19 +373,7 @@ def _check_on_policy(run: RunDir, settings: TokenizeSettings, doc: dict[str, Any
                          "mode you will serve), or raise [tokenize] max_off_policy_share")
 
 
-def run(
-    config: PipelineConfig | None,
-    run_dir: str | Path,
-    force: bool = False,
-    progress: bool | None = None,
-    workers: int | None = None,
-    executor: str | None = None,
-    ray_address: str | None = None,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """Tokenize the run's conversations into `run_dir/tokenize`; returns the stats document."""
-    return run_stage(TokenizeStage(), config, run_dir, force=force, progress=progress,
-                     workers=workers, executor=executor, ray_address=ray_address, **overrides)
+run = stage_runner(TokenizeStage)
 
 
 def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: Path,

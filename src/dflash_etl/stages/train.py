@@ -35,7 +35,6 @@ import pyarrow as pa
 from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import (
     TARGET_HINT,
-    PipelineConfig,
     register_section,
     setting,
     stage_settings,
@@ -55,8 +54,7 @@ from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.models.mask_token import resolve_mask_token
-from dflash_etl.models.tiny_model import with_target
-from dflash_etl.stages.shell import run_stage
+from dflash_etl.stages.shell import settings_of, stage_runner
 from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
@@ -379,7 +377,6 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
     online run of a config trains on what an offline run of it would."""
     from dflash_etl.models.layers import resolve_layers
     from dflash_etl.models.target import parse_layers
-    from dflash_etl.stages.extract import ExtractStage
 
     if extracted is not None:
         stored = list(extracted["layers"])
@@ -395,7 +392,7 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
     if settings.layers != "auto":
         return (resolve_layers(settings.layers, settings.target, settings.draft_layers),
                 f"train layers = {settings.layers!r}")
-    ext = ExtractStage().make_settings(ctx.config, ctx.run.root, {"model": settings.target})
+    ext = settings_of("extract", ctx.config, ctx.run.root, {"model": settings.target})
     return (resolve_layers(ext.layers, ext.model, ext.draft_layers),
             f"[extract] layers = {ext.layers!r}, draft_layers = {ext.draft_layers} (extract's "
             "rule, as an offline run of this config)")
@@ -751,13 +748,6 @@ class TrainStage(Stage):
 
     name = STAGE
 
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> TrainSettings:
-        section = config.section("train") if config else {}
-        overrides = with_target(config, run_dir, section, overrides, "target")
-        return TrainSettings.from_sources(section, overrides,
-                                          config.base_dir if config else None)
-
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TrainSettings = ctx.settings
         ctx.rank, ctx.world = join(settings.dist_timeout_s)
@@ -820,12 +810,7 @@ class TrainStage(Stage):
                   file=sys.stderr, flush=True)
 
 
-def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
-    """Train into `run_dir/train`; returns the stats document. Skips when complete; resumes from
-    the newest checkpoint of an interrupted run with the same inputs and settings."""
-    return run_stage(TrainStage(), config, run_dir, force=force, progress=progress,
-                     **overrides)
+run = stage_runner(TrainStage)
 
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
