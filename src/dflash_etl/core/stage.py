@@ -163,11 +163,10 @@ def _no_executor(ctx: StageContext) -> Executor:
 @dataclass(frozen=True)
 class Shell:
     """What core's lifecycle takes from the layers above it, which core never imports: a
-    stage's settings, the executor its items run on, the gate (its early start, and the contract and
-    suite a stage's output must pass, as the stage registry declares them) and the run's
-    report. `dflash_etl.stages.shell` installs the real
-    one (its `run_stage`); core's own `run_stage` alone runs stages with no report, no suite
-    helper and no executor."""
+    stage's settings, the executor its items run on, the gate (its early start, and the
+    contract and suite its output must pass, as the stage registry declares them) and the
+    run's report. `dflash_etl.stages.shell.run_stage` passes the real one; core's `run_stage`
+    alone runs a stage with no settings, gate, report or executor (core's own tests)."""
 
     # a stage's settings (name, config, run directory, the command line's overrides)
     settings: Callable[[str, PipelineConfig | None, Path, dict[str, Any]], Any] = (

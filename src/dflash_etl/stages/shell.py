@@ -1,10 +1,12 @@
 """The shell around core's lifecycle: what `core.runner.run_stage` takes from the layers above
-core, resolved here once for every stage from the stage registry's declarations: its settings
-(its config section, the command line, and the [target] model where the registry says the
-stage falls back to it), the executor a batch stage's items run on (local or
-Ray, from --executor / [run] executor), the gate of a stage the registry gives a contract file
-and a suite (the suite helper started early; stats.json, the contract and the suite before the
-output is published), and the run's HTML report after each stage."""
+core, resolved here once for every stage from the stage registry's declarations:
+
+- its settings: its config section, the command line, and the [target] model where the
+  registry says the stage falls back to it;
+- the executor its work items run on (local or Ray: --executor / [run] executor);
+- its gate, where the registry gives it a suite: the suite helper started early, then
+  stats.json, the contract and the suite before the output is published;
+- the run's HTML report after each stage."""
 
 from __future__ import annotations
 
