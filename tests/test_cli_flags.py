@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_etl.cli.main import build_parser, main, stage_main
+from dflash_etl.cli.main import build_parser, main
+from dflash_etl.cli.stage import stage_main
 from dflash_etl.stages import STAGES
 
 cli = importlib.import_module("dflash_etl.cli.main")  # dflash_etl.cli exports main(), not this
+stage_cli = importlib.import_module("dflash_etl.cli.stage")
 
 PIPELINE = ("ingest", "regenerate", "tokenize", "extract", "train")
 
@@ -78,14 +80,14 @@ def test_every_settings_field_has_a_flag():
             assert action.help, f"{spec.name} {flag}: no help"
         # the same flags on `python -m dflash_etl.stages.<name>` (one stage's parser)
         single = argparse.ArgumentParser()
-        cli._stage_parser(single, spec)
+        stage_cli.stage_parser(single, spec)
         assert {a.dest for a in single._actions} == dests
 
 
 def test_flags_of_today_keep_their_names_and_meaning():
     parse = build_parser().parse_args
     args = parse(["tokenize", "--no-eot", "--no-reasoning", "--seq-length", "128"])
-    overrides = cli._overrides(args, STAGES["tokenize"].settings_class)
+    overrides = stage_cli.settings_overrides(args, STAGES["tokenize"].settings_class)
     assert overrides["include_eot"] is False and overrides["supervise_reasoning"] is False
     assert overrides["seq_length"] == 128 and overrides["turns"] is None
     args = parse(["regenerate", "--stream", "--keep-truncated", "--endpoints", "http://a/v1,"
@@ -199,7 +201,7 @@ def test_run_goes_through_the_registry_in_order(tmp_path, monkeypatch, capsys):
         ran.append(spec.name)
         return 0
 
-    monkeypatch.setattr(cli, "_run_one", fake_run_one)
+    monkeypatch.setattr(stage_cli, "run_one", fake_run_one)
     monkeypatch.setattr(cli, "_docs", lambda run: Path(run) / "docs" / "index.html")
     config = tmp_path / "pipeline.toml"
     config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n\n'
@@ -231,8 +233,8 @@ def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
 
     for spec in STAGES:
         monkeypatch.setattr(spec.module(), "run", fake_run(spec.name))
-    monkeypatch.setattr(cli, "SUMMARIES", {})
-    monkeypatch.setattr(cli, "_summary", lambda name, run, doc: 0)
+    monkeypatch.setattr(stage_cli, "SUMMARIES", {})
+    monkeypatch.setattr(stage_cli, "_summary", lambda name, run, doc: 0)
     monkeypatch.setattr(cli, "_docs", lambda run: Path(run) / "docs" / "index.html")
     config = tmp_path / "pipeline.toml"
     config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n\n'

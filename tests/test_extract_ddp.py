@@ -79,13 +79,14 @@ def test_run_does_not_launch_torchrun(tmp_path):
     """`dflash-etl run` holds the run's lock across its stages: it cannot re-run itself under
     torchrun, and says what to do instead; without a launcher extract runs in this process."""
     from dflash_etl.core.errors import StageError
+    from dflash_etl.executors.torchrun import relaunch
 
     (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "a"\npath = "a.jsonl"\n\n'
                                             '[extract]\nlauncher = "torchrun"\n')
     config = load_config(tmp_path / "pipeline.toml")
     with pytest.raises(StageError, match="run `dflash-etl extract --launcher torchrun`"):
-        extract.relaunch(config, {}, None)
-    assert extract.relaunch(None, {"launcher": "none"}, ["--run", "x"]) is None
+        relaunch(config, {}, None)
+    assert relaunch(None, {"launcher": "none"}, ["--run", "x"]) is None
 
 
 def test_torchrun_extract_equals_one_process(tiny_target, default_tokenized, one_process, tmp_path,

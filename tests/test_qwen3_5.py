@@ -368,8 +368,8 @@ def test_the_mask_token_on_qwen36_is_the_first_unused_embedding_row(models, qwen
     """Qwen3.6's tokenizer has no <|MASK|> (nor any mask token): the drafter's blocks use the
     first embedding row no token uses, as DFlash's Qwen drafters do, and say so; a tokenizer
     that has <|MASK|> gets it."""
+    from dflash_etl.models.mask_token import resolve_mask_token
     from dflash_etl.models.tokenizer import load_tokenizer
-    from dflash_etl.stages.train import resolve_mask_token
 
     tok = load_tokenizer(str(qwen36_tokenizer))
     assert "<|MASK|>" not in tok.get_vocab() and tok.mask_token_id is None

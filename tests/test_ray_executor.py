@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from dflash_etl.core.config import load_config, parse_config
-from dflash_etl.core.runner import run_stage
 from dflash_etl.stages import ingest, tokenize
+from dflash_etl.stages.shell import run_stage
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray: loopback only
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

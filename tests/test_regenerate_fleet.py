@@ -218,11 +218,12 @@ def test_servers_listing_different_models_are_refused(servers):
 
 
 def test_endpoints_from_the_cli_and_the_config(tmp_path):
-    from dflash_etl.cli.main import _overrides, build_parser
+    from dflash_etl.cli.main import build_parser
+    from dflash_etl.cli.stage import settings_overrides
 
     args = build_parser().parse_args(["regenerate", "--endpoints",
                                       "http://h1:8001/v1, http://h2:8002/v1/"])
-    overrides = _overrides(args, RegenerateSettings)
+    overrides = settings_overrides(args, RegenerateSettings)
     assert overrides["endpoints"] == ("http://h1:8001/v1", "http://h2:8002/v1/")
     settings = RegenerateSettings.from_sources(
         {"endpoints": ["http://h1:8001/v1", "http://h2:8002/v1"]}, {"model": "m"}, tmp_path)

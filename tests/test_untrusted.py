@@ -237,11 +237,11 @@ def attempt(name, fn):
     except StageError as exc:
         results[name] = "refused: " + str(exc)
 from dflash_etl.models.target import Target, TargetSpec
-from dflash_etl.stages.extract import _n_layers
+from dflash_etl.models.layers import target_layer_count
 from dflash_etl.models.generation.local import TransformersBackend
 from dflash_etl.stages.regenerate import RegenerateSettings
-from dflash_etl.stages.train import resolve_mask_token
-attempt("extract", lambda: _n_layers(model))
+from dflash_etl.models.mask_token import resolve_mask_token
+attempt("extract", lambda: target_layer_count(model))
 attempt("target", lambda: Target(TargetSpec(model=model, device="cpu")))
 attempt("regenerate", lambda: TransformersBackend(RegenerateSettings(model=model)))
 attempt("train", lambda: resolve_mask_token(model, 10**6, -1))

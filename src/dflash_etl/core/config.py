@@ -19,7 +19,7 @@ import shlex
 import tomllib
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from functools import cache
 from pathlib import Path
@@ -113,14 +113,20 @@ def register_section(name: str, settings_cls: type) -> type:
     return settings_cls
 
 
-def _ensure_registered() -> None:
-    """Import the stage modules whose settings dataclasses are the schemas of their sections (on
-    the first parse_config: core never imports a stage at import time)."""
-    from dflash_etl.stages import STAGES
+# what registers the rest on first use: the stage registry (dflash_etl.stages) adds the import
+# of the stage modules here, so core knows their sections without importing a stage
+_SECTION_LOADERS: list[Callable[[], None]] = []
 
-    for spec in STAGES:
-        if spec.section and spec.section not in SECTION_SCHEMAS:
-            spec.module()
+
+def register_section_loader(load: Callable[[], None]) -> None:
+    """`load()` registers more sections (`register_section`); it runs before a config's sections
+    are checked."""
+    _SECTION_LOADERS.append(load)
+
+
+def _ensure_registered() -> None:
+    for load in _SECTION_LOADERS:
+        load()
 
 
 # ---------------------------------------------------------------- schema checks

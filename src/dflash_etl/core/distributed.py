@@ -12,7 +12,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from dflash_etl.core.errors import StageError
+from dflash_etl.core.errors import StageError, describe_error
 
 DEFAULT_TIMEOUT_S = 1800
 
@@ -91,8 +91,6 @@ def agree(error: BaseException | None, world: int, stage: str) -> None:
             raise error
         return
     import torch.distributed as dist
-
-    from dflash_etl.core.runner import describe_error
 
     mine = None if error is None else str(error if isinstance(error, StageError)
                                           else describe_error(error, stage))

@@ -37,3 +37,8 @@ def progress_bar(label: str, total: int, enabled: bool | None = None) -> Iterato
         f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
     ) as progress:
         yield _Bar(progress, progress.add_task(label, total=total))
+
+
+def size_text(n: float) -> str:
+    """Bytes as a person reads them: GiB from 128 MiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"

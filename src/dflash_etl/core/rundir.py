@@ -48,6 +48,7 @@ def package_versions() -> dict[str, str]:
 
 
 FINGERPRINT = "FINGERPRINT"  # in a partial directory: the inputs its work is for
+PLAN_FILE = "extract.plan.json"  # `extract --plan`'s dry-run report, beside the manifest
 FILES_JSON = "files.json"  # in each published output: every file's size (and sha256 if small)
 HASHED_MAX_BYTES = 16 * 2**20
 

@@ -1,8 +1,9 @@
 """The one lifecycle every stage runs through.
 
 settings -> lock -> prepare (inputs, fingerprint) -> skip if complete and intact -> partial
-directory -> execute (work, contract, suite) -> publish or fail -> report. Any error ends with
-the stage marked `failed` in the manifest, with the same message the user sees.
+directory -> execute (the work) -> accounting, contract, suite -> publish or fail -> report.
+Any error ends with the stage marked `failed` in the manifest, with the same message the user
+sees.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import rank_world
-from dflash_etl.core.errors import StageError
+from dflash_etl.core.errors import StageError, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
-from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.core.stage import Shell, Stage, StageContext
 
 
 def fingerprint_of(payload: dict[str, Any]) -> str:
@@ -34,13 +36,12 @@ def _say(text: str) -> None:
 def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, *,
               force: bool = False, progress: bool | None = None, workers: int | None = None,
               executor: str | None = None, ray_address: str | None = None,
-              **overrides: Any) -> dict[str, Any]:
+              shell: Shell | None = None, **overrides: Any) -> dict[str, Any]:
     """Run `stage` into `run_dir/<stage>`; returns its stats document (`skipped: True` when it
-    was already complete for the same inputs and its published files are intact)."""
-    if stage.gated:
-        from dflash_etl.validation import suite_helper
-
-        suite_helper.start()  # the gate's great_expectations loads meanwhile
+    was already complete for the same inputs and its published files are intact). `shell`:
+    what the layers above lend (see `Shell`); `dflash_etl.stages.shell.run_stage` passes it."""
+    shell = shell or Shell()
+    shell.start_gate(stage.name)  # its great_expectations loads meanwhile
     run = RunDir(run_dir)
     rank, world = rank_world()
     run_config = config.run if config else None
@@ -48,7 +49,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         name=stage.name, run=run, config=config, progress=progress, workers=workers,
         executor=executor or (run_config.executor if run_config else "local"),
         ray_address=ray_address or (run_config.ray_address if run_config else None),
-        rank=rank, world=world,
+        rank=rank, world=world, shell=shell,
     )
     lock = run_lock(run.root, stage.name) if rank == 0 else contextlib.nullcontext()
     with lock as stale:
@@ -61,7 +62,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         try:
             if rank == 0:
                 _recover(run, stage.name)
-            ctx.settings = stage.make_settings(config, run.root, overrides)
+            ctx.settings = shell.settings(stage.name, config, run.root, overrides)
             ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
             if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
                                                           say=_say)):
@@ -77,6 +78,8 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             stage.begin(ctx)
             doc = stage.execute(ctx)
             if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
+                check_accounting(doc, stage.name)
+                shell.gate(ctx, doc, stage.contract_params(ctx))
                 stage.cleanup(ctx)
                 # a resumed stage's seconds include the earlier calls' work it resumed from
                 seconds = timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
@@ -84,18 +87,25 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         except BaseException as exc:
             error = exc if isinstance(exc, StageError) else describe_error(exc, stage.name)
             if rank == 0 and run.root.is_dir():
-                _record_failure(run, stage.name, error, begun)
+                _record_failure(ctx, error, begun)
             if error is exc or isinstance(exc, KeyboardInterrupt):
                 raise
             raise error from exc
         if rank == 0:
-            _publish_docs(run)
+            _publish_docs(ctx)
         stage.end(ctx)
         return doc
 
 
-def _record_failure(run: RunDir, stage: str, error: BaseException, begun: bool) -> None:
+def check_accounting(doc: dict[str, Any], stage: str) -> None:
+    """Every row the stage read is out, quarantined or filtered, in total and per source."""
+    for name, counts in [("total", doc["total"]), *doc.get("sources", {}).items()]:
+        Stats.from_dict(counts).check(f"{stage} ({name})")
+
+
+def _record_failure(ctx: StageContext, error: BaseException, begun: bool) -> None:
     """The manifest says `failed` with the message (never `running`); the report shows it."""
+    run, stage = ctx.run, ctx.name
     message = str(error) or type(error).__name__
     if isinstance(error, KeyboardInterrupt):
         message = "interrupted: completed work is kept in the partial directory; rerun to resume"
@@ -107,13 +117,11 @@ def _record_failure(run: RunDir, stage: str, error: BaseException, begun: bool) 
             with contextlib.suppress(OSError):
                 run.fail(stage, message)
     if begun:
-        _publish_docs(run)
+        _publish_docs(ctx)
 
 
-def _publish_docs(run: RunDir) -> None:
-    from dflash_etl.report import publish_docs
-
-    publish_docs(run.root)
+def _publish_docs(ctx: StageContext) -> None:
+    ctx.shell.publish_docs(ctx.run.root)
 
 
 def _recover(run: RunDir, name: str) -> None:
@@ -136,32 +144,3 @@ def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
                        "died before it finished; its completed work is kept and a rerun resumes it")
             run.fail(stage, message)
             _say(f"{stage}: {message}")
-
-
-def describe_error(exc: BaseException, stage: str) -> StageError | BaseException:
-    """An unexpected exception as one paragraph: what went wrong, where, what to do."""
-    from concurrent.futures.process import BrokenProcessPool
-
-    if isinstance(exc, KeyboardInterrupt):
-        return exc
-    if isinstance(exc, BrokenProcessPool):
-        return StageError(
-            f"{stage}: a worker process died (killed by the operating system — often out of "
-            "memory — or crashed). Completed work is kept: rerun to resume, with fewer "
-            "--workers if memory is short (see `dmesg` for the kernel's reason)")
-    if isinstance(exc, OSError):
-        where = exc.filename or "the run directory"
-        if exc.errno == errno.ENOSPC:
-            return StageError(f"{stage}: the disk is full (writing {where}). Completed work is "
-                              "kept: free space and rerun to resume")
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return StageError(f"{stage}: cannot write {where} ({exc.strerror}): make the run "
-                              "directory writable or choose another --run")
-        return StageError(f"{stage}: {exc.strerror or exc} ({where}); rerun with --debug for "
-                          "the traceback")
-    if isinstance(exc, MemoryError):
-        return StageError(f"{stage}: out of memory; rerun with fewer --workers or a smaller "
-                          "batch (completed work is kept)")
-    return StageError(f"{stage}: internal error {type(exc).__name__}: {exc}. This is a bug in "
-                      "dflash_etl: rerun with --debug for the traceback and report it with the "
-                      "run's manifest.json")

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, remove_tree, write_json_atomic
 
 
@@ -39,6 +41,7 @@ class StageContext:
     partial: Path = Path()
     rank: int = 0
     world: int = 1
+    shell: Shell = field(default_factory=lambda: Shell())
     state: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)  # kept in the manifest, not the data
 
@@ -52,11 +55,6 @@ class Stage:
     """A stage of the pipeline. Subclasses set `name` and implement `prepare` and `execute`."""
 
     name: ClassVar[str]
-    gated: ClassVar[bool] = False  # has a great-expectations suite: start the suite helper early
-
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> Any:
-        return None
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         """Read what the stage needs to decide whether it must run; returns what the fingerprint
@@ -72,8 +70,13 @@ class Stage:
         """The partial directory exists (and may hold an interrupted run's work)."""
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        """Write the output into ctx.partial, pass its gates; returns the stats document."""
+        """Write the output into ctx.partial; returns the stats document (the runner checks its
+        accounting and gates the output with the contract and suite the registry names)."""
         raise NotImplementedError
+
+    def contract_params(self, ctx: StageContext) -> dict[str, Any]:
+        """The limits the output's contract checks against (vocab size, seq_length...)."""
+        return {}
 
     def cleanup(self, ctx: StageContext) -> None:
         """Remove work files from ctx.partial before it is published."""
@@ -134,16 +137,45 @@ class BatchStage(Stage):
         raise NotImplementedError
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        from dflash_etl.executors import get_executor
-
         work_dir = ctx.partial / "units"
         work_dir.mkdir(exist_ok=True)
         items = self.plan(ctx)
-        results = get_executor(ctx).map(self, ctx, items, work_dir)
+        results = ctx.shell.executor(ctx).map(self, ctx, items, work_dir)
         return self.finish(ctx, results, work_dir)
 
     def cleanup(self, ctx: StageContext) -> None:
         remove_tree(ctx.partial / "units")  # a kill meanwhile leaves no done marker without data
+
+
+class Executor(Protocol):
+    """Runs a batch stage's work items (skipping those done before) and returns their results
+    in item order; it never changes what an item produces."""
+
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
+            work_dir: Path) -> list[dict[str, Any]]: ...
+
+
+def _no_executor(ctx: StageContext) -> Executor:
+    raise StageError(f"{ctx.name}: no executor: run batch stages with dflash_etl.stages.shell's "
+                     "run_stage")
+
+
+@dataclass(frozen=True)
+class Shell:
+    """What core's lifecycle takes from the layers above it, which core never imports: a
+    stage's settings, the executor its items run on, the gate (its early start, and the
+    contract and suite its output must pass, as the stage registry declares them) and the
+    run's report. `dflash_etl.stages.shell.run_stage` passes the real one; core's `run_stage`
+    alone runs a stage with no settings, gate, report or executor (core's own tests)."""
+
+    # a stage's settings (name, config, run directory, the command line's overrides)
+    settings: Callable[[str, PipelineConfig | None, Path, dict[str, Any]], Any] = (
+        lambda stage, config, run_dir, overrides: None)
+    executor: Callable[[StageContext], Executor] = _no_executor
+    start_gate: Callable[[str], None] = lambda stage: None
+    gate: Callable[[StageContext, dict[str, Any], dict[str, Any]], None] = (
+        lambda ctx, doc, contract_params: None)
+    publish_docs: Callable[[Path], None] = lambda run_root: None
 
 
 def item_paths(work_dir: Path, index: int) -> tuple[Path, Path, Path]:

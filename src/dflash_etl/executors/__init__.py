@@ -7,18 +7,10 @@ items' results in item order, so `finish` and the outputs are the same on either
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Protocol
-
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.stage import BatchStage, StageContext, WorkItem
+from dflash_etl.core.stage import Executor, StageContext
 
 EXECUTORS = ("local", "ray")
-
-
-class Executor(Protocol):
-    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
-            work_dir: Path) -> list[dict[str, Any]]: ...
 
 
 def get_executor(ctx: StageContext) -> Executor:

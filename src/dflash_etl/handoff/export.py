@@ -28,7 +28,7 @@ from dflash_etl.core.lock import run_lock
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, now, remove_tree, write_json_atomic
 from dflash_etl.handoff import specforge, speculators
-from dflash_etl.models.serving import aux_hidden_state_layer_ids, vllm_serve_command
+from dflash_etl.models.serving import aux_hidden_state_layer_ids, vllm_command
 
 TARGETS = ("speculators", "specforge")  # written; `vllm` only prints its serve line
 LINKS = ("hard", "symlink", "copy")
@@ -314,8 +314,9 @@ def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
     if config is None:
         from dflash_etl.models.drafter import DrafterConfig
         from dflash_etl.models.loading import load_config
+        from dflash_etl.models.mask_token import resolve_mask_token
         from dflash_etl.models.target import text_config
-        from dflash_etl.stages.train import TrainSettings, resolve_mask_token
+        from dflash_etl.stages.train import TrainSettings
 
         target = inputs["target"]
         target_config = text_config(load_config(target))
@@ -346,21 +347,6 @@ def _account(doc: dict[str, Any]) -> None:
                          f"{doc['rows_quarantined']} have no hidden states and "
                          f"{doc['rows_filtered']} were filtered (SpecForge needs two "
                          "consecutive supervised tokens per row)")
-
-
-# ---------------------------------------------------------------- vllm
-def vllm_command(run_root: str | Path) -> str:
-    """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
-    drafter (the target it was trained against, num_speculative_tokens = block_size - 1)."""
-    run = RunDir(Path(run_root))
-    drafter = run.stage_dir("train") / "drafter"
-    info = run.manifest().get("stages", {}).get("train", {})
-    if info.get("status") != "complete" or not (drafter / "config.json").exists():
-        raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
-                         "first")
-    config = json.loads((drafter / "config.json").read_text())
-    block_size = int(config["dflash_config"]["block_size"])
-    return vllm_serve_command(info["settings"]["target"], drafter, block_size)
 
 
 # ---------------------------------------------------------------- CLI
@@ -394,7 +380,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import execute
+    from dflash_etl.cli.stage import execute
 
     parser = add_arguments(argparse.ArgumentParser(prog="python -m dflash_etl.handoff.export",
                                                    description=__doc__.splitlines()[0]))

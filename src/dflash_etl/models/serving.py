@@ -15,6 +15,9 @@ import json
 import shlex
 from pathlib import Path
 
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.rundir import RunDir
+
 
 def aux_hidden_state_layer_ids(target_layer_ids: list[int]) -> list[int]:
     """Our layer ids in the convention that counts the embedding output as layer 0."""
@@ -32,3 +35,17 @@ def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: 
     target = where.resolve() if where.exists() else target  # a local directory, or a hub id
     return (f"vllm serve {shlex.quote(str(target))} "
             f"--speculative-config {shlex.quote(json.dumps(spec))}")
+
+
+def vllm_command(run_root: str | Path) -> str:
+    """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
+    drafter (the target it was trained against, num_speculative_tokens = block_size - 1)."""
+    run = RunDir(Path(run_root))
+    drafter = run.stage_dir("train") / "drafter"
+    info = run.manifest().get("stages", {}).get("train", {})
+    if info.get("status") != "complete" or not (drafter / "config.json").exists():
+        raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
+                         "first")
+    config = json.loads((drafter / "config.json").read_text())
+    block_size = int(config["dflash_config"]["block_size"])
+    return vllm_serve_command(info["settings"]["target"], drafter, block_size)

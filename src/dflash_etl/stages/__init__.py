@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from dflash_etl.core.config import SECTION_SCHEMAS, register_section_loader
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -28,6 +30,9 @@ class StageSpec:
     contract: str  # the contract its output is checked against (validation/contracts.py)
     output: str  # what its output directory holds: the shard directory, or a marker file
     suite: str | None = None  # the great-expectations suite that gates it (None: no suite)
+    # the contract runs here while the suite helper runs the suite (both must pass), instead of
+    # the contract first: tokenize, whose contract takes as long as its suite
+    contract_beside_suite: bool = False
     batch: bool = False  # a BatchStage: --workers / --executor / --ray-address apply
     needs_config: bool = False  # refuses to run without --config (nothing else says what to read)
     # `dflash-etl run` runs it when this setting is configured ([<section>] <requires>, or a
@@ -98,7 +103,7 @@ STAGES = StageRegistry(
         stage_class_name="TokenizeStage", settings_class_name="TokenizeSettings",
         section="tokenize", help="conversations -> input_ids + verified loss masks",
         contract="tokenized", output="dataset", suite="tokenized", batch=True,
-        requires="model",
+        contract_beside_suite=True, requires="model",
     ),
     StageSpec(
         name="extract", module_path="dflash_etl.stages.extract",
@@ -115,3 +120,14 @@ STAGES = StageRegistry(
         requires="target", target_fallback=True, after=("tokenize",),
     ),
 )
+
+
+def _register_settings() -> None:
+    """Import the stage modules whose settings dataclasses are the schemas of their config
+    sections (each registers its own), once a config is first checked."""
+    for spec in STAGES:
+        if spec.section and spec.section not in SECTION_SCHEMAS:
+            spec.module()
+
+
+register_section_loader(_register_settings)

@@ -21,10 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,18 +43,17 @@ from dflash_etl.core.distributed import (
     device_for_rank,
     join,
     rank_world,
-    under_launcher,
 )
 from dflash_etl.core.errors import ContractError, StageError
-from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
+from dflash_etl.core.progress import progress_bar, size_text
+from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
+from dflash_etl.models.layers import resolve_layers
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
-from dflash_etl.models.target import Target, parse_layers, text_config
-from dflash_etl.models.tiny_model import with_target
+from dflash_etl.models.target import Target
+from dflash_etl.stages.shell import run_stage, settings_of
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
     HealthLimits,
@@ -362,35 +358,10 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
     return problems
 
 
-# how the work is launched, not what it computes: a rerun with other values resumes
-def resolve_layers(settings: ExtractSettings) -> list[int]:
-    """The target layers extract stores: `layers` ('auto': DFlash's rule for `draft_layers`)
-    on the target's decoder. train --online resolves its layers with this same rule."""
-    return parse_layers(settings.layers, _n_layers(settings.model), settings.draft_layers)
-
-
-def _n_layers(model: str) -> int:
-    """The target's decoder layer count, from its (text) config (no weights loaded)."""
-    from dflash_etl.models.loading import load_config, refuse_remote_code
-
-    refuse_remote_code(model)
-    try:
-        return int(text_config(load_config(model)).num_hidden_layers)
-    except Exception as exc:  # transformers raises many types for a bad directory
-        raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
-
-
 class ExtractStage(Stage):
     """Tokenized rows -> the target's hidden states at the chosen layers."""
 
     name = STAGE
-
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> ExtractSettings:
-        section = config.section("extract") if config else {}
-        overrides = with_target(config, run_dir, section, overrides, "model")
-        return ExtractSettings.from_sources(section, overrides,
-                                            config.base_dir if config else None)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: ExtractSettings = ctx.settings
@@ -400,7 +371,7 @@ class ExtractStage(Stage):
         rows = table.to_pylist()
         for position, row in enumerate(rows):
             row["row"] = position
-        layers = resolve_layers(settings)
+        layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
         ctx.state["rows"] = rows
         # under torchrun every rank prepares; joining the group waits for rank 0's recovery
         ctx.rank, ctx.world = join(settings.dist_timeout_s)
@@ -537,36 +508,7 @@ def _merge(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]
     return doc
 
 
-def relaunch(config: PipelineConfig | None, overrides: dict[str, Any],
-             argv: list[str] | None) -> int | None:
-    """`--launcher torchrun`: this extract command again under `python -m torch.distributed.run
-    --standalone` (one node), whose exit status it returns; None when extract runs here (no
-    launcher asked for, or this process already is a rank)."""
-    section = config.section("extract") if config else {}
-    launcher = overrides.get("launcher") or section.get("launcher") or "none"
-    if launcher != "torchrun" or under_launcher() or _wants_plan(config, overrides):
-        return None  # the plan measures one replica, in this process
-    if argv is None:
-        raise StageError("[extract] launcher = 'torchrun' re-runs the `dflash-etl extract` "
-                         "command under torchrun; `dflash-etl run` cannot: run `dflash-etl "
-                         "extract --launcher torchrun` on the run, then `dflash-etl run` for the "
-                         "rest (it skips the finished extract)")
-    nproc = overrides.get("nproc_per_node") or section.get("nproc_per_node") or 0
-    if not nproc:
-        import torch
-
-        nproc = torch.cuda.device_count() or 1
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "--", "dflash_etl.stages.extract", *argv]
-    print(f"extract: {shlex.join(command)}", file=sys.stderr, flush=True)
-    # each rank's collectives have a deadline (--dist-timeout-s): a lost rank ends the launch
-    return subprocess.run(command, check=False).returncode
-
-
 # ---------------------------------------------------------------- the dry run (--plan)
-PLAN_FILE = "extract.plan.json"
-
-
 def plan_sample(batches: list[list[int]], wanted: int) -> list[int]:
     """Which of the run's batches (in length order) the plan measures: `wanted` of them spread
     evenly from the shortest to the longest, so the projection sees the whole length range."""
@@ -599,10 +541,6 @@ def project(total: dict[str, int], sample: dict[str, float], free: int) -> dict[
             "free_bytes": free, "fits": bytes_ <= free, "short_by_bytes": max(0, bytes_ - free)}
 
 
-def size_text(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
-
-
 def plan_advice(doc: dict[str, Any]) -> str:
     """One sentence: it fits (and with what left), or by how much it does not and what to do."""
     p = doc["projected"]
@@ -627,7 +565,7 @@ def plan(config: PipelineConfig | None, run_dir: str | Path, progress: bool | No
 
     run = RunDir(run_dir)
     with run_lock(run.root, "extract --plan"):
-        settings = ExtractStage().make_settings(config, run.root, overrides)
+        settings = settings_of(STAGE, config, run.root, overrides)
         rows = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
                                  for f in _dataset_files(run)]).to_pylist()
         for position, row in enumerate(rows):
@@ -699,7 +637,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("extract", argv)
 

@@ -32,11 +32,11 @@ from dflash_etl.core.config import (
     stage_settings,
 )
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.rundir import sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
+from dflash_etl.core.rundir import sha256_file
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
+from dflash_etl.stages.shell import stage_runner
 from dflash_etl.validation import suites
 
 STAGE = "ingest"
@@ -202,13 +202,6 @@ class IngestStage(BatchStage):
     """Source files -> canonical conversations; a work item is one unit of one source file."""
 
     name = STAGE
-    gated = True
-
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> IngestSettings:
-        section = config.section(STAGE) if config else {}
-        return IngestSettings.from_sources(section, overrides,
-                                           config.base_dir if config else None)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
@@ -265,16 +258,9 @@ class IngestStage(BatchStage):
                            {source.name: stats}, {"file": unit.path, "records": n_records})
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        from dflash_etl.validation.contracts import validate_conversations
-
-        with suites.warming_up() as warm_up:
+        with suites.warming_up() as warm_up:  # the gate's imports, while the workers work
             ctx.state["on_forked"] = warm_up
-            doc = super().execute(ctx)
-            validate_conversations(ctx.partial / "conversations", ctx.partial)
-            write_json_atomic(ctx.partial / "stats.json", doc)
-            suites.gate(STAGE, ctx.partial, ctx.run.root,
-                        suites.Thresholds.from_config(_require_config(ctx.config)))
-        return doc
+            return super().execute(ctx)
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
@@ -288,17 +274,7 @@ def _require_config(config: PipelineConfig | None) -> PipelineConfig:
     return config
 
 
-def run(
-    config: PipelineConfig,
-    run_dir: str | Path,
-    force: bool = False,
-    progress: bool | None = None,
-    workers: int | None = None,
-    **options: Any,
-) -> dict[str, Any]:
-    """Run ingest into `run_dir/ingest`; returns the stats document. Skips when complete."""
-    return run_stage(IngestStage(), config, run_dir, force=force, progress=progress,
-                     workers=workers, **options)
+run = stage_runner(IngestStage)
 
 
 def source_warnings(config: PipelineConfig, results: list[dict[str, Any]],
@@ -406,7 +382,7 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("ingest", argv)
 

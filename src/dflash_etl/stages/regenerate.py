@@ -38,8 +38,7 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
+from dflash_etl.core.rundir import RunDir, sha256_file
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.generation.conversations import (
     ReplyCache,
@@ -57,8 +56,7 @@ from dflash_etl.models.generation.replies import (
     Backend,
 )
 from dflash_etl.models.loading import placement
-from dflash_etl.models.tiny_model import with_target
-from dflash_etl.validation import suites
+from dflash_etl.stages.shell import run_stage
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
@@ -201,17 +199,9 @@ class RegenerateStage(Stage):
     """Conversations -> the same conversations with the target's replies."""
 
     name = STAGE
-    gated = True
 
     def __init__(self, generator: Backend | None = None) -> None:
         self.generator = generator
-
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> RegenerateSettings:
-        section = config.section("regenerate") if config else {}
-        overrides = with_target(config, run_dir, section, overrides, "model")
-        return RegenerateSettings.from_sources(section, overrides,
-                                               config.base_dir if config else None)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: RegenerateSettings = ctx.settings
@@ -245,12 +235,8 @@ class RegenerateStage(Stage):
                              input_fingerprint=ingest_fingerprint)
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        from dflash_etl.validation.contracts import validate_conversations
-
         settings: RegenerateSettings = ctx.settings
         partial = ctx.partial
-        thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
-                      else suites.Thresholds.from_manifest(ctx.run.root))
         cache = ReplyCache(partial / "generations.jsonl")
         conversations = pl.read_parquet(ctx.state["files"]).to_dicts()
         total = sum(len(target_positions(c, settings.mode)) for c in conversations)
@@ -296,9 +282,6 @@ class RegenerateStage(Stage):
         if unanswered:  # an invariant of the code above, checked on the data it wrote
             raise StageError(f"{len(unanswered)} conversations still end without a reply, "
                              f"e.g. {unanswered[:3]}")
-        validate_conversations(out, partial)
-        write_json_atomic(partial / "stats.json", doc)
-        suites.gate(STAGE, partial, ctx.run.root, thresholds)
         return doc
 
 
@@ -312,7 +295,7 @@ def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("regenerate", argv)
 

@@ -8,7 +8,6 @@ trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import shutil
@@ -23,15 +22,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import PipelineConfig, register_section, setting, stage_settings
-from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.config import register_section, setting, stage_settings
+from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.schema import numeric_array, string_array
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
+from dflash_etl.stages.shell import stage_runner
 from dflash_etl.validation import suites
 from dflash_etl.validation.on_policy import on_policy_report
 
@@ -283,13 +282,6 @@ class TokenizeStage(BatchStage):
     """Conversations -> verified training rows; a work item is a chunk of conversations."""
 
     name = STAGE
-    gated = True
-
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> TokenizeSettings:
-        section = config.section("tokenize") if config else {}
-        return TokenizeSettings.from_sources(section, overrides,
-                                             config.base_dir if config else None)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TokenizeSettings = ctx.settings
@@ -343,24 +335,13 @@ class TokenizeStage(BatchStage):
                            if quarantine else pa.Table.from_batches([], QUARANTINE), per_source)
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        settings: TokenizeSettings = ctx.settings
-        vocab_size = len(ctx.state["tokenizer"])
-        thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
-                      else suites.Thresholds.from_manifest(ctx.run.root))
-        with suites.warming_up(("pandera.polars",)) as warm_up:  # for the contract
+        # the gate's imports (pandera for the contract), while the workers work
+        with suites.warming_up(("pandera.polars",)) as warm_up:
             ctx.state["on_forked"] = warm_up
-            doc = super().execute(ctx)
-            write_json_atomic(ctx.partial / "stats.json", doc)
-            # the suite runs in the helper process while the contract runs here; both must pass
-            finish_gate = suites.start_gate(STAGE, ctx.partial, ctx.run.root, thresholds)
-            try:
-                _validate(ctx.partial, vocab_size, settings)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the contract's failure is the one raised
-                    finish_gate(in_process=False)  # the helper's answer, if it is computing one
-                raise
-            finish_gate()
-        return doc
+            return super().execute(ctx)
+
+    def contract_params(self, ctx: StageContext) -> dict[str, Any]:
+        return _contract_params(len(ctx.state["tokenizer"]), ctx.settings)
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
@@ -392,19 +373,7 @@ def _check_on_policy(run: RunDir, settings: TokenizeSettings, doc: dict[str, Any
                          "mode you will serve), or raise [tokenize] max_off_policy_share")
 
 
-def run(
-    config: PipelineConfig | None,
-    run_dir: str | Path,
-    force: bool = False,
-    progress: bool | None = None,
-    workers: int | None = None,
-    executor: str | None = None,
-    ray_address: str | None = None,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """Tokenize the run's conversations into `run_dir/tokenize`; returns the stats document."""
-    return run_stage(TokenizeStage(), config, run_dir, force=force, progress=progress,
-                     workers=workers, executor=executor, ray_address=ray_address, **overrides)
+run = stage_runner(TokenizeStage)
 
 
 def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: Path,
@@ -542,19 +511,8 @@ def _contract_params(vocab_size: int, settings: TokenizeSettings) -> dict[str, A
             "min_supervised_tokens": settings.min_supervised_tokens}
 
 
-def _validate(partial: Path, vocab_size: int, settings: TokenizeSettings) -> None:
-    from dflash_etl.validation.contracts import format_failures, load_contract, validate_files
-
-    params = _contract_params(vocab_size, settings)
-    files = sorted((partial / "dataset").glob("*.arrow"))
-    report = validate_files(load_contract("tokenized", params), files)
-    write_json_atomic(partial / "contract.json", report)
-    if not report["passed"]:
-        raise ContractError("the tokenized contract failed:\n" + format_failures(report), report)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("tokenize", argv)
 

@@ -30,7 +30,6 @@ import pyarrow as pa
 from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import (
     TARGET_HINT,
-    PipelineConfig,
     register_section,
     setting,
     stage_settings,
@@ -43,11 +42,10 @@ from dflash_etl.core.rundir import (
     sha256_file,
     write_json_atomic,
 )
-from dflash_etl.core.runner import run_stage
 from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
-from dflash_etl.models.tiny_model import with_target
+from dflash_etl.models.mask_token import resolve_mask_token
 from dflash_etl.models.training.checkpoints import list_checkpoints, log_through
 from dflash_etl.models.training.evaluation import TauEvaluator, eval_prompt, held_out_ids
 from dflash_etl.models.training.loss import (  # noqa: F401 (test_train_stage reaches them here)
@@ -59,6 +57,7 @@ from dflash_etl.models.training.loss import (  # noqa: F401 (test_train_stage re
 )
 from dflash_etl.models.training.states import ExtractedStates
 from dflash_etl.models.training.trainer import Trainer
+from dflash_etl.stages.shell import settings_of, stage_runner
 from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
@@ -147,27 +146,6 @@ def _read_index(path: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- shell
-def resolve_mask_token(model_dir: str, embedding_rows: int, explicit: int) -> tuple[int, str]:
-    """The mask token the blocks use, and why it was chosen (recorded in the stats)."""
-    from dflash_etl.models.loading import load_auto_tokenizer
-
-    if explicit >= 0:
-        return explicit, "set in the settings"
-    tok = load_auto_tokenizer(model_dir)
-    if tok.mask_token_id is not None:
-        return int(tok.mask_token_id), "the tokenizer's mask token"
-    vocab = tok.get_vocab()
-    if "<|MASK|>" in vocab:
-        return int(vocab["<|MASK|>"]), "the tokenizer's <|MASK|> token"
-    if embedding_rows > len(tok) and len(tok) not in set(vocab.values()):
-        return len(tok), "the first embedding row no token uses (as DFlash's Qwen3 drafters)"
-    if tok.pad_token_id is not None:
-        return int(tok.pad_token_id), ("the pad token: the tokenizer has no mask token and the "
-                                       "embedding no spare row (speculators' fallback)")
-    raise StageError(f"{model_dir}: no mask token, no spare embedding row and no pad token; "
-                     "set [train] mask_token_id (or --mask-token-id) to a token id to use")
-
-
 def target_layers(ctx: StageContext, settings: TrainSettings,
                   extracted: dict[str, Any] | None) -> tuple[list[int], str]:
     """The target layers the drafter reads, and where they come from (recorded in the stats).
@@ -175,8 +153,8 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
     (train's explicit --layers must name the same ones); online, train's explicit --layers,
     else the config's [extract] layers/draft_layers resolved as extract resolves them, so an
     online run of a config trains on what an offline run of it would."""
+    from dflash_etl.models.layers import resolve_layers
     from dflash_etl.models.target import parse_layers
-    from dflash_etl.stages.extract import ExtractStage, _n_layers, resolve_layers
 
     if extracted is not None:
         stored = list(extracted["layers"])
@@ -190,11 +168,12 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
                     f"{','.join(map(str, asked))}, or train --online")
         return stored, "the extract output (extract/stats.json)"
     if settings.layers != "auto":
-        return (parse_layers(settings.layers, _n_layers(settings.target), settings.draft_layers),
+        return (resolve_layers(settings.layers, settings.target, settings.draft_layers),
                 f"train layers = {settings.layers!r}")
-    ext = ExtractStage().make_settings(ctx.config, ctx.run.root, {"model": settings.target})
-    return (resolve_layers(ext), f"[extract] layers = {ext.layers!r}, draft_layers = "
-            f"{ext.draft_layers} (extract's rule, as an offline run of this config)")
+    ext = settings_of("extract", ctx.config, ctx.run.root, {"model": settings.target})
+    return (resolve_layers(ext.layers, ext.model, ext.draft_layers),
+            f"[extract] layers = {ext.layers!r}, draft_layers = {ext.draft_layers} (extract's "
+            "rule, as an offline run of this config)")
 
 
 def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
@@ -309,13 +288,6 @@ class TrainStage(Stage):
 
     name = STAGE
 
-    def make_settings(self, config: PipelineConfig | None, run_dir: Path,
-                      overrides: dict[str, Any]) -> TrainSettings:
-        section = config.section("train") if config else {}
-        overrides = with_target(config, run_dir, section, overrides, "target")
-        return TrainSettings.from_sources(section, overrides,
-                                          config.base_dir if config else None)
-
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TrainSettings = ctx.settings
         ctx.rank, ctx.world = join(settings.dist_timeout_s)
@@ -373,18 +345,13 @@ class TrainStage(Stage):
     def end(self, ctx: StageContext) -> None:
         barrier(ctx.world)  # rank 0 has published
         if ctx.rank == 0:
-            from dflash_etl.handoff.export import vllm_command
+            from dflash_etl.models.serving import vllm_command
 
             print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}",
                   file=sys.stderr, flush=True)
 
 
-def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
-    """Train into `run_dir/train`; returns the stats document. Skips when complete; resumes from
-    the newest checkpoint of an interrupted run with the same inputs and settings."""
-    return run_stage(TrainStage(), config, run_dir, force=force, progress=progress,
-                     **overrides)
+run = stage_runner(TrainStage)
 
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
@@ -488,7 +455,7 @@ def _earlier_seconds(run: RunDir, start: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.main import stage_main
+    from dflash_etl.cli.stage import stage_main
 
     return stage_main("train", argv)
 

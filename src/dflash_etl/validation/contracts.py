@@ -17,6 +17,7 @@ import polars as pl
 
 from dflash_etl.core.config import project_path
 from dflash_etl.core.errors import ContractError
+from dflash_etl.core.rundir import write_json_atomic
 from dflash_etl.formats import roles
 
 if TYPE_CHECKING:  # pandera (and pandas under it) is imported where a contract is built or run:
@@ -335,3 +336,24 @@ def validate_conversations(conversations_dir: Path, report_dir: Path | None = No
             report,
         )
     return report
+
+
+def validate_tokenized(stage_dir: Path, params: dict[str, Any]) -> dict:
+    """The tokenized contract on a tokenize output's dataset shards, with the limits it ran
+    with (`params`: vocab_size, seq_length, min_supervised_tokens); raises ContractError."""
+    files = sorted((Path(stage_dir) / "dataset").glob("*.arrow"))
+    report = validate_files(load_contract("tokenized", params), files)
+    write_json_atomic(Path(stage_dir) / "contract.json", report)
+    if not report["passed"]:
+        raise ContractError("the tokenized contract failed:\n" + format_failures(report), report)
+    return report
+
+
+def validate_output(contract: str, stage_dir: Path, params: dict[str, Any]) -> dict:
+    """The contract the stage registry names for a stage output, on that (partial) output
+    directory; its report goes to contract.json there."""
+    if contract == "conversations":
+        return validate_conversations(Path(stage_dir) / "conversations", stage_dir)
+    if contract == "tokenized":
+        return validate_tokenized(stage_dir, params)
+    raise ValueError(f"no contract file named {contract!r} (contracts/: conversations, tokenized)")

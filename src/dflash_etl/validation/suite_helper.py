@@ -15,7 +15,6 @@ Only the standard library here: the CLI starts the helper before it imports anyt
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import subprocess
@@ -38,7 +37,7 @@ def start() -> None:
 def _launch() -> None:
     try:
         process = subprocess.Popen(
-            [sys.executable, "-c", "from dflash_etl.validation.suite_helper import serve; serve()"],
+            [sys.executable, "-c", "from dflash_etl.validation.suite_server import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
     except OSError:
@@ -100,22 +99,3 @@ def stop() -> None:
             process.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             process.kill()
-
-
-def serve() -> None:
-    """The helper's loop: build the GE context now, then answer one request per input line."""
-    from dflash_etl.validation import suites
-
-    # an error here fails the request the same way, and the stage validates in-process
-    with contextlib.suppress(Exception):
-        suites._batch_definition()
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            thresholds = suites.Thresholds(**request["thresholds"])
-            result = suites.run_suite(Path(request["stage_dir"]), request["suite"], thresholds)
-            reply = json.dumps({"ok": True, "result": result}, default=str)
-        except Exception as exc:  # the stage reruns the suite in-process and raises it there
-            reply = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-        sys.stdout.write(reply + "\n")
-        sys.stdout.flush()

@@ -1,0 +1,24 @@
+"""Which target layers a drafter reads: one rule for extract (what it stores) and train (what an
+online run computes), here where both stages and the hand-off can import it."""
+
+from __future__ import annotations
+
+from dflash_etl.core.errors import StageError
+from dflash_etl.models.target import parse_layers, text_config
+
+
+def target_layer_count(model: str) -> int:
+    """The target's decoder layer count, from its (text) config (no weights loaded)."""
+    from dflash_etl.models.loading import load_config, refuse_remote_code
+
+    refuse_remote_code(model)
+    try:
+        return int(text_config(load_config(model)).num_hidden_layers)
+    except Exception as exc:  # transformers raises many types for a bad directory
+        raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
+
+
+def resolve_layers(layers: str, model: str, draft_layers: int) -> list[int]:
+    """The target layers `layers` names ('auto': DFlash's rule for `draft_layers`) on the
+    decoder of `model`."""
+    return parse_layers(layers, target_layer_count(model), draft_layers)

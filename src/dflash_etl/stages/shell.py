@@ -1,0 +1,99 @@
+"""The shell around core's lifecycle: what `core.runner.run_stage` takes from the layers above
+core, resolved here once for every stage from the stage registry's declarations:
+
+- its settings: its config section, the command line, and the [target] model where the
+  registry says the stage falls back to it;
+- the executor its work items run on (local or Ray: --executor / [run] executor);
+- its gate, where the registry gives it a suite: the suite helper started early, then
+  stats.json, the contract and the suite before the output is published;
+- the run's HTML report after each stage."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core import runner
+from dflash_etl.core.config import PipelineConfig
+from dflash_etl.core.rundir import write_json_atomic
+from dflash_etl.core.stage import Shell, Stage, StageContext
+from dflash_etl.executors import get_executor
+from dflash_etl.models.tiny_model import with_target
+from dflash_etl.stages import STAGES
+from dflash_etl.validation import suite_helper, suites
+from dflash_etl.validation.contracts import validate_output
+
+
+def settings_of(stage: str, config: PipelineConfig | None, run_dir: Path,
+                overrides: dict[str, Any]) -> Any:
+    """A stage's settings dataclass (None for a stage the registry does not know)."""
+    spec = STAGES.get(stage)
+    if spec is None or spec.settings_class is None:
+        return None
+    section = config.section(spec.section or spec.name) if config else {}
+    if spec.target_fallback and spec.requires:  # its model, unless given: the [target]'s
+        overrides = with_target(config, run_dir, section, overrides, spec.requires)
+    return spec.settings_class.from_sources(section, overrides,
+                                            config.base_dir if config else None)
+
+
+def _start_gate(stage: str) -> None:
+    """A stage with a great-expectations suite: its helper imports GE on an idle core while
+    the stage does its first, single-core work."""
+    spec = STAGES.get(stage)
+    if spec is not None and spec.suite:
+        suite_helper.start()
+
+
+def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any]) -> None:
+    """stats.json, the contract and the suite the registry names, before the output is
+    published. extract's and train's outputs (no suite) are checked by their own stage: a
+    model's states and a drafter have no contract file."""
+    spec = STAGES.get(ctx.name)
+    if spec is None or spec.suite is None:
+        return
+    write_json_atomic(ctx.partial / "stats.json", doc)
+    thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
+                  else suites.Thresholds.from_manifest(ctx.run.root))
+    if not spec.contract_beside_suite:
+        validate_output(spec.contract, ctx.partial, contract_params)
+        suites.gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
+        return
+    finish_suite = suites.start_gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
+    try:
+        validate_output(spec.contract, ctx.partial, contract_params)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the contract's failure is the one raised
+            finish_suite(in_process=False)  # the helper's answer, if it is computing one
+        raise
+    finish_suite()
+
+
+def _publish_docs(run_root: Path) -> None:
+    from dflash_etl.report import publish_docs  # the report's pages: loaded when one is due
+
+    publish_docs(run_root)
+
+
+SHELL = Shell(settings=settings_of, executor=get_executor, start_gate=_start_gate, gate=_gate,
+              publish_docs=_publish_docs)
+
+
+def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path,
+              **options: Any) -> dict[str, Any]:
+    """`core.runner.run_stage` with this package's executors, gate and report."""
+    return runner.run_stage(stage, config, run_dir, shell=SHELL, **options)
+
+
+def stage_runner(stage_class: type[Stage]) -> Callable[..., dict[str, Any]]:
+    """A stage module's `run(config, run_dir, **options)` (options: force, progress, workers,
+    executor, ray_address and the settings)."""
+    def run(config: PipelineConfig | None, run_dir: str | Path, **options: Any
+            ) -> dict[str, Any]:
+        return run_stage(stage_class(), config, run_dir, **options)
+
+    run.__doc__ = (f"Run {stage_class.name} into `run_dir/{stage_class.name}`; returns its stats "
+                   "document (`skipped: True` when it was complete for the same inputs).")
+    return run
