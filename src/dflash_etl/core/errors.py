@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import errno
+import re
+from importlib import metadata
+
+# torch is no dependency of the package: its build must match the machine (CPU, CUDA)
+TORCH_HINT = ("install torch first, the build for this machine (`pip install torch==2.13.0` is "
+              "the CPU build here; see the README's set-up)")
 
 
 class StageError(RuntimeError):
@@ -23,6 +29,8 @@ def describe_error(exc: BaseException, stage: str) -> StageError | BaseException
 
     if isinstance(exc, KeyboardInterrupt):
         return exc
+    if isinstance(exc, ModuleNotFoundError) and not (exc.name or "").startswith("dflash_etl"):
+        return missing_module(exc, stage)
     if isinstance(exc, BrokenProcessPool):
         return StageError(
             f"{stage}: a worker process died (killed by the operating system — often out of "
@@ -44,3 +52,23 @@ def describe_error(exc: BaseException, stage: str) -> StageError | BaseException
     return StageError(f"{stage}: internal error {type(exc).__name__}: {exc}. This is a bug in "
                       "dflash_etl: rerun with --debug for the traceback and report it with the "
                       "run's manifest.json")
+
+
+def missing_module(exc: ModuleNotFoundError, stage: str) -> StageError:
+    """An optional dependency that is not installed, as what to install: the extra of this
+    package that lists it (read from the installed metadata, pyproject.toml's one copy)."""
+    module = (exc.name or "").split(".")[0]
+    if module == "torch":
+        return StageError(f"{stage} needs torch, which is not installed: {TORCH_HINT}")
+    try:
+        requirements = metadata.requires("dflash-etl") or []
+    except metadata.PackageNotFoundError:
+        requirements = []
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement)
+        extra = re.search(r"extra == ['\"]([\w-]+)['\"]", requirement)
+        if name and extra and name[0].lower().replace("-", "_") == module.lower():
+            return StageError(f"{stage} needs {module}, which is not installed: pip install "
+                              f"'dflash-etl[{extra[1]}]'")
+    return StageError(f"{stage} needs the Python module {module}, which is not installed: "
+                      f"pip install {module}")

@@ -40,7 +40,7 @@ def _load_tokenizer(model: str, signature: tuple[Any, ...]) -> Any:
         from dflash_etl.models.loading import load_auto_tokenizer
 
         return load_auto_tokenizer(model)
-    except StageError:
+    except (StageError, ModuleNotFoundError):  # the runner names what to install
         raise
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot load a tokenizer from {model}: {exc}") from exc
