@@ -13,6 +13,7 @@ import pytest
 
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.generation.conversations import template_messages
 from dflash_etl.models.generation.replies import Reply, check_reply, dummy_replies, split_reasoning
 from dflash_etl.stages import regenerate
 from dflash_etl.stages.regenerate import RegenerateSettings
@@ -293,7 +294,7 @@ def test_vllm_adapter_passes_rendered_token_ids_and_reads_outputs(tiny_model, in
     ids = _ids(ingested, "ingest")
     before = {r["id"]: r for r in pl.read_parquet(
         ingested / "ingest" / "conversations" / "*.parquet").to_dicts()}
-    prompts = [local.render(regenerate.template_messages(before[ids[k]]["messages"]), None)
+    prompts = [local.render(template_messages(before[ids[k]]["messages"]), None)
                for k in ("p1", "p2", "p3")]
     want = sorted(local.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts)
     assert sorted(i["prompt_token_ids"] for i in inputs) == want

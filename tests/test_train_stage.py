@@ -19,6 +19,7 @@ import pytest
 from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.handoff.export import vllm_command
+from dflash_etl.models.training import loss as training_loss
 from dflash_etl.stages import extract, ingest, regenerate, tokenize, train
 
 torch = pytest.importorskip("torch")
@@ -139,7 +140,8 @@ def test_blocks_see_only_the_context_before_their_anchor():
     rng = np.random.default_rng(0)
     states = [torch.randn(20, 2, 16)]
     rows = [{"input_ids": ids, "loss_mask": mask}]
-    batch = train.make_batch(rows, states, train.sample_anchors(rows, 5, rng), 4, 99)
+    picks = training_loss.sample_anchors(rows, 5, rng)
+    batch = training_loss.make_batch(rows, states, picks, 4, 99)
     anchors = batch["anchors"][0].tolist()
     assert len(anchors) == 5 and all(8 <= a <= 18 for a in anchors)
     for n, a in enumerate(anchors):
@@ -168,7 +170,7 @@ def test_blocks_see_only_the_context_before_their_anchor():
         earlier = context.clone()
         earlier[:, 11] += 1.0
         assert not torch.allclose(base, drafter(earlier, valid, blocks, anchor), atol=1e-4)
-    assert train.anchor_candidates(np.array([1, 1, 0, 1, 1, 1, 0])).tolist() == [0, 3, 4]
+    assert training_loss.anchor_candidates(np.array([1, 1, 0, 1, 1, 1, 0])).tolist() == [0, 3, 4]
 
 
 def test_interrupted_training_resumes_to_the_same_weights(extracted, untied_target, tmp_path,
@@ -505,12 +507,12 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_gradients():
     embed, lm_head = torch.nn.Embedding(40, 16), torch.nn.Linear(16, 40, bias=False)
     rows = [{"input_ids": [int(t) for t in torch.randint(0, 39, (n,))],
              "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (14, 9)]
-    anchors = train.sample_anchors(rows, 6, np.random.default_rng(1))
-    batch = train.make_batch(rows, [torch.randn(14, 1, 16), torch.randn(9, 1, 16)], anchors, 4,
-                             39)
+    anchors = training_loss.sample_anchors(rows, 6, np.random.default_rng(1))
+    states = [torch.randn(14, 1, 16), torch.randn(9, 1, 16)]
+    batch = training_loss.make_batch(rows, states, anchors, 4, 39)
     weights = block_loss_weights(4, 7.0)
 
-    loss, metrics = train.block_loss(drafter, embed, lm_head, batch, weights, chunk=5)
+    loss, metrics = training_loss.block_loss(drafter, embed, lm_head, batch, weights, chunk=5)
     loss.backward()
     chunked = [p.grad.clone() for p in drafter.parameters()]
     drafter.zero_grad()
@@ -525,7 +527,7 @@ def test_chunked_loss_equals_the_whole_batch_loss_and_gradients():
     plain = (ce * w).sum() / (w.sum() + 1e-6)
     plain.backward()
     # the normaliser DDP ranks use, from the rows alone, is the same weight total
-    assert train.loss_weight_total(rows, anchors, weights.numpy()) == pytest.approx(
+    assert training_loss.loss_weight_total(rows, anchors, weights.numpy()) == pytest.approx(
         float(w.sum()), rel=1e-6)
     assert metrics["supervised"] == int(ok.sum()) > 5  # more than one chunk
     assert torch.allclose(loss, plain, atol=1e-6)

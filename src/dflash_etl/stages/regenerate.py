@@ -44,7 +44,6 @@ from dflash_etl.models.generation.conversations import (
     ReplyCache,
     regenerate_conversations,
     target_positions,
-    template_messages,  # noqa: F401 (test_regenerate_stage reaches it through this module)
     truncation,
 )
 from dflash_etl.models.generation.fleet import OpenAIBackend

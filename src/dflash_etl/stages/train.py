@@ -48,13 +48,7 @@ from dflash_etl.models.loading import placement
 from dflash_etl.models.mask_token import resolve_mask_token
 from dflash_etl.models.training.checkpoints import list_checkpoints, log_through
 from dflash_etl.models.training.evaluation import TauEvaluator, eval_prompt, held_out_ids
-from dflash_etl.models.training.loss import (  # noqa: F401 (test_train_stage reaches them here)
-    anchor_candidates,
-    block_loss,
-    loss_weight_total,
-    make_batch,
-    sample_anchors,
-)
+from dflash_etl.models.training.loss import anchor_candidates
 from dflash_etl.models.training.states import ExtractedStates
 from dflash_etl.models.training.trainer import Trainer
 from dflash_etl.stages.shell import settings_of, stage_runner
