@@ -345,8 +345,7 @@ def _array(stream: _Stream, buf: bytes, max_bytes: int) -> Iterator[Record]:
     elements before it."""
     number, pos, start = 1, 1, 1  # element number; scan position; where the element begins
     depth, in_string, closed = 1, False, False
-    skipped = -1  # >= 0: the current element is too long; bytes of it passed over
-    head = b""
+    skipped, head = -1, b""  # skipped >= 0: the element is too long; bytes of it passed over
 
     def element(end: int) -> Record | None:
         if skipped >= 0:
