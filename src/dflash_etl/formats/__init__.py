@@ -151,17 +151,9 @@ def _check(messages: list[Message]) -> str:
     return letters
 
 
-def normalize_row(
-    row: Any, fmt: str = "auto", fields: dict[str, str] | None = None
-) -> tuple[dict[str, Any], dict[str, int]]:
-    """One source row -> (canonical conversation fields, role-mapping counts).
-
-    Raises RowError with a quarantine reason code when the row cannot be used as it is.
-    """
-    if not isinstance(row, dict):
-        raise RowError(S.Q_NOT_AN_OBJECT, f"expected a JSON object, got {type_name(row)}")
-    fields = fields or {}
-    row = _apply_fields(row, fields)
+def _row_format(row: dict[str, Any], fmt: str) -> str:
+    """The format that reads the row: the detected one under "auto", else the configured one
+    when the row has its field (a mismatch says what the row looks like instead)."""
     detected = detect_format(row)
     if fmt == "auto":
         if detected is None:
@@ -170,21 +162,20 @@ def normalize_row(
                 f"no recognised conversation field; keys: {sorted(row)[:20]} — set format= or "
                 "[sources.fields] messages=...",
             )
-        fmt = detected
-    elif not any(key in row for key in FORMAT_KEYS[fmt]):
+        return detected
+    if not any(key in row for key in FORMAT_KEYS[fmt]):
         hint = f" (looks like {detected!r})" if detected else ""
         raise RowError(
             S.Q_FORMAT_MISMATCH,
             f"format={fmt!r} expects a {FORMAT_KEYS[fmt][0]!r} field but the row has keys "
             f"{sorted(row)[:20]}{hint} — set format='auto' or the right format",
         )
-    conv = Conversation(messages=[])
-    conv.tools = parse_tools(row.get("tools"))
-    messages = ADAPTERS[fmt](row, conv)
-    if "response" in fields:
-        messages = messages + _response_messages(row, fields["response"], conv)
-    letters = _check(messages)
-    canonical = [
+    return fmt
+
+
+def _canonical_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the canonical columns (tool calls as JSON text, as the schema stores them)."""
+    return [
         {
             "role": m.role,
             "content": m.content,
@@ -197,6 +188,27 @@ def normalize_row(
         }
         for k, m in enumerate(messages)
     ]
+
+
+def normalize_row(
+    row: Any, fmt: str = "auto", fields: dict[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """One source row -> (canonical conversation fields, role-mapping counts).
+
+    Raises RowError with a quarantine reason code when the row cannot be used as it is.
+    """
+    if not isinstance(row, dict):
+        raise RowError(S.Q_NOT_AN_OBJECT, f"expected a JSON object, got {type_name(row)}")
+    fields = fields or {}
+    row = _apply_fields(row, fields)
+    fmt = _row_format(row, fmt)
+    conv = Conversation(messages=[])
+    conv.tools = parse_tools(row.get("tools"))
+    messages = ADAPTERS[fmt](row, conv)
+    if "response" in fields:
+        messages = messages + _response_messages(row, fields["response"], conv)
+    letters = _check(messages)
+    canonical = _canonical_messages(messages)
     tools = to_json(conv.tools, "tools", S.Q_BAD_TOOLS) if conv.tools else None
     kinds = conv.argument_kinds
     out = {

@@ -63,17 +63,10 @@ def require_text(value: Any, where: str) -> str:
     return value
 
 
-def parse_message(item: Any, conv: Conversation, where: str) -> Message:
-    if not isinstance(item, dict):
-        raise RowError(S.Q_WRONG_TYPE, f"{where}: expected an object, got {type_name(item)}")
-    # role/content or from/value; a null in one spelling falls back to the other, since
-    # Parquet structs carry every field of the file's schema (null where a row has none)
-    raw_role = item.get("role")
-    if raw_role is None:
-        raw_role = item.get("from")
-    if raw_role is None:
-        raise RowError(S.Q_MISSING_FIELD, f"{where}: no 'role' (or 'from'); keys: {sorted(item)}")
-    role = map_role(raw_role, conv, where)
+def _content(item: dict[str, Any], conv: Conversation,
+             where: str) -> tuple[str, str | None, list[dict[str, Any]]]:
+    """A message's text, its reasoning and the tool calls among its parts: content/value is
+    a string, null, or a list of parts (text, reasoning and tool-call parts)."""
     content: Any = item.get("content")
     if content is None:
         content = item.get("value")
@@ -89,23 +82,48 @@ def parse_message(item: Any, conv: Conversation, where: str) -> Message:
     elif not isinstance(content, str):
         raise RowError(S.Q_WRONG_TYPE, f"{where}.content: expected a string or a list of parts, "
                        f"got {type_name(content)}")
+    return content, reasoning, calls
+
+
+def _structured_calls(item: dict[str, Any], conv: Conversation,
+                      where: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI tool calls: `tool_calls` (a list, or that list as a JSON
+    string) and the legacy single `function_call`."""
+    calls: list[dict[str, Any]] = []
+    raw_calls = item.get("tool_calls")
+    if isinstance(raw_calls, str):
+        try:
+            raw_calls = orjson.loads(raw_calls)
+        except orjson.JSONDecodeError as exc:
+            raise RowError(
+                S.Q_BAD_TOOL_CALL, f"{where}.tool_calls: invalid JSON ({exc})"
+            ) from None
+    if raw_calls:
+        calls.extend(parse_openai_tool_calls(raw_calls, conv, where))
+    legacy = item.get("function_call")
+    if isinstance(legacy, dict):
+        calls.extend(parse_openai_tool_calls([legacy], conv, f"{where}.function_call"))
+    return calls
+
+
+def parse_message(item: Any, conv: Conversation, where: str) -> Message:
+    """One message object in any spelling the formats use -> a canonical Message."""
+    if not isinstance(item, dict):
+        raise RowError(S.Q_WRONG_TYPE, f"{where}: expected an object, got {type_name(item)}")
+    # role/content or from/value; a null in one spelling falls back to the other, since
+    # Parquet structs carry every field of the file's schema (null where a row has none)
+    raw_role = item.get("role")
+    if raw_role is None:
+        raw_role = item.get("from")
+    if raw_role is None:
+        raise RowError(S.Q_MISSING_FIELD, f"{where}: no 'role' (or 'from'); keys: {sorted(item)}")
+    role = map_role(raw_role, conv, where)
+    content, reasoning, calls = _content(item, conv, where)
     if isinstance(raw_role, str) and raw_role.lower() == "function_call":
         calls.append(parse_call_json(content, conv, where))
         content = ""
     if role == "assistant":
-        raw_calls = item.get("tool_calls")
-        if isinstance(raw_calls, str):
-            try:
-                raw_calls = orjson.loads(raw_calls)
-            except orjson.JSONDecodeError as exc:
-                raise RowError(
-                    S.Q_BAD_TOOL_CALL, f"{where}.tool_calls: invalid JSON ({exc})"
-                ) from None
-        if raw_calls:
-            calls.extend(parse_openai_tool_calls(raw_calls, conv, where))
-        legacy = item.get("function_call")
-        if isinstance(legacy, dict):
-            calls.extend(parse_openai_tool_calls([legacy], conv, f"{where}.function_call"))
+        calls.extend(_structured_calls(item, conv, where))
         if reasoning is None:
             reasoning, content = split_think(content)
         content, hermes = split_hermes_calls(content, conv, where)

@@ -331,6 +331,12 @@ _INSIDE = re.compile(rb'["\\]')
 _SPACE = b" \t\r\n"
 
 
+def _malformed(number: int, why: str, raw: bytes = b"") -> Record:
+    """A broken JSON array as a record numbered where it breaks, with what can show it."""
+    return Record(number, raw=raw[:RAW_KEEP_BYTES], error=(S.Q_MALFORMED_JSON,
+                                                           f"malformed JSON: {why}"))
+
+
 def _array(stream: _Stream, buf: bytes, max_bytes: int) -> Iterator[Record]:
     """The elements of a JSON array (`buf` starts at its `[`), without holding the document:
     a scanner finds each element's end (strings and escapes respected), then orjson decodes
@@ -339,12 +345,7 @@ def _array(stream: _Stream, buf: bytes, max_bytes: int) -> Iterator[Record]:
     elements before it."""
     number, pos, start = 1, 1, 1  # element number; scan position; where the element begins
     depth, in_string, closed = 1, False, False
-    skipped = -1  # >= 0: the current element is too long; bytes of it passed over
-    head = b""
-
-    def malformed(why: str, raw: bytes = b"") -> Record:
-        return Record(number, raw=raw[:RAW_KEEP_BYTES], error=(S.Q_MALFORMED_JSON,
-                                                               f"malformed JSON: {why}"))
+    skipped, head = -1, b""  # skipped >= 0: the element is too long; bytes of it passed over
 
     def element(end: int) -> Record | None:
         if skipped >= 0:
@@ -356,16 +357,10 @@ def _array(stream: _Stream, buf: bytes, max_bytes: int) -> Iterator[Record]:
         match = (_INSIDE if in_string else _OUTSIDE).search(buf, pos)
         if match is None or (match.group() == b"\\" and match.end() >= len(buf)):
             pos = len(buf) if match is None else match.start()  # rescan a split escape
-            chunk = stream.read()
-            if not chunk:
+            refilled = _array_refill(stream, buf, pos, start, skipped, head, max_bytes)
+            if refilled is None:
                 break
-            if skipped < 0 and pos - start > max_bytes:
-                head, skipped = buf[start:start + RAW_KEEP_BYTES].lstrip(_SPACE), 0
-            if skipped >= 0:  # the element is only counted from here on
-                skipped += pos - start
-                buf, start, pos = buf[pos:] + chunk, 0, 0
-            else:
-                buf, pos, start = buf[start:] + chunk, pos - start, 0
+            buf, pos, start, skipped, head = refilled
             continue
         char, pos = match.group(), match.end()
         if in_string:
@@ -383,24 +378,45 @@ def _array(stream: _Stream, buf: bytes, max_bytes: int) -> Iterator[Record]:
                 closed = True
                 record = element(pos - 1)
                 if record is None and number > 1:
-                    record = malformed("an empty array element (a trailing comma?)")
+                    record = _malformed(number, "an empty array element (a trailing comma?)")
                 if record is not None:
                     yield record
                     number += 1
         elif depth == 1:  # the comma after an element
-            yield element(pos - 1) or malformed("an empty array element")
+            yield element(pos - 1) or _malformed(number, "an empty array element")
             number, start, skipped, head = number + 1, pos, -1, b""
+    rest = buf[pos:] if closed else (head or buf[start:].strip(_SPACE))
+    yield from _array_end(stream, number, closed, rest)
+
+
+def _array_refill(stream: _Stream, buf: bytes, pos: int, start: int, skipped: int,
+                  head: bytes, max_bytes: int) -> tuple[bytes, int, int, int, bytes] | None:
+    """The next chunk after the unscanned rest of `buf`, as (buf, pos, start, skipped, head);
+    None at the end of the stream. An element past the limit stops being kept: only its head
+    and its size go on, so a huge element never sits in memory."""
+    chunk = stream.read()
+    if not chunk:
+        return None
+    if skipped < 0 and pos - start > max_bytes:
+        head, skipped = buf[start:start + RAW_KEEP_BYTES].lstrip(_SPACE), 0
+    if skipped >= 0:  # the element is only counted from here on
+        return buf[pos:] + chunk, 0, 0, skipped + pos - start, head
+    return buf[start:] + chunk, pos - start, 0, skipped, head
+
+
+def _array_end(stream: _Stream, number: int, closed: bool, rest: bytes) -> Iterator[Record]:
+    """After the last element: an array cut short, text after its end (`rest`, then the rest
+    of the stream), or a read failure, each one record numbered after the elements."""
     if not closed:
         if stream.failure is None:
-            yield malformed("the array is not closed (the file is cut short?)",
-                            head or buf[start:].strip(_SPACE))
+            yield _malformed(number, "the array is not closed (the file is cut short?)", rest)
             number += 1
     else:
-        rest = buf[pos:].strip(_SPACE)
+        rest = rest.strip(_SPACE)
         while not rest and (chunk := stream.read()):
             rest = chunk.strip(_SPACE)
         if rest:
-            yield malformed("text after the end of the array", rest)
+            yield _malformed(number, "text after the end of the array", rest)
             number += 1
     if stream.failure is not None:
         yield Record(number, error=stream.failure)

@@ -110,6 +110,18 @@ def resident_head(head: Any) -> Any:
 
 
 # ---------------------------------------------------------------- the target
+def _report_placement(model: str, layer_devices: dict[str, str]) -> None:
+    """Say where a device map put the layers, and warn when some are offloaded (disk always,
+    the CPU when a GPU is the main device): those are read back every forward pass."""
+    devices = sorted(set(layer_devices.values()), key=str)
+    gpu = any(d not in ("cpu", "disk") for d in devices)
+    slow = [d for d in devices if d == "disk" or (d == "cpu" and gpu)]
+    print(f"target: --device-map auto placed {model} on {', '.join(devices)}"
+          + (f" (the layers on {' and '.join(slow)} are read back every forward pass: "
+             "raise --max-memory for the GPUs to avoid that)" if slow else ""),
+          file=sys.stderr, flush=True)
+
+
 class _EnoughLayers(Exception):
     """Raised by the last wanted layer's hook: the rest of the forward pass is not needed."""
 
@@ -121,40 +133,11 @@ class Target:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
 
-        from dflash_etl.models.loading import (
-            input_device,
-            load_causal_lm,
-            placement,
-            refuse_remote_code,
-        )
-
         self.torch = torch
-        self.device = settings.device if settings.device != "auto" else (
-            "cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
-        refuse_remote_code(settings.model)
-        # extract's and train's settings carry these fields too; other callers may not
-        placed = placement(getattr(settings, "device_map", "none"),
-                           getattr(settings, "max_memory", ""))
-        try:
-            self.model = load_causal_lm(settings.model, dtype=dtype, **placed)
-        except Exception as exc:  # transformers raises many types for a bad directory
-            raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
-        if placed:  # layers on several devices: ids go in where the embedding is
-            self.device = input_device(self.model)
-            self.model.eval()
-        else:
-            self.model.to(self.device).eval()
+        placed = self._load(settings)
         self.placement = placement_of(self.model)
         if placed:
-            devices = sorted(set(self.placement.values()), key=str)
-            # offloaded: disk always, the CPU when a GPU is the main device
-            gpu = any(d not in ("cpu", "disk") for d in devices)
-            slow = [d for d in devices if d == "disk" or (d == "cpu" and gpu)]
-            print(f"target: --device-map auto placed {settings.model} on {', '.join(devices)}"
-                  + (f" (the layers on {' and '.join(slow)} are read back every forward pass: "
-                     "raise --max-memory for the GPUs to avoid that)" if slow else ""),
-                  file=sys.stderr, flush=True)
+            _report_placement(settings.model, self.placement)
         config = text_config(self.model.config)
         self.n_layers = config.num_hidden_layers
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
@@ -168,6 +151,35 @@ class Target:
         self.last_layer = self.n_layers - 1
         for index in sorted({*self.layers, self.last_layer}):
             modules[index].register_forward_hook(self._keep(index))
+
+    def _load(self, settings: TargetSpec) -> bool:
+        """Load the model in eval mode onto `self.device`, or spread by a device map (then
+        `self.device` is where the embedding is, where ids go in); True when spread."""
+        from dflash_etl.models.loading import (
+            input_device,
+            load_causal_lm,
+            placement,
+            refuse_remote_code,
+        )
+
+        torch = self.torch
+        self.device = settings.device if settings.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
+        refuse_remote_code(settings.model)
+        # extract's and train's settings carry these fields too; other callers may not
+        placed = placement(getattr(settings, "device_map", "none"),
+                           getattr(settings, "max_memory", ""))
+        try:
+            self.model = load_causal_lm(settings.model, dtype=dtype, **placed)
+        except Exception as exc:  # transformers raises many types for a bad directory
+            raise StageError(f"cannot load the target from {settings.model}: {exc}") from exc
+        if placed:
+            self.device = input_device(self.model)
+            self.model.eval()
+        else:
+            self.model.to(self.device).eval()
+        return bool(placed)
 
     def _keep(self, index: int):
         def hook(_module: Any, _inputs: Any, output: Any) -> None:

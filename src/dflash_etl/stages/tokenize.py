@@ -134,6 +134,27 @@ def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
 
 
 # ---------------------------------------------------------------- pure core
+def _mask_policy(settings: TokenizeSettings) -> Any:
+    """The masking settings as the templates package takes them."""
+    from dflash_etl.templates import MaskPolicy
+
+    return MaskPolicy(
+        strategy=settings.strategy, include_eot=settings.include_eot,
+        supervise_reasoning=settings.supervise_reasoning, turns=settings.turns,
+        seq_length=settings.seq_length, truncation=settings.truncation,
+        min_supervised_tokens=settings.min_supervised_tokens,
+    )
+
+
+def _source_stats() -> Stats:
+    """A source's accounting before its first row: the counters tokenize adds to."""
+    return Stats(extra={
+        "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
+        "cross_checked": 0,
+        "strategies": Counter(), "normalizations": Counter(),
+        "generation_prompt_kwargs": Counter()})
+
+
 def tokenize_rows(
     conversations: list[dict[str, Any]], tokenizer: Any, template_probe: Any,
     settings: TokenizeSettings, chat_template: str | None,
@@ -141,14 +162,8 @@ def tokenize_rows(
     """Conversations -> training rows (a table with the ROWS schema), quarantine rows and
     accounting per source (the supervised-token counts are taken from the rows as the dataset
     is joined: `_save_dataset`)."""
-    from dflash_etl.templates import MaskPolicy, MaskRefused, tokenize_conversations
+    from dflash_etl.templates import MaskRefused, tokenize_conversations
 
-    policy = MaskPolicy(
-        strategy=settings.strategy, include_eot=settings.include_eot,
-        supervise_reasoning=settings.supervise_reasoning, turns=settings.turns,
-        seq_length=settings.seq_length, truncation=settings.truncation,
-        min_supervised_tokens=settings.min_supervised_tokens,
-    )
     quarantine: list[dict[str, Any]] = []
     per_source: dict[str, Stats] = {}
     ids_lists: list[list[int]] = []
@@ -157,26 +172,17 @@ def tokenize_rows(
     ids_col: list[str] = []
     source_col: list[str] = []
     turn_col: list[int] = []
-    results = tokenize_conversations(conversations, tokenizer, template_probe, policy,
+    results = tokenize_conversations(conversations, tokenizer, template_probe,
+                                     _mask_policy(settings),
                                      chat_template=chat_template,
                                      cross_check=settings.cross_check)
     for conv, made in zip(conversations, results, strict=True):
         stats = per_source.get(conv["source"])
         if stats is None:
-            stats = per_source[conv["source"]] = Stats(extra={
-                "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
-                "cross_checked": 0,
-                "strategies": Counter(), "normalizations": Counter(),
-                "generation_prompt_kwargs": Counter()})
+            stats = per_source[conv["source"]] = _source_stats()
         stats.rows_in += 1
         if isinstance(made, MaskRefused):
-            if made.is_filter:
-                stats.filter(made.code)
-            else:
-                stats.quarantine(made.code)
-                quarantine.append({"id": conv["id"], "source": conv["source"],
-                                   "file": conv.get("file"), "line": conv.get("line"),
-                                   "reason": made.code, "message": made.message[:2000]})
+            _count_refused(made, conv, stats, quarantine)
             continue
         stats.rows_out += 1
         extra = stats.extra
@@ -195,6 +201,27 @@ def tokenize_rows(
             extra["generation_prompt_kwargs"].update(
                 n.split(":", 1)[1] for n in row.normalizations
                 if n.startswith("generation_prompt_kwargs:"))
+    rows = _rows_table(ids_lists, mask_lists, row_stats, ids_col, source_col, turn_col)
+    return rows, quarantine, per_source
+
+
+def _count_refused(refused: Any, conv: dict[str, Any], stats: Stats,
+                   quarantine: list[dict[str, Any]]) -> None:
+    """A conversation the masking refused: a filter only counts it, any other refusal is
+    also a quarantine row."""
+    if refused.is_filter:
+        stats.filter(refused.code)
+    else:
+        stats.quarantine(refused.code)
+        quarantine.append({"id": conv["id"], "source": conv["source"],
+                           "file": conv.get("file"), "line": conv.get("line"),
+                           "reason": refused.code, "message": refused.message[:2000]})
+
+
+def _rows_table(ids_lists: list[list[int]], mask_lists: list[list[int]], row_stats: list[Stats],
+                ids_col: list[str], source_col: list[str], turn_col: list[int]) -> pa.Table:
+    """The rows as one ROWS table, built from flat arrays in one pass (no per-row Arrow
+    objects); each row's token and supervised-token counts go to its source's stats."""
     lengths = np.fromiter(map(len, ids_lists), np.int64, len(ids_lists))
     offsets = np.zeros(len(ids_lists) + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -208,13 +235,12 @@ def tokenize_rows(
         stats.extra["supervised_tokens"] += n_supervised
     # not pa.array: its first call imports pandas, a second of CPU in every worker
     list_offsets = numeric_array(offsets)
-    rows = pa.Table.from_arrays([
+    return pa.Table.from_arrays([
         pa.ListArray.from_arrays(list_offsets, numeric_array(flat_ids)),
         pa.ListArray.from_arrays(list_offsets, numeric_array(flat_mask)),
         numeric_array(lengths.astype(np.int32)), string_array(ids_col),
         string_array(source_col), numeric_array(np.array(turn_col, np.int32)),
     ], schema=ROWS)
-    return rows, quarantine, per_source
 
 
 def draft_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
