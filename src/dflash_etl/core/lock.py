@@ -84,18 +84,7 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
                 fd, depth = _HELD[key]
                 _HELD[key] = (fd, depth - 1)
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        who = _holder(path)
-        raise RunLocked(
-            f"{root} is in use by another dflash-etl process (pid {who.get('pid', '?')} on "
-            f"{who.get('host', '?')}, stage {who.get('stage', '?')}, since "
-            f"{who.get('since', '?')}): wait for it to finish, or stop it; two processes on one "
-            "run directory would mix their outputs"
-        ) from None
+    fd = _take(path, root)
     stale = _holder(path) or None  # a record left by a holder that died
     _write_record(fd, stage)
     with _GUARD:
@@ -114,6 +103,23 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
             pass
         finally:
             os.close(fd)  # the lock is let go however the record fared
+
+
+def _take(path: Path, root: Path) -> int:
+    """The lock file's descriptor, locked; another live holder is a RunLocked naming it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        who = _holder(path)
+        raise RunLocked(
+            f"{root} is in use by another dflash-etl process (pid {who.get('pid', '?')} on "
+            f"{who.get('host', '?')}, stage {who.get('stage', '?')}, since "
+            f"{who.get('since', '?')}): wait for it to finish, or stop it; two processes on one "
+            "run directory would mix their outputs"
+        ) from None
+    return fd
 
 
 def _write_record(fd: int, stage: str) -> None:

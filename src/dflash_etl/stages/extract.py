@@ -215,10 +215,10 @@ def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) ->
 
 
 def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str, Any]],
-                 name: str, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """Extract one shard's rows; returns (index rows, quarantined rows, padded tokens run)."""
-    from safetensors.torch import save_file
-
+                 name: str, out: Path
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
+    """Extract one shard's rows; returns (index rows, quarantined rows, padded tokens run, the
+    shard's health)."""
     torch = target.torch
     lengths = [len(r["input_ids"]) for r in rows]
     states: list[Any] = [None] * len(rows)
@@ -228,7 +228,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
         _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra)
         for k, s in zip(batch, got, strict=True):
             states[k] = s
-    index, quarantine, keep = [], [], []
+    quarantine, keep = [], []
     for k, row in enumerate(rows):
         if not torch.isfinite(states[k].float()).all():
             quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
@@ -239,32 +239,39 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
         quarantine += [{"id": rows[k]["id"], "turn": rows[k]["turn"], "reason": Q_UNHEALTHY}
                        for k in keep]
         keep = []
-    (out / "hidden_states").mkdir(exist_ok=True)
-    if settings.format == "speculators":
-        for k in keep:
-            path = out / "hidden_states" / f"hs_{rows[k]['row']}.safetensors"
-            save_file({"hidden_states": states[k].contiguous(),
-                       "token_ids": torch.tensor(rows[k]["input_ids"], dtype=torch.long)},
-                      str(path.with_suffix(".tmp")))
-            os.replace(path.with_suffix(".tmp"), path)
-            index.append({"id": rows[k]["id"], "turn": rows[k]["turn"], "row": rows[k]["row"],
-                          "shard": path.name, "offset": 0, "length": lengths[k]})
-    else:
-        offset = 0
-        for k in keep:
-            index.append({"id": rows[k]["id"], "turn": rows[k]["turn"], "row": rows[k]["row"],
-                          "shard": f"{name}.safetensors", "offset": offset,
-                          "length": lengths[k]})
-            offset += lengths[k]
-        if keep:
-            path = out / "hidden_states" / f"{name}.safetensors"
-            save_file({"hidden_states": torch.cat([states[k] for k in keep]).contiguous(),
-                       "token_ids": torch.tensor([t for k in keep for t in rows[k]["input_ids"]],
-                                                 dtype=torch.long)},
-                      str(path.with_suffix(".tmp")))
-            os.replace(path.with_suffix(".tmp"), path)
+    kept = [(rows[k], states[k]) for k in keep]
+    index = _save_states(torch, settings.format, kept, name, out / "hidden_states")
     return (index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches),
             health)
+
+
+def _save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]], name: str,
+                 directory: Path) -> list[dict[str, Any]]:
+    """Write the kept rows' states (speculators: a file per row; native: one per shard),
+    each renamed into place whole; returns their index rows."""
+    from safetensors.torch import save_file
+
+    def save(path: Path, states: Any, token_ids: list[int]) -> None:
+        save_file({"hidden_states": states.contiguous(),
+                   "token_ids": torch.tensor(token_ids, dtype=torch.long)},
+                  str(path.with_suffix(".tmp")))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    directory.mkdir(exist_ok=True)
+    index, offset = [], 0
+    for row, states in kept:
+        shard = (f"hs_{row['row']}.safetensors" if layout == "speculators"
+                 else f"{name}.safetensors")
+        index.append({"id": row["id"], "turn": row["turn"], "row": row["row"], "shard": shard,
+                      "offset": offset, "length": len(row["input_ids"])})
+        if layout == "speculators":
+            save(directory / shard, states, row["input_ids"])
+        else:
+            offset += len(row["input_ids"])
+    if layout != "speculators" and kept:
+        save(directory / f"{name}.safetensors", torch.cat([s for _, s in kept]),
+             [t for row, _ in kept for t in row["input_ids"]])
+    return index
 
 
 def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str, Any]],
