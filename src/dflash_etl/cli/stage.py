@@ -95,7 +95,7 @@ def _summary_tokenize(name: str, run: Path, doc: dict[str, Any]) -> int:
     total = doc["total"]
     say(f"tokenize {_state(doc)}: conversations {_counts_line(total)}")
     say(f"  rows written: {total.get('rows_written')}, tokens: {total.get('tokens')}, "
-         f"supervised: {total.get('supervised_tokens')}, strategies: {total.get('strategies')}")
+        f"supervised: {total.get('supervised_tokens')}, strategies: {total.get('strategies')}")
     say(f"  draft vocab: {total.get('draft_vocab')}")
     say(f"  dataset:  {out / 'dataset'}  (datasets.load_from_disk)")
     say(f"  probe:    {out / 'probe.json'}")
@@ -111,12 +111,12 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
     if "generated_replies" not in total:  # a stage completed by an older version: its counts
         total = {**total, "generated_replies": total.get("generated_turns")}
     say(f"  replies: {total.get('generated_replies')} generated, "
-         f"{total.get('generated_turns')} kept, {sum(dropped.values())} filtered or quarantined "
-         f"with their conversations {dropped or ''}".rstrip())
+        f"{total.get('generated_turns')} kept, {sum(dropped.values())} filtered or quarantined "
+        f"with their conversations {dropped or ''}".rstrip())
     say(f"  finish reasons of the kept: {total.get('finish_reasons')}")
     for mode, cut in (total.get("truncation") or {}).items():
         say(f"  thinking {mode}: {cut['truncated']} of {cut['replies']} replies cut at "
-             f"max_new_tokens ({100 * cut['share']:.0f}%)")
+            f"max_new_tokens ({100 * cut['share']:.0f}%)")
     say(f"  conversations: {out / 'conversations'}  (tokenize reads these now)")
     for warning in doc.get("warnings", []):
         say(f"  WARNING: {warning}")
@@ -134,8 +134,8 @@ def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
     total = doc["total"]
     say(f"extract {_state(doc)}: rows {_counts_line(total)}")
     say(f"  layers {total.get('layers')} of {total.get('n_layers')}, hidden "
-         f"{total.get('hidden_size')}, {total.get('dtype')}, {total.get('tokens')} tokens, "
-         f"padding {total.get('padding_share')}")
+        f"{total.get('hidden_size')}, {total.get('dtype')}, {total.get('tokens')} tokens, "
+        f"padding {total.get('padding_share')}")
     say(f"  hidden states: {out / 'hidden_states'}  ({total.get('format')})")
     say(f"  index:         {out / 'index.parquet'}")
     return 0
@@ -145,14 +145,14 @@ def _summary_extract_plan(run: Path, doc: dict[str, Any]) -> int:
     data, sample, projected = doc["dataset"], doc["measured"], doc["projected"]
     say(f"extract plan (a dry run: nothing extracted or published) on {doc['device']}:")
     say(f"  dataset: {data['rows']} rows, {data['tokens']} tokens in {data['batches']} batches "
-         f"(padding {doc['padding_share']})")
+        f"(padding {doc['padding_share']})")
     say(f"  layers {doc['stored_layers']} of {doc['n_layers']} stored, hidden "
-         f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}")
+        f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}")
     say(f"  measured: {sample['batches']} batches, {sample['tokens']} tokens in "
-         f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
-         f"{size_text(sample['bytes'])} written")
+        f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
+        f"{size_text(sample['bytes'])} written")
     say(f"  projected: {size_text(projected['bytes'])} on disk, {projected['hours']} hours "
-         f"({projected['seconds']} s) on this device")
+        f"({projected['seconds']} s) on this device")
     say(f"  disk: {doc['advice']}")
     say(f"  plan: {run / PLAN_FILE}")
     return 0
@@ -169,11 +169,11 @@ def _summary_train(name: str, run: Path, doc: dict[str, Any]) -> int:
     timing = RunDir(run).manifest().get("stages", {}).get("train", {})
     say(f"train {_state(doc)}: rows {_counts_line(total)}")
     say(f"  {total.get('steps')} steps ({total.get('steps_this_run')} this run, "
-         f"{timing.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
-         f"{total.get('drafter_parameters')} drafter parameters")
+        f"{timing.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
+        f"{total.get('drafter_parameters')} drafter parameters")
     say(f"  acceptance length tau on {total.get('eval_prompts')} held-out prompts: "
-         f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))} "
-         f"trained (block {total.get('block_size')})")
+        f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))} "
+        f"trained (block {total.get('block_size')})")
     say(f"  drafter: {out / 'drafter'}")
     say(f"  eval:    {out / 'eval.json'}")
     return 0
