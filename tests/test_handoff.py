@@ -237,3 +237,23 @@ def test_the_cli_prints_the_commands_and_says_what_is_wrong(native_run, tmp_path
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--format speculators" in err
     assert "Traceback" not in err
+
+
+def test_the_export_reads_what_tokenize_and_train_wrote_and_names_a_missing_field(native_run,
+                                                                                    tmp_path):
+    """seq_length comes from tokenize's output (its settings.json, here 100, not the 8192 the
+    export once assumed nor the manifest's copy), the block from the trained drafter; a field
+    missing there is an error naming the file and the stage to rerun."""
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    settings = run / "tokenize" / "settings.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "seq_length": 100}))
+    export(run, "specforge", tmp_path / "sf")
+    config = json.loads((tmp_path / "sf" / "specforge_run.json").read_text())
+    assert config["data"]["max_length"] == 100
+    drafter = json.loads((run / "train" / "drafter" / "config.json").read_text())
+    assert config["model"]["draft_block_size"] == drafter["dflash_config"]["block_size"] == 4
+    del drafter["dflash_config"]["block_size"]
+    (run / "train" / "drafter" / "config.json").write_text(json.dumps(drafter))
+    with pytest.raises(StageError, match=r"config\.json has no block_size .*dflash-etl train"):
+        export(run, "specforge", tmp_path / "again")

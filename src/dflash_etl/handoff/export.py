@@ -25,6 +25,7 @@ from typing import Any
 
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.lock import run_lock
+from dflash_etl.core.outputs import DrafterOutput, HiddenStatesOutput, TokenizedOutput
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, now, remove_tree, write_json_atomic
 from dflash_etl.handoff import specforge, speculators
@@ -74,10 +75,9 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
             raise StageError(f"{run.root}: the {needed} stage is not complete "
                              f"({stages.get(needed, {}).get('status', 'never run')}); run "
                              f"`dflash-etl {needed} --run {run.root}` first")
-    tokenize_dir, extract_dir = run.stage_dir("tokenize"), run.stage_dir("extract")
-    extracted = json.loads((extract_dir / "stats.json").read_text())["total"]
+    states = HiddenStatesOutput.read(run.stage_dir("extract"))
     settings = stages["extract"].get("settings", {})
-    if to == "speculators" and extracted.get("format") != "speculators":
+    if to == "speculators" and states.format != "speculators":
         raise StageError(
             f"{run.root}: extract wrote the native format; speculators reads one file per row "
             "with the target's last layer after the chosen ones. Rerun: dflash-etl extract "
@@ -87,34 +87,39 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
         raise StageError(f"extract's target model {target!r} has no config.json any more: the "
                          "export needs its vocabulary size and shape; restore it, or rerun "
                          "extract with --model DIR")
-    train = stages.get("train", {})
-    trained = train.get("status") == "complete"
-    drafter = run.stage_dir("train") / "drafter" / "config.json"
+    trained = stages.get("train", {}).get("status") == "complete"
     return {
-        "run": run, "tokenize": tokenize_dir, "extract": extract_dir, "extracted": extracted,
-        "target": target,
-        "tokenize_settings": stages["tokenize"].get("settings", {}),
-        "train_settings": train.get("settings", {}) if trained else {},
-        "drafter_config": json.loads(drafter.read_text()) if trained and drafter.is_file()
-        else None,
-        "draft_vocab": json.loads((tokenize_dir / "draft_vocab.json").read_text()),
+        "run": run, "tokenized": TokenizedOutput.read(run.stage_dir("tokenize")),
+        "states": states, "target": target,
+        "drafter": DrafterOutput.read(run.stage_dir("train")) if trained else None,
     }
 
 
-def _dataset_files(tokenize_dir: Path) -> list[Path]:
-    dataset = tokenize_dir / "dataset"
+def _dataset_files(dataset: Path) -> list[Path]:
     state = json.loads((dataset / "state.json").read_text())
     return [dataset / f["filename"] for f in state["_data_files"]]
 
 
-def _dataset(tokenize_dir: Path) -> Any:
+def _dataset(tokenized: TokenizedOutput) -> Any:
     """The tokenized rows as one memory-mapped Arrow table (row i = the dataset's row i)."""
     import pyarrow as pa
 
     from dflash_etl.validation.contracts import read_arrow
 
     return pa.concat_tables([read_arrow(p).select(["input_ids", "loss_mask"])
-                             for p in _dataset_files(tokenize_dir)])
+                             for p in _dataset_files(tokenized.dataset_dir)])
+
+
+def _drafter_shape(inputs: dict[str, Any]) -> tuple[int, int]:
+    """(draft layers, block size) of the drafter the trainer is to train: the one this run
+    trained, else train's settings as declared (what `dflash-etl train` would make)."""
+    drafter: DrafterOutput | None = inputs["drafter"]
+    if drafter is not None:
+        return drafter.draft_layers, drafter.block_size
+    from dflash_etl.stages.train import TrainSettings
+
+    defaults = TrainSettings()
+    return defaults.draft_layers, defaults.block_size
 
 
 def _link(source: Path, dest: Path, how: str) -> str:
@@ -140,27 +145,25 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
                  progress: bool | None) -> dict[str, Any]:
     from safetensors import safe_open
 
-    tok, ext, extracted = inputs["tokenize"], inputs["extract"], inputs["extracted"]
-    draft = inputs["draft_vocab"]
-    d2t, t2d = draft.get("d2t"), draft.get("t2d")
-    if not d2t or not (tok / d2t).is_file():
-        raise StageError(f"{tok}: no size-keyed vocab maps (d2t-<N>.npy); this run was "
-                         f"tokenized by an older version: rerun `dflash-etl tokenize --run "
+    tokenized: TokenizedOutput = inputs["tokenized"]
+    states: HiddenStatesOutput = inputs["states"]
+    tok, ext = tokenized.stage_dir, states.stage_dir
+    d2t, t2d = tokenized.d2t_file.name, tokenized.t2d_file.name
+    if not tokenized.d2t_file.is_file():
+        raise StageError(f"{tokenized.d2t_file} is missing: rerun `dflash-etl tokenize --run "
                          f"{inputs['run'].root} --force`")
     used: set[str] = set()
-    dataset_dir = tok / "dataset"
-    for path in sorted(dataset_dir.iterdir()):
+    for path in sorted(tokenized.dataset_dir.iterdir()):
         if path.is_file():
             used.add(_link(path, partial / path.name, link))
     for name in ("token_freq.pt", d2t):
         used.add(_link(tok / name, partial / name, link))
-    t2d_note = _t2d_for_target(tok / t2d, partial / t2d, inputs["target"], link, used)
+    t2d_note = _t2d_for_target(tokenized.t2d_file, partial / t2d, inputs["target"], link, used)
     (partial / "hidden_states").mkdir()
-    table = _dataset(tok)
+    table = _dataset(tokenized)
     n_rows = table.num_rows
     input_ids = table.column("input_ids")
-    layers, stored = extracted["layers"], extracted.get("stored_layers") or extracted["layers"]
-    hidden = extracted["hidden_size"]
+    layers, stored, hidden = states.layers, states.stored_layers, states.hidden_size
     missing, problems = 0, []
     with progress_bar("export speculators", n_rows, progress) as bar:
         for row in range(n_rows):
@@ -178,23 +181,22 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
             used.add(_link(source, partial / "hidden_states" / source.name, link))
     if problems:
         raise ContractError("the speculators export breaks its contract: " + "; ".join(problems))
-    train = inputs["train_settings"]
-    drafter = inputs["drafter_config"] or {}
+    drafter: DrafterOutput | None = inputs["drafter"]
+    draft_layers, block_size = _drafter_shape(inputs)
     training = speculators.SpeculatorsTraining(
         target=inputs["target"], data_path=str(final.resolve()),
         save_path=str((final.parent / "speculators-drafter").resolve()), layers=layers,
-        draft_vocab_size=int(draft["size"]), draft_layers=int(train.get("draft_layers", 5)),
-        block_size=int(train.get("block_size", 16)),
-        seq_length=int(inputs["tokenize_settings"].get("seq_length", 8192)),
-        mask_token_id=(drafter.get("dflash_config") or {}).get("mask_token_id"),
-        rows_without_states=missing, states_dtype=extracted.get("dtype", "fp32"))
+        draft_vocab_size=tokenized.draft_vocab_size, draft_layers=draft_layers,
+        block_size=block_size, seq_length=tokenized.seq_length,
+        mask_token_id=drafter.mask_token_id if drafter else None,
+        rows_without_states=missing, states_dtype=states.dtype)
     return {
         "rows_in": n_rows, "rows_out": n_rows - missing,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {},
         "layers": layers, "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
-        "stored_layers": stored, "hidden_size": hidden, "draft_vocab_size": draft["size"],
-        "t2d": t2d_note, "links": sorted(used),
+        "stored_layers": stored, "hidden_size": hidden,
+        "draft_vocab_size": tokenized.draft_vocab_size, "t2d": t2d_note, "links": sorted(used),
         "command": training.command(), "argv": training.argv(),
     }
 
@@ -218,7 +220,7 @@ def _t2d_for_target(source: Path, dest: Path, target: str, link: str, used: set[
 
 
 def _extract_reasons(inputs: dict[str, Any], missing: int) -> dict[str, int]:
-    reasons = dict(inputs["extracted"].get("quarantine_reasons") or {})
+    reasons = dict(inputs["states"].quarantine_reasons)
     if sum(reasons.values()) != missing:
         raise ContractError(
             f"{missing} tokenized rows have no hidden states, but extract accounts for "
@@ -228,19 +230,19 @@ def _extract_reasons(inputs: dict[str, Any], missing: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- specforge
-def _states_by_row(ext: Path, extracted: dict[str, Any]) -> Any:
+def _states_by_row(states: HiddenStatesOutput) -> Any:
     """(row, states [seq, K, H], token_ids) for every extracted row, one shard at a time."""
     import pyarrow.parquet as pq
     from safetensors.torch import load_file
 
-    k = len(extracted["layers"])
-    if extracted.get("format") == "speculators":
+    ext, k = states.stage_dir, len(states.layers)
+    if states.format == "speculators":
         for path in sorted((ext / "hidden_states").glob("hs_*.safetensors"),
                            key=lambda p: int(p.stem[3:])):
             data = load_file(str(path))
             yield int(path.stem[3:]), data["hidden_states"][:, :k], data["token_ids"]
         return
-    index = pq.read_table(ext / "index.parquet").to_pylist()
+    index = pq.read_table(states.index_file).to_pylist()
     by_shard: dict[str, list[dict[str, Any]]] = {}
     for entry in index:
         by_shard.setdefault(entry["shard"], []).append(entry)
@@ -255,16 +257,17 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
                progress: bool | None) -> dict[str, Any]:
     import torch
 
-    tok, ext, extracted = inputs["tokenize"], inputs["extract"], inputs["extracted"]
-    table = _dataset(tok)
+    tokenized: TokenizedOutput = inputs["tokenized"]
+    extracted: HiddenStatesOutput = inputs["states"]
+    table = _dataset(tokenized)
     n_rows = table.num_rows
     input_ids, loss_mask = table.column("input_ids"), table.column("loss_mask")
-    layers, hidden = extracted["layers"], extracted["hidden_size"]
+    layers, hidden = extracted.layers, extracted.hidden_size
     features = partial / "features"
     written, filtered, problems = 0, 0, []
     seen: set[int] = set()
     with progress_bar("export specforge", n_rows, progress) as bar:
-        for row, states, token_ids in _states_by_row(ext, extracted):
+        for row, states, token_ids in _states_by_row(extracted):
             bar.advance()
             seen.add(row)
             ids = input_ids[row].as_py()
@@ -287,21 +290,21 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     missing = n_rows - len(seen)
     draft_config = _draft_config(inputs)
     write_json_atomic(partial / "dflash_draft_config.json", draft_config)
-    train = inputs["train_settings"]
+    drafter: DrafterOutput | None = inputs["drafter"]
     config = specforge.run_config(
         target=inputs["target"], draft_config=str((final / "dflash_draft_config.json").resolve()),
-        features=str((final / "features").resolve()),
-        seq_length=int(inputs["tokenize_settings"].get("seq_length", 8192)),
+        features=str((final / "features").resolve()), seq_length=tokenized.seq_length,
         output_dir=str((final.parent / "specforge-drafter").resolve()),
         draft_layers=int(draft_config["num_hidden_layers"]),
-        block_size=int(draft_config["block_size"]), gamma=train.get("gamma"))
+        block_size=int(draft_config["block_size"]),
+        gamma=drafter.loss_decay_gamma if drafter else None)
     write_json_atomic(partial / "specforge_run.json", config)
     return {
         "rows_in": n_rows, "rows_out": written, "rows_quarantined": missing,
         "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {specforge.Q_NO_PAIR: filtered} if filtered else {},
         "layers": layers, "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
-        "hidden_size": hidden, "dtype": extracted.get("dtype"),
+        "hidden_size": hidden, "dtype": extracted.dtype,
         "command": specforge.train_command(str((final / "specforge_run.json").resolve())),
     }
 
@@ -309,9 +312,9 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
 def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
     """The drafter SpecForge trains: the one this run trained when there is one (same layers,
     mask token, block), else one shaped from the target's config as train would make it."""
-    layers = inputs["extracted"]["layers"]
-    config = inputs["drafter_config"]
-    if config is None:
+    layers = inputs["states"].layers
+    drafter: DrafterOutput | None = inputs["drafter"]
+    if drafter is None:
         from dflash_etl.models.drafter import DrafterConfig
         from dflash_etl.models.loading import load_config
         from dflash_etl.models.mask_token import resolve_mask_token
@@ -320,12 +323,14 @@ def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
 
         target = inputs["target"]
         target_config = text_config(load_config(target))
-        defaults = TrainSettings()
-        mask, _ = resolve_mask_token(target, target_config.vocab_size, defaults.mask_token_id)
+        draft_layers, block_size = _drafter_shape(inputs)
+        mask, _ = resolve_mask_token(target, target_config.vocab_size,
+                                     TrainSettings().mask_token_id)
         config = DrafterConfig.from_target(
-            target_config, draft_layers=defaults.draft_layers, target_layer_ids=layers,
-            mask_token_id=mask, block_size=defaults.block_size).to_json()
-    config = dict(config)
+            target_config, draft_layers=draft_layers, target_layer_ids=layers,
+            mask_token_id=mask, block_size=block_size).to_json()
+    else:
+        config = dict(drafter.config)
     if config["dflash_config"]["target_layer_ids"] != layers:
         raise StageError(f"the trained drafter reads layers {config['dflash_config']} but "
                          f"extract stored {layers}: rerun train on this extract")

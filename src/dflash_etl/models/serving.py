@@ -16,6 +16,7 @@ import shlex
 from pathlib import Path
 
 from dflash_etl.core.errors import StageError
+from dflash_etl.core.outputs import DrafterOutput
 from dflash_etl.core.rundir import RunDir
 
 
@@ -46,6 +47,6 @@ def vllm_command(run_root: str | Path) -> str:
     if info.get("status") != "complete" or not (drafter / "config.json").exists():
         raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
                          "first")
-    config = json.loads((drafter / "config.json").read_text())
-    block_size = int(config["dflash_config"]["block_size"])
-    return vllm_serve_command(info["settings"]["target"], drafter, block_size)
+    trained = DrafterOutput.read(run.stage_dir("train"))
+    return vllm_serve_command(info["settings"]["target"], trained.drafter_dir,
+                              trained.block_size)

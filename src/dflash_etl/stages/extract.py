@@ -45,6 +45,7 @@ from dflash_etl.core.distributed import (
     rank_world,
 )
 from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.outputs import HiddenStatesOutput
 from dflash_etl.core.progress import progress_bar, size_text
 from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.stage import Stage, StageContext
@@ -318,17 +319,16 @@ def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) ->
 def check_output(out: Path) -> tuple[int, int, list[str]]:
     """`dflash-etl check` on an extract output: (rows, shard files, problems), against the
     tokenized dataset of the same run (../tokenize/dataset)."""
-    total = json.loads((out / "stats.json").read_text())["total"]
+    states = HiddenStatesOutput.read(out)
     dataset = out.parent / "tokenize" / "dataset"
     files = sorted(dataset.glob("*.arrow"))
     if not files:
         return 0, 0, [f"no tokenized dataset at {dataset} to compare the token ids with"]
     ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]).column(
         "input_ids").to_pylist()
-    stored = total.get("stored_layers") or total["layers"]
-    problems = verify(out, dict(enumerate(ids)), len(stored), total["hidden_size"])
-    problems += health_problems(out, stored, HealthLimits.for_dtype(total.get("dtype", "fp32")))
-    index_rows = pq.read_metadata(out / "index.parquet").num_rows
+    problems = verify(out, dict(enumerate(ids)), len(states.stored_layers), states.hidden_size)
+    problems += health_problems(out, states.stored_layers, HealthLimits.for_dtype(states.dtype))
+    index_rows = pq.read_metadata(states.index_file).num_rows
     return index_rows, len(list((out / "hidden_states").iterdir())), problems
 
 

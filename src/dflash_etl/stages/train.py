@@ -36,6 +36,7 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.distributed import barrier, join
 from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.outputs import HiddenStatesOutput, TokenizedOutput
 from dflash_etl.core.rundir import (
     RunDir,
     Timer,
@@ -141,7 +142,7 @@ def _read_index(path: Path) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- shell
 def target_layers(ctx: StageContext, settings: TrainSettings,
-                  extracted: dict[str, Any] | None) -> tuple[list[int], str]:
+                  extracted: HiddenStatesOutput | None) -> tuple[list[int], str]:
     """The target layers the drafter reads, and where they come from (recorded in the stats).
     One rule for both modes: extract's. Offline they are the layers the extract output holds
     (train's explicit --layers must name the same ones); online, train's explicit --layers,
@@ -151,9 +152,9 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
     from dflash_etl.models.target import parse_layers
 
     if extracted is not None:
-        stored = list(extracted["layers"])
+        stored = list(extracted.layers)
         if settings.layers != "auto":
-            asked = parse_layers(settings.layers, int(extracted["n_layers"]), len(stored))
+            asked = parse_layers(settings.layers, extracted.n_layers, len(stored))
             if asked != stored:
                 raise StageError(
                     f"train --layers {settings.layers} ({asked}) but the extract output holds "
@@ -184,27 +185,24 @@ def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
 
 
 def _t2d_file(run: RunDir) -> Path:
-    """tokenize's t2d map (named in its draft_vocab.json), for --head-vocab draft."""
-    out = run.stage_dir("tokenize")
+    """tokenize's t2d map (its typed output names it), for --head-vocab draft."""
     try:
-        name = json.loads((out / "draft_vocab.json").read_text())["t2d"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StageError(f"--head-vocab draft: no draft vocabulary in {out} (draft_vocab.json "
-                         f"naming its t2d map: {exc}); rerun `dflash-etl tokenize` for this run "
-                         "or train with --head-vocab full") from exc
-    if not (out / name).is_file():
-        raise StageError(f"--head-vocab draft: {out / name} is missing; rerun tokenize")
-    return out / name
+        t2d = TokenizedOutput.read(run.stage_dir("tokenize")).t2d_file
+    except StageError as exc:
+        raise StageError(f"--head-vocab draft: {exc}, or train with --head-vocab full") from exc
+    if not t2d.is_file():
+        raise StageError(f"--head-vocab draft: {t2d} is missing; rerun tokenize")
+    return t2d
 
 
-def _extract_info(run: RunDir) -> dict[str, Any]:
+def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
+    """extract's typed output and its fingerprint (the trained drafter depends on it)."""
     info = run.manifest().get("stages", {}).get("extract", {})
     out = run.stage_dir("extract")
     if info.get("status") != "complete" or not (out / "index.parquet").exists():
         raise StageError(f"no complete extract output in {out}: run `dflash-etl extract` first, "
                          "or train with --online to compute the hidden states from the target")
-    return {**json.loads((out / "stats.json").read_text())["total"],
-            "fingerprint": info.get("fingerprint")}
+    return HiddenStatesOutput.read(out), info.get("fingerprint")
 
 
 # settings that do not change the trained drafter: a resumed run may change them
@@ -291,18 +289,16 @@ class TrainStage(Stage):
             t2d_file = _t2d_file(ctx.run)
             files = [*files, t2d_file]
             t2d = np.load(t2d_file)
-        extracted = None if settings.online else _extract_info(ctx.run)
+        extracted, extract_fp = (None, None) if settings.online else _extract_info(ctx.run)
         index: list[dict[str, Any]] = []
         if extracted is not None:
-            index = _read_index(ctx.run.stage_dir("extract") / "index.parquet")
+            index = _read_index(extracted.index_file)
             indexed = {e["row"] for e in index}
             rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
         layers, layers_from = target_layers(ctx, settings, extracted)
         ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
                          layers_from=layers_from, t2d=t2d)
-        return _fingerprint_payload(settings, files,
-                                    extracted["fingerprint"] if extracted else None,
-                                    None if extracted else layers)
+        return _fingerprint_payload(settings, files, extract_fp, None if extracted else layers)
 
     def begin(self, ctx: StageContext) -> None:
         barrier(ctx.world)  # rank 0 has prepared the partial directory
@@ -322,8 +318,8 @@ class TrainStage(Stage):
             raise StageError("train has no evaluation prompts: no held-out row has a prompt "
                              "before its first supervised token; raise --eval-prompts (now "
                              f"{settings.eval_prompts}) or check the tokenize stage's masks")
-        states = (ExtractedStates(ctx.run.stage_dir("extract"), len(extracted["layers"]),
-                                  ctx.state["index"]) if extracted else None)
+        states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), ctx.state["index"])
+                  if extracted else None)
         trainer = Trainer(settings, train_rows, states, ctx.state["layers"], ctx.partial,
                           ctx.rank, ctx.world, draft_vocab=ctx.state["t2d"],
                           mask_token=resolve_mask_token)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.accounting import AccountingError, Stats
+from dflash_etl.core.outputs import TokenizedOutput
 from dflash_etl.stages import STAGES
 from dflash_etl.validation.contracts import format_failures, load_contract, validate_files
 from dflash_etl.validation.suites import (
@@ -42,9 +43,8 @@ def _check_stats(stage_dir: Path) -> list[str]:
 def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, Any]:
     _, contract_name = LAYOUTS[kind]
     files = output_files(stage_dir, contract_name)
-    params = {}
-    if (stage_dir / "settings.json").exists():  # limits the stage ran with (vocab, seq_length)
-        params = json.loads((stage_dir / "settings.json").read_text())
+    # the tokenized rows are checked against the limits tokenize made them with
+    params = TokenizedOutput.read(stage_dir).contract_params() if kind == "tokenize" else {}
     report = validate_files(load_contract(contract_name, params), files)
     accounting = _check_stats(stage_dir)
     report["stage"] = kind

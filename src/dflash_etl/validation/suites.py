@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from dflash_etl.core.config import ConfigError, project_path
 from dflash_etl.core.errors import StageError
+from dflash_etl.core.outputs import TokenizedOutput
 from dflash_etl.formats import roles
 from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper
@@ -307,14 +308,21 @@ def source_frame(stage_dir: Path, kind: str, rows: pl.DataFrame,
     return frame
 
 
-def stage_parameters(stage_dir: Path, thresholds: Thresholds) -> dict[str, Any]:
-    """Suite parameters: thresholds plus the limits the stage ran with (settings.json)."""
+# recorded in the conversations suites' parameters since before tokenize wrote its limits; no
+# expectation of theirs reads them (validation.json keeps its bytes)
+CONVERSATION_LIMITS = {"seq_length": 4096, "min_supervised_tokens": 2}
+
+
+def stage_parameters(stage_dir: Path, suite_name: str, thresholds: Thresholds
+                     ) -> dict[str, Any]:
+    """Suite parameters: thresholds plus, for the tokenized rows, the limits tokenize made them
+    with (its typed output: no default of the suite's own)."""
     params: dict[str, Any] = dict(thresholds.values)
-    params.update(seq_length=4096, min_supervised_tokens=2)
-    settings = Path(stage_dir) / "settings.json"
-    if settings.exists():
-        doc = json.loads(settings.read_text())
-        params.update({k: doc[k] for k in ("seq_length", "min_supervised_tokens") if k in doc})
+    if suite_name != "tokenized":
+        return {**params, **CONVERSATION_LIMITS}
+    limits = TokenizedOutput.read(Path(stage_dir))
+    params.update(seq_length=limits.seq_length,
+                  min_supervised_tokens=limits.min_supervised_tokens)
     return params
 
 
@@ -465,7 +473,7 @@ def run_suite(stage_dir: Path, suite_name: str, thresholds: Thresholds) -> dict[
 
     start = time.perf_counter()
     spec = load_suite(suite_name)
-    params = stage_parameters(stage_dir, thresholds)
+    params = stage_parameters(stage_dir, suite_name, thresholds)
     rows = row_features(stage_dir, suite_name)
     frames: dict[str, pl.DataFrame | None] = {
         "rows": rows, "sources": source_frame(stage_dir, suite_name, rows, thresholds)}

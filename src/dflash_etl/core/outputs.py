@@ -1,0 +1,140 @@
+"""What a published stage output tells the stages and the export after it, read from the files
+the stage already writes: one typed description per output, so no reader keeps its own default
+for an upstream setting or guesses a path. A missing field is an error that names the file and
+the stage to rerun: a default here would train or export with a value the data was not made with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core.errors import StageError
+
+
+def _rerun(path: Path, stage: str) -> str:
+    return f"rerun `dflash-etl {stage} --run {path.parent.parent} --force`"
+
+
+def _load(path: Path, stage: str) -> dict[str, Any]:
+    """The JSON object in `path`; raises a StageError naming it and the stage to rerun."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StageError(f"{path} is missing or unreadable ({exc}): {_rerun(path, stage)}"
+                         ) from exc
+
+
+def _fields(doc: Any, keys: tuple[str, ...], path: Path, stage: str) -> dict[str, Any]:
+    """`keys` of `doc` (read from `path`); raises a StageError naming the missing ones."""
+    missing = [k for k in keys if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise StageError(f"{path} has no {', '.join(missing)} (written by an older or failed "
+                         f"{stage}): {_rerun(path, stage)}")
+    return {k: doc[k] for k in keys}
+
+
+@dataclass(frozen=True)
+class TokenizedOutput:
+    """tokenize/: the limits its rows were made with (settings.json) and its draft vocabulary
+    (draft_vocab.json), which extract, train, the suite and the export read."""
+
+    stage_dir: Path
+    seq_length: int
+    min_supervised_tokens: int
+    vocab_size: int
+    draft_vocab_size: int
+    d2t_file: Path
+    t2d_file: Path
+    t2d_length: int
+
+    @property
+    def dataset_dir(self) -> Path:
+        """The rows, a `datasets` save_to_disk directory."""
+        return self.stage_dir / "dataset"
+
+    def contract_params(self) -> dict[str, int]:
+        """The limits the tokenized contract and suite check the rows against."""
+        return {"vocab_size": self.vocab_size, "seq_length": self.seq_length,
+                "min_supervised_tokens": self.min_supervised_tokens}
+
+    @classmethod
+    def read(cls, stage_dir: Path) -> TokenizedOutput:
+        stage_dir = Path(stage_dir)
+        settings, vocab = stage_dir / "settings.json", stage_dir / "draft_vocab.json"
+        limits = _fields(_load(settings, "tokenize"),
+                         ("seq_length", "min_supervised_tokens", "vocab_size"), settings,
+                         "tokenize")
+        draft = _fields(_load(vocab, "tokenize"), ("size", "d2t", "t2d", "t2d_length"), vocab,
+                        "tokenize")
+        return cls(stage_dir=stage_dir, seq_length=int(limits["seq_length"]),
+                   min_supervised_tokens=int(limits["min_supervised_tokens"]),
+                   vocab_size=int(limits["vocab_size"]), draft_vocab_size=int(draft["size"]),
+                   d2t_file=stage_dir / draft["d2t"], t2d_file=stage_dir / draft["t2d"],
+                   t2d_length=int(draft["t2d_length"]))
+
+
+@dataclass(frozen=True)
+class HiddenStatesOutput:
+    """extract/: which target layers its states hold and how they are stored (stats.json)."""
+
+    stage_dir: Path
+    layers: list[int]
+    stored_layers: list[int]
+    n_layers: int
+    hidden_size: int
+    format: str
+    dtype: str
+    quarantine_reasons: dict[str, int]
+
+    @property
+    def index_file(self) -> Path:
+        """row -> shard, offset, length (the native format)."""
+        return self.stage_dir / "index.parquet"
+
+    @classmethod
+    def read(cls, stage_dir: Path) -> HiddenStatesOutput:
+        stage_dir = Path(stage_dir)
+        stats = stage_dir / "stats.json"
+        total = _fields(_load(stats, "extract").get("total"),
+                        ("layers", "stored_layers", "n_layers", "hidden_size", "format", "dtype",
+                         "quarantine_reasons"), stats, "extract")
+        return cls(stage_dir=stage_dir, layers=list(total["layers"]),
+                   stored_layers=list(total["stored_layers"]), n_layers=int(total["n_layers"]),
+                   hidden_size=int(total["hidden_size"]), format=str(total["format"]),
+                   dtype=str(total["dtype"]),
+                   quarantine_reasons=dict(total["quarantine_reasons"]))
+
+
+@dataclass(frozen=True)
+class DrafterOutput:
+    """train/: the drafter it trained (drafter/config.json), as the export and vLLM take it."""
+
+    stage_dir: Path
+    config: dict[str, Any]
+    block_size: int
+    draft_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    loss_decay_gamma: float
+
+    @property
+    def drafter_dir(self) -> Path:
+        return self.stage_dir / "drafter"
+
+    @classmethod
+    def read(cls, stage_dir: Path) -> DrafterOutput:
+        stage_dir = Path(stage_dir)
+        path = stage_dir / "drafter" / "config.json"
+        config = _load(path, "train")
+        dflash = _fields(config.get("dflash_config"),
+                         ("block_size", "mask_token_id", "target_layer_ids"), path, "train")
+        shape = _fields(config, ("num_hidden_layers", "loss_decay_gamma"), path, "train")
+        return cls(stage_dir=stage_dir, config=config,
+                   block_size=int(dflash["block_size"]),
+                   draft_layers=int(shape["num_hidden_layers"]),
+                   mask_token_id=int(dflash["mask_token_id"]),
+                   target_layer_ids=list(dflash["target_layer_ids"]),
+                   loss_decay_gamma=float(shape["loss_decay_gamma"]))
