@@ -271,8 +271,8 @@ def test_ingesting_a_json_array_holds_chunks_of_rows_not_the_file(tmp_path):
 
     def run(path: Path):
         item = WorkItem(0, (SourceConfig(name="s", path=str(path)), Unit(str(path))))
-        worker = (16 * MB, 1 << 40)
-        return IngestStage.process_batch(worker, IngestStage.load(worker, item), item)
+        stage = IngestStage(max_line_bytes=16 * MB, max_decompressed_bytes=1 << 40)
+        return stage.process_batch(stage.load(item), item)
 
     (tmp_path / "one.json").write_bytes(orjson.dumps([CHAT]))
     run(tmp_path / "one.json")  # the modules pyarrow and the formats import on first use

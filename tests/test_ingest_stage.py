@@ -136,24 +136,24 @@ def test_interrupted_run_resumes_from_finished_units(tmp_path, monkeypatch, suit
     real = ingest.IngestStage.process_batch
     calls: list[int] = []
 
-    def crash_on_third(worker, batch, item):
+    def crash_on_third(stage, batch, item):
         if item.index == 2:
             raise KeyboardInterrupt
         calls.append(item.index)
-        return real(worker, batch, item)
+        return real(stage, batch, item)
 
-    monkeypatch.setattr(ingest.IngestStage, "process_batch", staticmethod(crash_on_third))
+    monkeypatch.setattr(ingest.IngestStage, "process_batch", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
         ingest.run(config, tmp_path / "run")
     assert calls == [0, 1] and not (tmp_path / "run" / "ingest").exists()
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["stages"]["ingest"]["status"] == "failed"  # never left "running"
 
-    def count(worker, batch, item):
+    def count(stage, batch, item):
         calls.append(item.index)
-        return real(worker, batch, item)
+        return real(stage, batch, item)
 
-    monkeypatch.setattr(ingest.IngestStage, "process_batch", staticmethod(count))
+    monkeypatch.setattr(ingest.IngestStage, "process_batch", count)
     doc = ingest.run(config, tmp_path / "run")
     assert calls == [0, 1, 2]  # only the unfinished unit ran again
     assert doc["total"]["rows_out"] == 15

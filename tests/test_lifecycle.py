@@ -205,13 +205,13 @@ from dflash_etl.validation import suites
 
 real = ingest.IngestStage.process_batch
 
-def stall(worker, batch, item):
+def stall(stage, batch, item):
     if item.index == 0:
-        return real(worker, batch, item)
+        return real(stage, batch, item)
     print(f"working {item.index} {os.getpid()}", flush=True)
     time.sleep(600)
 
-ingest.IngestStage.process_batch = staticmethod(stall)
+ingest.IngestStage.process_batch = stall
 suites.gate = lambda *args, **kwargs: {"passed": True}
 from dflash_etl.cli.main import main
 sys.exit(main(sys.argv[1:]))
@@ -247,13 +247,13 @@ def test_a_killed_holder_is_taken_over_and_its_stage_marked_failed(tmp_path, cap
             seen.update(ctx.run.manifest()["stages"]["ingest"])
             return real_prepare(self, ctx)
 
-        def spy_batch(worker, batch, item):
+        def spy_batch(stage, batch, item):
             processed.append(item.index)
-            return real_batch(worker, batch, item)
+            return real_batch(stage, batch, item)
 
         with monkeypatch.context() as patch:
             patch.setattr(ingest.IngestStage, "prepare", spy_prepare)
-            patch.setattr(ingest.IngestStage, "process_batch", staticmethod(spy_batch))
+            patch.setattr(ingest.IngestStage, "process_batch", spy_batch)
             started = time.monotonic()
             code, _, err = _cli(capsys, command, "--config", config, "--run", run,
                                 "--workers", "1")
@@ -330,13 +330,13 @@ def test_a_worker_killed_by_the_os(tmp_path, capsys, monkeypatch):
     parent = os.getpid()
     real = ingest.IngestStage.process_batch
 
-    def oom_killed(worker, batch, item):
+    def oom_killed(stage, batch, item):
         if item.index == 2 and os.getpid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(worker, batch, item)
+        return real(stage, batch, item)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ingest.IngestStage, "process_batch", staticmethod(oom_killed))
+        patch.setattr(ingest.IngestStage, "process_batch", oom_killed)
         message = _error(*_ingest(capsys, config, run, "--workers", "2")[::2])
     assert "a worker process died" in message and "--workers" in message
     assert _stage(run) == {**_stage(run), "status": "failed", "error": message}
@@ -400,13 +400,13 @@ def test_a_directory_going_read_only_mid_stage(tmp_path, capsys, monkeypatch, tm
     units = run / ".ingest.partial" / "units"
     real = ingest.IngestStage.process_batch
 
-    def goes_read_only(worker, batch, item):
+    def goes_read_only(stage, batch, item):
         if item.index == 1:
             tmpfs(units, "ro")  # from here on, the stage's writes there fail with EROFS
-        return real(worker, batch, item)
+        return real(stage, batch, item)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ingest.IngestStage, "process_batch", staticmethod(goes_read_only))
+        patch.setattr(ingest.IngestStage, "process_batch", goes_read_only)
         message = _error(*_ingest(capsys, config, run)[::2])
     assert "Read-only file system" in message
     assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message
@@ -458,13 +458,13 @@ def test_a_disk_filled_by_someone_else_mid_stage(tmp_path, capsys, monkeypatch, 
     run = mnt / "run"
     real = ingest.IngestStage.process_batch
 
-    def disk_fills(worker, batch, item):
+    def disk_fills(stage, batch, item):
         if item.index == 1:
             _fill(mnt / "filler")
-        return real(worker, batch, item)
+        return real(stage, batch, item)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ingest.IngestStage, "process_batch", staticmethod(disk_fills))
+        patch.setattr(ingest.IngestStage, "process_batch", disk_fills)
         message = _error(*_ingest(capsys, config, run)[::2])
     assert "the disk is full" in message
     assert _stage(run)["status"] == "failed" and _stage(run)["error"] == message

@@ -135,12 +135,11 @@ class KillOnce(tokenize.TokenizeStage):
 
     marker: str = ""
 
-    @classmethod
-    def process_batch(cls, worker, batch, item):
-        if item.index == 2 and not os.path.exists(cls.marker):
-            Path(cls.marker).write_text(str(os.getpid()))
+    def process_batch(self, batch, item):
+        if item.index == 2 and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().process_batch(worker, batch, item)
+        return super().process_batch(batch, item)
 
 
 def test_a_killed_actor_is_retried_and_nothing_is_lost_or_duplicated(tmp_path, local_ray):

@@ -323,11 +323,11 @@ def test_forked_workers_and_a_resumed_run_write_the_rows_of_one_process(tmp_path
     redone = []
     real = tokenize.TokenizeStage.process_batch
 
-    def count(worker, batch, item):
+    def count(stage, batch, item):
         redone.append(item.index)
-        return real(worker, batch, item)
+        return real(stage, batch, item)
 
-    monkeypatch.setattr(tokenize.TokenizeStage, "process_batch", staticmethod(count))
+    monkeypatch.setattr(tokenize.TokenizeStage, "process_batch", count)
     doc = tokenize.run(config, tmp_path / "resumed", workers=1, **kw)
     assert redone == [] and doc["total"]["rows_in"] == 600
     assert dataset("resumed") == dataset("one")
@@ -340,7 +340,8 @@ def test_a_chunks_result_holds_no_per_token_counts(run_dir):
     import pyarrow as pa
 
     settings = tokenize.TokenizeSettings(model=str(QWEN))
-    worker = tokenize.TokenizeStage.setup(settings, tokenize.probe(settings))
+    stage = tokenize.TokenizeStage(settings, tokenize.probe(settings))
+    stage.setup()
     import random
 
     rng = random.Random(0)
@@ -351,7 +352,7 @@ def test_a_chunks_result_holds_no_per_token_counts(run_dir):
         "messages": [{"role": "user", "content": words[k]},
                      {"role": "assistant", "content": " ".join(words[k:k + 40])}]}
         for k in range(100)])
-    out = tokenize.TokenizeStage.process_batch(worker, batch, None)
+    out = stage.process_batch(batch, None)
     assert out.rows.num_rows == 100
     distinct = len(set(pa.compute.list_flatten(out.rows.column("input_ids")).to_pylist()))
     assert distinct > 300
@@ -412,11 +413,11 @@ from dflash_etl.core.stage import run_item
 from dflash_etl.stages import tokenize
 settings = tokenize.TokenizeSettings(model={str(QWEN)!r}, seq_length=512)
 files = tokenize._conversations(RunDir(Path({str(run_dir)!r})))
-stage = tokenize.TokenizeStage
-worker = stage.setup(settings, tokenize.probe(settings))
+stage = tokenize.TokenizeStage(settings, tokenize.probe(settings))
+stage.setup()
 out = Path(sys.argv[1])
 for item in tokenize.plan_chunks(files):
-    run_item(stage, worker, item, out)
+    run_item(stage, item, out)
 print(len(list(out.glob("*.rows.parquet"))), "pandas" in sys.modules)
 """
     out = run_dir.parent / "no_pandas"

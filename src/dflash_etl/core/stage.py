@@ -2,9 +2,10 @@
 
 A stage says how to make its settings, `prepare` (find its inputs; what its fingerprint covers),
 and `execute` (write its output into the partial directory and return its stats document).
-CPU stages that split into independent work items are `BatchStage`s: a per-worker `setup`, a
-`load` of one item's input, a pure `process_batch`, and a `finish` over all items' results;
-an executor (local process pool or Ray Data) runs the items, so the stage never sees how.
+CPU stages that split into independent work items are `BatchStage`s: an object whose fields are
+what its workers need (`bind` sets them), a per-worker `setup`, a `load` of one item's input, a
+pure `process_batch`, and a `finish` over all items' results; an executor (local process pool or
+Ray Data) sends the stage object to its workers and runs the items, so the stage never sees how.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -106,29 +108,33 @@ class BatchOutput:
 
 
 class BatchStage(Stage):
-    """A stage made of independent work items; `execute` runs them on the chosen executor."""
+    """A stage made of independent work items; `execute` runs them on the chosen executor.
+
+    The executor sends the stage object itself to every worker (forked, or pickled into a Ray
+    actor): its fields are what the workers need, set by `bind` (picklable: settings and the
+    few values `prepare` found), and `setup` adds, in each worker, what is loaded there."""
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         raise NotImplementedError
 
-    def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
-        """Picklable arguments of `setup` (sent to every remote worker)."""
-        return ()
+    def bind(self, ctx: StageContext) -> None:
+        """Set the fields the workers need from what the runner and `prepare` found."""
 
-    @classmethod
-    def setup(cls, *args: Any) -> Any:
-        """Per worker, once: load the tokenizer or model; the result is passed to every item."""
-        return args
+    def setup(self) -> None:
+        """Per worker, once: load the tokenizer or model into the stage's fields."""
 
-    @classmethod
-    def load(cls, worker: Any, item: WorkItem) -> Any:
+    def load(self, item: WorkItem) -> Any:
         """The item's input (I/O, in the worker)."""
         raise NotImplementedError
 
-    @classmethod
-    def process_batch(cls, worker: Any, batch: Any, item: WorkItem) -> BatchOutput:
+    def process_batch(self, batch: Any, item: WorkItem) -> BatchOutput:
         """The pure transform of one item's input."""
         raise NotImplementedError
+
+    def while_working(self) -> AbstractContextManager[Callable[[], None]]:
+        """What the parent does while the items run (the gate's imports): yields what the
+        executor calls once every worker process exists, and ends after `finish`."""
+        return nullcontext(lambda: None)
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
@@ -139,9 +145,11 @@ class BatchStage(Stage):
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         work_dir = ctx.partial / "units"
         work_dir.mkdir(exist_ok=True)
-        items = self.plan(ctx)
-        results = ctx.shell.executor(ctx).map(self, ctx, items, work_dir)
-        return self.finish(ctx, results, work_dir)
+        with self.while_working() as workers_started:
+            items = self.plan(ctx)
+            self.bind(ctx)
+            results = ctx.shell.executor(ctx).map(self, ctx, items, work_dir, workers_started)
+            return self.finish(ctx, results, work_dir)
 
     def cleanup(self, ctx: StageContext) -> None:
         remove_tree(ctx.partial / "units")  # a kill meanwhile leaves no done marker without data
@@ -151,8 +159,9 @@ class Executor(Protocol):
     """Runs a batch stage's work items (skipping those done before) and returns their results
     in item order; it never changes what an item produces."""
 
-    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
-            work_dir: Path) -> list[dict[str, Any]]: ...
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem], work_dir: Path,
+            workers_started: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+        """`workers_started` is called in this process once the workers exist (forked)."""
 
 
 def _no_executor(ctx: StageContext) -> Executor:
@@ -209,11 +218,10 @@ def split_done(items: list[WorkItem], work_dir: Path
     return results, todo
 
 
-def run_item(stage: type[BatchStage], worker: Any, item: WorkItem, work_dir: Path
-             ) -> dict[str, Any]:
+def run_item(stage: BatchStage, item: WorkItem, work_dir: Path) -> dict[str, Any]:
     """Load, process and write one item (in whatever worker runs it). Files are renamed into
     place and done.json comes last, so an item retried after a crash is written whole once."""
-    output = stage.process_batch(worker, stage.load(worker, item), item)
+    output = stage.process_batch(stage.load(item), item)
     rows_path, q_path, done_path = item_paths(work_dir, item.index)
     for table, path in ((output.rows, rows_path), (output.quarantine, q_path)):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,16 @@ from dflash_etl.core.stage import (
     split_done,
 )
 
-_WORKER: dict[str, Any] = {}
 IN_FLIGHT_PER_WORKER = 4  # items submitted ahead: workers never wait, the parent holds few
+# In a worker process only: the stage its initializer received. The pool calls `_work` by name
+# with only the item, so the stage (tokenizer and all) is inherited once by the fork instead of
+# pickled with every item.
+_worker_stage: BatchStage | None = None
 
 
-def _init_worker(parent: int) -> None:
+def _init_worker(parent: int, stage: BatchStage) -> None:
+    global _worker_stage
+    _worker_stage = stage
     _one_thread_per_worker()
     _die_with(parent)
 
@@ -53,46 +59,44 @@ def _die_with(parent: int) -> None:
 
 
 def _work(item: WorkItem, work_dir: str) -> dict[str, Any]:
-    return run_item(_WORKER["stage"], _WORKER["worker"], item, Path(work_dir))
+    assert _worker_stage is not None, "_work runs in a pool worker, after _init_worker"
+    return run_item(_worker_stage, item, Path(work_dir))
 
 
 class LocalExecutor:
-    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
-            work_dir: Path) -> list[dict[str, Any]]:
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem], work_dir: Path,
+            workers_started: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
         results, todo = split_done(items, work_dir)
         n_workers = max(1, min(ctx.n_workers(), len(todo)))
         with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
             bar.advance(len(results))
             if todo:
-                # set up once here: forked workers inherit the loaded tokenizer or model
-                _WORKER["stage"] = type(stage)
-                _WORKER["worker"] = type(stage).setup(*stage.worker_args(ctx))
-            try:
-                if n_workers == 1:
-                    for item in todo:
-                        results[item.index] = _work(item, str(work_dir))
-                        bar.advance(1)
-                elif todo:
-                    self._pool(todo, str(work_dir), n_workers, results, bar, ctx)
-            finally:
-                _WORKER.clear()
+                stage.setup()  # once, here: forked workers inherit the loaded tokenizer or model
+            if n_workers == 1:
+                for item in todo:
+                    results[item.index] = run_item(stage, item, work_dir)
+                    bar.advance(1)
+            elif todo:
+                self._pool(stage, todo, str(work_dir), n_workers, results, bar, workers_started)
         return [results[k] for k in sorted(results)]
 
     @staticmethod
-    def _pool(todo: list[WorkItem], work_dir: str, n_workers: int,
-              results: dict[int, dict[str, Any]], bar: Any, ctx: StageContext) -> None:
+    def _pool(stage: BatchStage, todo: list[WorkItem], work_dir: str, n_workers: int,
+              results: dict[int, dict[str, Any]], bar: Any,
+              workers_started: Callable[[], None]) -> None:
         # Frozen objects are never traversed by the collector: the workers' collections skip
         # (and do not copy-on-write) the whole inherited heap, tokenizer and all.
         gc.freeze()
         try:
+            # forked, the initializer's arguments are inherited, not pickled
             with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork"),
                                      initializer=_init_worker,
-                                     initargs=(os.getpid(),)) as pool:
+                                     initargs=(os.getpid(), stage)) as pool:
                 in_flight: deque[Future[dict[str, Any]]] = deque()
                 for k, item in enumerate(todo):
                     in_flight.append(pool.submit(_work, item, work_dir))
                     if k == 0:
-                        ctx.state.get("on_forked", lambda: None)()  # every worker exists now
+                        workers_started()  # the first submit forked every worker
                     if len(in_flight) >= IN_FLIGHT_PER_WORKER * n_workers:
                         result = in_flight.popleft().result()
                         results[result["index"]] = result

@@ -1,11 +1,12 @@
 """The Ray executor: a batch stage's work items as Ray Data `map_batches` over an actor pool.
 
-Each actor runs the stage's `setup` once (the tokenizer is loaded per actor, not per batch) and
-then the same `run_item` the local executor runs, writing the item's files into the partial
-directory, which must be on storage every node sees (one machine, or a shared filesystem).
-Only the items' small results travel back to the driver, so its memory does not grow with the
-data. An actor that dies is restarted by Ray and its items are retried (Ray Data's actor pools
-retry tasks); items write their files atomically, done marker last, so a retry is harmless.
+Each actor receives the stage object (pickled once: its fields are settings), runs its `setup`
+once (the tokenizer is loaded per actor, not per batch) and then the same `run_item` the local
+executor runs, writing the item's files into the partial directory, which must be on storage
+every node sees (one machine, or a shared filesystem). Only the items' small results travel
+back to the driver, so its memory does not grow with the data. An actor that dies is restarted
+by Ray and its items are retried (Ray Data's actor pools retry tasks); items write their files
+atomically, done marker last, so a retry is harmless.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,14 +86,14 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> Any:
 
 
 class _Actor:
-    """One Ray Data actor: the stage's worker state, set up once."""
+    """One Ray Data actor: the stage, set up once."""
 
-    def __init__(self, stage: type[BatchStage], args: tuple[Any, ...], work_dir: str) -> None:
+    def __init__(self, stage: BatchStage, work_dir: str) -> None:
         import os
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one CPU per actor
         self.stage, self.work_dir = stage, Path(work_dir)
-        self.worker = stage.setup(*args)
+        stage.setup()
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
@@ -101,7 +103,7 @@ class _Actor:
             item: WorkItem = pickle.loads(blob)
             result = done_result(self.work_dir, item.index)  # a retried batch's finished items
             if result is None:
-                result = run_item(self.stage, self.worker, item, self.work_dir)
+                result = run_item(self.stage, item, self.work_dir)
             results.append(json.dumps(result))
         return {"result": np.array(results, dtype=object)}
 
@@ -110,8 +112,10 @@ class RayExecutor:
     def __init__(self, address: str | None) -> None:
         self.address = address
 
-    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem],
-            work_dir: Path) -> list[dict[str, Any]]:
+    def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem], work_dir: Path,
+            workers_started: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+        """`workers_started` is not called: the actors are not this process's children, and
+        the parent is busy driving Ray Data."""
         results, todo = split_done(items, work_dir)
         with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
             bar.advance(len(results))
@@ -136,7 +140,7 @@ class RayExecutor:
         rows = [{"item": pickle.dumps(item)} for item in todo]
         dataset = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // per_task))
         mapped = dataset.map_batches(
-            _Actor, fn_constructor_args=(type(stage), stage.worker_args(ctx), str(work_dir)),
+            _Actor, fn_constructor_args=(stage, str(work_dir)),
             batch_size=per_task, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1,
             batch_format="numpy")
         try:

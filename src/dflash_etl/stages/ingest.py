@@ -12,7 +12,8 @@ import dataclasses
 import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,10 +199,14 @@ def _empty_output_message(per_source: dict[str, Stats], problem: list[str]) -> s
     return "\n".join(lines)
 
 
+@dataclass(eq=False)
 class IngestStage(BatchStage):
-    """Source files -> canonical conversations; a work item is one unit of one source file."""
+    """Source files -> canonical conversations; a work item is one unit of one source file.
+    Its fields are the read limits every worker applies."""
 
     name = STAGE
+    max_line_bytes: int = 0
+    max_decompressed_bytes: int = 0
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
@@ -221,17 +226,15 @@ class IngestStage(BatchStage):
                  for path in resolved.paths for unit in readers.plan_units(path)]
         return [WorkItem(k, unit) for k, unit in enumerate(units)]
 
-    def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
-        return (_require_config(ctx.config).run.max_line_bytes,
-                ctx.settings.max_decompressed_bytes)
+    def bind(self, ctx: StageContext) -> None:
+        self.max_line_bytes = _require_config(ctx.config).run.max_line_bytes
+        self.max_decompressed_bytes = ctx.settings.max_decompressed_bytes
 
-    @classmethod
-    def load(cls, worker: Any, item: WorkItem) -> Any:
-        max_line_bytes, max_decompressed = worker
-        return readers.read_unit(item.payload[1], max_line_bytes, max_decompressed)
+    def load(self, item: WorkItem) -> Any:
+        return readers.read_unit(item.payload[1], self.max_line_bytes,
+                                 self.max_decompressed_bytes)
 
-    @classmethod
-    def process_batch(cls, worker: Any, batch: Any, item: WorkItem) -> BatchOutput:
+    def process_batch(self, batch: Any, item: WorkItem) -> BatchOutput:
         source, unit = item.payload
         # rows become Arrow CHUNK_RECORDS at a time: a whole-file unit (a .json array, a .gz)
         # holds its rows as compact Arrow, never as one Python list of the whole file
@@ -257,10 +260,8 @@ class IngestStage(BatchStage):
                            else S.QUARANTINE.empty_table(),
                            {source.name: stats}, {"file": unit.path, "records": n_records})
 
-    def execute(self, ctx: StageContext) -> dict[str, Any]:
-        with suites.warming_up() as warm_up:  # the gate's imports, while the workers work
-            ctx.state["on_forked"] = warm_up
-            return super().execute(ctx)
+    def while_working(self) -> AbstractContextManager[Callable[[], None]]:
+        return suites.warming_up()  # the gate's imports, while the workers work
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:

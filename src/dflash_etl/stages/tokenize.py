@@ -12,7 +12,9 @@ import itertools
 import json
 import shutil
 from collections import Counter
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -304,10 +306,17 @@ def plan_chunks(files: list[Path]) -> list[WorkItem]:
     return items
 
 
+@dataclass(eq=False)
 class TokenizeStage(BatchStage):
-    """Conversations -> verified training rows; a work item is a chunk of conversations."""
+    """Conversations -> verified training rows; a work item is a chunk of conversations.
+    Its fields are what every worker tokenizes with: the settings and the parent's template
+    probe, then (`setup`, per worker) the tokenizer and the chat template override."""
 
     name = STAGE
+    settings: TokenizeSettings = field(default_factory=TokenizeSettings)
+    template_probe: Any = None
+    tokenizer: Any = field(default=None, init=False)
+    chat_template: str | None = field(default=None, init=False)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TokenizeSettings = ctx.settings
@@ -331,40 +340,34 @@ class TokenizeStage(BatchStage):
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         return plan_chunks(ctx.state["files"])
 
-    def worker_args(self, ctx: StageContext) -> tuple[Any, ...]:
-        return (ctx.settings, ctx.state["probe"])
+    def bind(self, ctx: StageContext) -> None:
+        self.settings, self.template_probe = ctx.settings, ctx.state["probe"]
 
-    @classmethod
-    def setup(cls, settings: TokenizeSettings, template_probe: Any) -> dict[str, Any]:
-        return {"tokenizer": load_tokenizer(settings.model), "probe": template_probe,
-                "settings": settings, "template": read_template(settings.chat_template)}
+    def setup(self) -> None:
+        self.tokenizer = load_tokenizer(self.settings.model)
+        self.chat_template = read_template(self.settings.chat_template)
 
-    @classmethod
-    def load(cls, worker: Any, item: WorkItem) -> pa.Table:
+    def load(self, item: WorkItem) -> pa.Table:
         path, group, start, length = item.payload
         # pyarrow, not polars: polars' thread pool does not survive a fork (a worker hangs)
         table = pq.ParquetFile(path).read_row_group(group, columns=COLUMNS)
         return table.slice(start, length)
 
-    @classmethod
-    def process_batch(cls, worker: Any, batch: pa.Table, item: WorkItem) -> BatchOutput:
+    def process_batch(self, batch: pa.Table, item: WorkItem) -> BatchOutput:
         from dflash_etl.templates.render import render_limits
 
-        settings: TokenizeSettings = worker["settings"]
-        with render_limits(settings.render_limits):  # in the worker: a hung render ends here
+        with render_limits(self.settings.render_limits):  # in the worker: a hung render ends
             rows, quarantine, per_source = tokenize_rows(
-                batch.to_pylist(), worker["tokenizer"], worker["probe"], settings,
-                worker["template"])
+                batch.to_pylist(), self.tokenizer, self.template_probe, self.settings,
+                self.chat_template)
         # the token frequencies are counted from the row files when they are joined (a
         # chunk's counts, kept per result, grew the parent by ~1.5 kB per conversation)
         return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE)
                            if quarantine else pa.Table.from_batches([], QUARANTINE), per_source)
 
-    def execute(self, ctx: StageContext) -> dict[str, Any]:
+    def while_working(self) -> AbstractContextManager[Callable[[], None]]:
         # the gate's imports (pandera for the contract), while the workers work
-        with suites.warming_up(("pandera.polars",)) as warm_up:
-            ctx.state["on_forked"] = warm_up
-            return super().execute(ctx)
+        return suites.warming_up(("pandera.polars",))
 
     def contract_params(self, ctx: StageContext) -> dict[str, Any]:
         return _contract_params(len(ctx.state["tokenizer"]), ctx.settings)
