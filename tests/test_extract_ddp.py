@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_etl.core.config import load_config
+from dflash_etl.core.distributed import assign_by_cost as assign_shards
 from dflash_etl.stages import extract
-from dflash_etl.stages.extract import assign_shards, shard_cost, shard_plan
+from dflash_etl.stages.extract import shard_cost, shard_plan
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_ROWS = 16  # several shards per rank on the default data
@@ -124,6 +125,11 @@ def _rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
+def _marker(partial: Path, shard: int) -> Path:
+    """The done marker of a shard (a work item of the extract batch stage)."""
+    return partial / "units" / f"u{shard:06d}.done.json"
+
+
 def _plan(run_dir: Path, world: int) -> list[list[int]]:
     import pyarrow as pa
 
@@ -152,7 +158,7 @@ def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(tiny_target, de
     deadline = time.monotonic() + 300
     killed = False
     while launch.poll() is None and time.monotonic() < deadline:
-        if (partial / "shards" / f"shard-{mine[1][0]:05d}.json").exists():
+        if _marker(partial, mine[1][0]).exists():
             pid = _rank_pid(run_dir, 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -166,13 +172,13 @@ def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(tiny_target, de
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"][
         "status"] != "complete"
     finished = [n for n in range(sum(map(len, mine)))
-                if (partial / "shards" / f"shard-{n:05d}.json").exists()]
+                if _marker(partial, n).exists()]
     assert mine[1][0] in finished
     kept = {f"shard-{n:05d}.safetensors": (partial / "hidden_states" / f"shard-{n:05d}"
                                             ".safetensors").stat().st_mtime_ns for n in finished}
 
     # rank 1 cannot write one of its unfinished shards (a directory is in the way)
-    todo = [n for n in mine[1] if not (partial / "shards" / f"shard-{n:05d}.json").exists()]
+    todo = [n for n in mine[1] if not _marker(partial, n).exists()]
     assert todo, "rank 1 finished before it was killed: use smaller shards"
     blocker = partial / "hidden_states" / f"shard-{todo[-1]:05d}.safetensors"
     blocker.mkdir()
@@ -182,7 +188,7 @@ def test_a_lost_or_failing_rank_fails_the_run_which_then_resumes(tiny_target, de
     assert "rank 1 failed: extract: Is a directory" in result.stderr, result.stderr[-3000:]
     info = json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"]
     assert info["status"] == "failed" and "rank 1 failed" in info["error"]
-    assert all((partial / "shards" / f"shard-{n:05d}.json").exists() for n in mine[0])
+    assert all(_marker(partial, n).exists() for n in mine[0])
 
     blocker.rmdir()
     result = subprocess.run(_torchrun(3, run_dir, tiny_target), capture_output=True, text=True,

@@ -58,7 +58,7 @@ KILL_POINTS = [
     ("ingest's publishing", lambda run: (run / "ingest").is_dir(), 0.0),
     ("regenerate", _lines_at_least(".regenerate.partial/generations.jsonl", 120), 3.0),
     ("tokenize", _any(".tokenize.partial/units/*.done.json"), 0.2),
-    ("extract", _any(".extract.partial/shards/*.json"), 0.0),  # 2 shards: over in a blink
+    ("extract", _any(".extract.partial/units/*.done.json"), 0.0),  # 2 shards: over in a blink
     ("train, before its first checkpoint", _lines_at_least(".train.partial/log.jsonl", 20), 2.0),
     ("train", _any(".train.partial/checkpoints/step-000100/state.json"), 4.0),
 ]

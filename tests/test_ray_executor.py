@@ -168,3 +168,26 @@ def test_choosing_ray_without_it_names_the_install(tmp_path, monkeypatch):
                                                                  "sources")}]}, tmp_path)
     with pytest.raises(StageError, match=r"pip install 'dflash-etl\[ray\]'"):
         ingest.run(config, tmp_path / "run")
+
+
+def test_extract_on_ray_equals_local(tmp_path, local_ray, tiny_target, default_tokenized,
+                                     copy_run):
+    """extract's shards as work items on Ray actors, one target replica per actor (sized by
+    the stage's declared resources: 1 CPU, no GPU here): the same states, index and stats as
+    the local executor's one process, byte for byte."""
+    import torch
+
+    from dflash_etl.stages import extract
+
+    runs = {e: copy_run(default_tokenized, tmp_path / e, "*extract*", "docs")
+            for e in ("local", "ray")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each 1-CPU actor runs (Ray sets OMP_NUM_THREADS=1)
+    try:
+        docs = {e: extract.run(None, runs[e], progress=False, model=str(tiny_target),
+                               shard_rows=32, executor=e) for e in runs}
+    finally:
+        torch.set_num_threads(threads)
+    assert docs["ray"] == docs["local"]
+    assert docs["ray"]["total"]["rows_out"] > 300
+    assert_same_output(runs["local"], runs["ray"], "extract")

@@ -65,6 +65,8 @@ def run_one(spec: StageSpec, args: argparse.Namespace) -> int:
         if code is not None:
             return code
     doc = spec.module().run(config, args.run, **options)
+    if not doc:  # a rank other than 0 of a torchrun launch: rank 0 reports
+        return 0
     return SUMMARIES.get(spec.name, _summary)(spec.name, Path(args.run), doc)
 
 
@@ -126,8 +128,6 @@ def _summary_regenerate(name: str, run: Path, doc: dict[str, Any]) -> int:
 
 
 def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
-    if not doc:  # a torchrun rank other than 0: rank 0 reports
-        return 0
     if doc.get("plan"):
         return _summary_extract_plan(run, doc)
     out = run / "extract"
@@ -159,8 +159,6 @@ def _summary_extract_plan(run: Path, doc: dict[str, Any]) -> int:
 
 
 def _summary_train(name: str, run: Path, doc: dict[str, Any]) -> int:
-    if not doc:  # a torchrun rank other than 0: rank 0 reports
-        return 0
     from dflash_etl.core.rundir import RunDir
 
     out = run / "train"

@@ -1,4 +1,4 @@
-"""Ranks under torchrun, shared by the runner, extract and train.
+"""Ranks under torchrun: the runner joins them, the torchrun executor splits work over them.
 
 torchrun (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) starts one
 process per rank, on one node or many with a shared run directory. Rank 0 alone owns the run
@@ -73,6 +73,18 @@ def device_for_rank(device: str) -> str:
     if rank_world()[1] > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
         return f"cuda:{rank_gpu()}"
     return device
+
+
+def assign_by_cost(costs: list[int], world: int) -> list[list[int]]:
+    """Work item positions per rank, balanced by cost: the costliest item first, each to the
+    least loaded rank (the lowest on a tie). Deterministic, so every rank computes the same
+    assignment without talking to the others."""
+    loads, mine = [0] * world, [[] for _ in range(world)]
+    for n in sorted(range(len(costs)), key=lambda n: (-costs[n], n)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        mine[r].append(n)
+        loads[r] += costs[n]
+    return [sorted(m) for m in mine]
 
 
 def barrier(world: int) -> None:

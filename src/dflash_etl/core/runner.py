@@ -1,7 +1,9 @@
 """The one lifecycle every stage runs through.
 
-settings -> lock -> prepare (inputs, fingerprint) -> skip if complete and intact -> partial
-directory -> execute (the work) -> accounting, contract, suite -> publish or fail -> report.
+settings -> lock -> (under torchrun: join the ranks) -> prepare (inputs, fingerprint) -> skip if
+complete and intact -> partial directory -> execute (the work) -> accounting, contract, suite ->
+publish or fail -> report. Under torchrun rank 0 alone holds the lock and writes the run
+directory; every rank prepares and executes (its executor gives it its share of the work).
 Any error ends with the stage marked `failed` in the manifest, with the same message the user
 sees.
 """
@@ -18,7 +20,7 @@ from typing import Any
 
 from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
-from dflash_etl.core.distributed import rank_world
+from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_world
 from dflash_etl.core.errors import StageError, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
@@ -41,9 +43,10 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     was already complete for the same inputs and its published files are intact). `shell`:
     what the layers above lend (see `Shell`); `dflash_etl.stages.shell.run_stage` passes it."""
     shell = shell or Shell()
-    shell.start_gate(stage.name)  # its great_expectations loads meanwhile
-    run = RunDir(run_dir)
     rank, world = rank_world()
+    if rank == 0:  # rank 0 alone gates
+        shell.start_gate(stage.name)  # its great_expectations loads meanwhile
+    run = RunDir(run_dir)
     run_config = config.run if config else None
     ctx = StageContext(
         name=stage.name, run=run, config=config, progress=progress, workers=workers,
@@ -63,6 +66,10 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             if rank == 0:
                 _recover(run, stage.name)
             ctx.settings = shell.settings(stage.name, config, run.root, overrides)
+            # under torchrun every rank joins here, after rank 0's recovery; the launch's
+            # deadline for a lost rank is the stage's dist_timeout_s
+            ctx.rank, ctx.world = join(getattr(ctx.settings, "dist_timeout_s",
+                                               DEFAULT_TIMEOUT_S))
             ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
             if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
                                                           say=_say)):
@@ -75,7 +82,9 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             else:
                 ctx.partial = run.partial_dir(stage.name)
             begun = True
-            stage.begin(ctx)
+            if rank == 0:
+                stage.begin(ctx)
+            barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
             doc = stage.execute(ctx)
             if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
                 check_accounting(doc, stage.name)
@@ -93,6 +102,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             raise error from exc
         if rank == 0:
             _publish_docs(ctx)
+        barrier(ctx.world)  # rank 0 has published: every rank ends with the output in place
         stage.end(ctx)
         return doc
 

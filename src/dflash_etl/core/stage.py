@@ -2,10 +2,11 @@
 
 A stage says how to make its settings, `prepare` (find its inputs; what its fingerprint covers),
 and `execute` (write its output into the partial directory and return its stats document).
-CPU stages that split into independent work items are `BatchStage`s: an object whose fields are
+Stages that split into independent work items are `BatchStage`s: an object whose fields are
 what its workers need (`bind` sets them), a per-worker `setup`, a `load` of one item's input, a
-pure `process_batch`, and a `finish` over all items' results; an executor (local process pool or
-Ray Data) sends the stage object to its workers and runs the items, so the stage never sees how.
+pure `process_batch`, and a `finish` over all items' results; an executor (local process pool, Ray
+Data, or the ranks of a torchrun launch) sends the stage object to its workers and runs the items,
+so the stage never sees how.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Stage:
         return None
 
     def begin(self, ctx: StageContext) -> None:
-        """The partial directory exists (and may hold an interrupted run's work)."""
+        """The partial directory exists (and may hold an interrupted run's work); on rank 0
+        alone, before the other ranks go on: what it writes, they see."""
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         """Write the output into ctx.partial; returns the stats document (the runner checks its
@@ -94,6 +96,18 @@ class WorkItem:
 
     index: int
     payload: Any
+    cost: int = 1  # what running it costs (padded tokens...): the torchrun executor balances it
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one worker of a batch stage holds: the executors size their workers from it (Ray
+    actors ask for these CPUs and GPUs; `local_workers` caps the local process pool, 1 for a
+    stage whose worker holds a model replica: it runs in this process)."""
+
+    cpus: float = 1
+    gpus: float = 0
+    local_workers: int | None = None
 
 
 @dataclass
@@ -116,6 +130,10 @@ class BatchStage(Stage):
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         raise NotImplementedError
+
+    def resources(self) -> Resources:
+        """What each worker needs (after `bind`): one CPU, unless the stage says otherwise."""
+        return Resources()
 
     def bind(self, ctx: StageContext) -> None:
         """Set the fields the workers need from what the runner and `prepare` found."""
@@ -149,6 +167,8 @@ class BatchStage(Stage):
             items = self.plan(ctx)
             self.bind(ctx)
             results = ctx.shell.executor(ctx).map(self, ctx, items, work_dir, workers_started)
+            if ctx.rank != 0:  # under torchrun rank 0 alone finishes, gates and publishes
+                return {}
             return self.finish(ctx, results, work_dir)
 
     def cleanup(self, ctx: StageContext) -> None:
@@ -157,7 +177,8 @@ class BatchStage(Stage):
 
 class Executor(Protocol):
     """Runs a batch stage's work items (skipping those done before) and returns their results
-    in item order; it never changes what an item produces."""
+    in item order (on rank 0: the others' list is empty); it never changes what an item
+    produces."""
 
     def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem], work_dir: Path,
             workers_started: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:

@@ -1,8 +1,9 @@
 """Executors run a batch stage's work items; they never change what the items produce.
 
 `local` (the default) forks a process pool on this machine; `ray` runs the same items as Ray
-Data `map_batches` over a Ray cluster. Both skip items finished before (resume) and return the
-items' results in item order, so `finish` and the outputs are the same on either.
+Data `map_batches` over a Ray cluster; under a torchrun launch (WORLD_SIZE > 1) the items are
+split over its ranks, whatever the executor setting. Each skips items finished before (resume)
+and returns the items' results in item order, so `finish` and the outputs are the same on any.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ EXECUTORS = ("local", "ray")
 
 
 def get_executor(ctx: StageContext) -> Executor:
+    if ctx.world > 1:  # this process is one rank of a launch: the ranks are the workers
+        from dflash_etl.executors.torchrun import TorchrunExecutor
+
+        return TorchrunExecutor()
     if ctx.executor == "local":
         from dflash_etl.executors.local import LocalExecutor
 

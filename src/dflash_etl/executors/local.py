@@ -67,7 +67,8 @@ class LocalExecutor:
     def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem], work_dir: Path,
             workers_started: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
         results, todo = split_done(items, work_dir)
-        n_workers = max(1, min(ctx.n_workers(), len(todo)))
+        cap = stage.resources().local_workers or len(todo)  # a model replica: this process
+        n_workers = max(1, min(ctx.n_workers(), len(todo), cap))
         with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
             bar.advance(len(results))
             if todo:

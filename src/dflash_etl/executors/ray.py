@@ -42,6 +42,15 @@ def items_per_task(n_items: int, actors: int) -> int:
     return max(1, min(MAX_ITEMS_PER_TASK, n_items // (actors * TASKS_PER_ACTOR)))
 
 
+def actors_fitting(cluster: dict[str, float], cpus: float, gpus: float) -> int:
+    """How many actors of `cpus` CPUs and `gpus` GPUs each the cluster holds at once (at least
+    one: Ray then waits for the resources, and says so)."""
+    fits = [cluster.get("CPU", 1) / cpus] if cpus else []
+    if gpus:
+        fits.append(cluster.get("GPU", 0) / gpus)
+    return max(1, int(min(fits, default=1)))
+
+
 def import_ray() -> Any:
     try:
         import ray
@@ -133,16 +142,17 @@ class RayExecutor:
 
         DataContext.get_current().enable_progress_bars = False  # ours is drawn instead
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per dataset, per stage
-        actors = ctx.workers or (ctx.config.run.workers if ctx.config else 0) or max(
-            1, int(ray.cluster_resources().get("CPU", 1)))
-        actors = max(1, min(actors, len(todo)))
+        need = stage.resources()
+        actors = max(1, min(ctx.workers or (ctx.config.run.workers if ctx.config else 0)
+                            or actors_fitting(ray.cluster_resources(), need.cpus, need.gpus),
+                            len(todo)))
         per_task = items_per_task(len(todo), actors)
         rows = [{"item": pickle.dumps(item)} for item in todo]
         dataset = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // per_task))
         mapped = dataset.map_batches(
             _Actor, fn_constructor_args=(stage, str(work_dir)),
-            batch_size=per_task, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1,
-            batch_format="numpy")
+            batch_size=per_task, compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=need.cpus, num_gpus=need.gpus or None, batch_format="numpy")
         try:
             for row in mapped.iter_rows():
                 yield json.loads(row["result"])

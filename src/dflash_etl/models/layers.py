@@ -7,15 +7,22 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.models.target import parse_layers, text_config
 
 
-def target_layer_count(model: str) -> int:
-    """The target's decoder layer count, from its (text) config (no weights loaded)."""
+def target_shape(model: str) -> tuple[int, int]:
+    """The target's (decoder layer count, hidden size), from its (text) config (no weights
+    loaded)."""
     from dflash_etl.models.loading import load_config, refuse_remote_code
 
     refuse_remote_code(model)
     try:
-        return int(text_config(load_config(model)).num_hidden_layers)
+        config = text_config(load_config(model))
+        return int(config.num_hidden_layers), int(config.hidden_size)
     except Exception as exc:  # transformers raises many types for a bad directory
         raise StageError(f"cannot read the target's config in {model}: {exc}") from exc
+
+
+def target_layer_count(model: str) -> int:
+    """The target's decoder layer count, from its (text) config (no weights loaded)."""
+    return target_shape(model)[0]
 
 
 def resolve_layers(layers: str, model: str, draft_layers: int) -> list[int]:

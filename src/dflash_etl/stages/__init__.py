@@ -109,7 +109,7 @@ STAGES = StageRegistry(
         name="extract", module_path="dflash_etl.stages.extract",
         stage_class_name="ExtractStage", settings_class_name="ExtractSettings",
         section="extract", help="tokenized rows -> the target's hidden states",
-        contract="hidden_states", output="index.parquet",
+        contract="hidden_states", output="index.parquet", batch=True,
         requires="model", target_fallback=True, after=("tokenize",),
     ),
     StageSpec(

@@ -19,7 +19,6 @@ Output (runs/<name>/extract/):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from dataclasses import asdict, dataclass, replace
@@ -37,20 +36,21 @@ from dflash_etl.core.config import (
     setting,
     stage_settings,
 )
-from dflash_etl.core.distributed import (
-    agree,
-    barrier,
-    device_for_rank,
-    join,
-    rank_world,
-)
+from dflash_etl.core.distributed import device_for_rank, rank_world
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.outputs import HiddenStatesOutput
 from dflash_etl.core.progress import progress_bar, size_text
 from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.core.stage import (
+    BatchOutput,
+    BatchStage,
+    Resources,
+    StageContext,
+    WorkItem,
+    item_paths,
+)
 from dflash_etl.models.identity import model_identity
-from dflash_etl.models.layers import resolve_layers
+from dflash_etl.models.layers import resolve_layers, target_shape
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target
@@ -70,6 +70,7 @@ INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()
 PLACEMENT = ("device_map", "max_memory")  # settings left out of the fingerprint
 Q_NON_FINITE = "non_finite_hidden_states"
 Q_UNHEALTHY = "unhealthy_hidden_states"  # a shard failing the health check (validation/health.py)
+QUARANTINE = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("reason", pa.string())])
 
 
 @dataclass(frozen=True)
@@ -182,17 +183,6 @@ def shard_plan(lengths: list[int], shard_rows: int) -> list[list[int]]:
 def shard_cost(lengths: list[int], batch_tokens: int) -> int:
     """The padded tokens a shard's forward passes run: what its extraction costs."""
     return sum(max(lengths[i] for i in b) * len(b) for b in length_batches(lengths, batch_tokens))
-
-
-def assign_shards(costs: list[int], world: int) -> list[list[int]]:
-    """Shard numbers per rank, balanced by cost: the costliest shard first, each to the least
-    loaded rank (the lowest on a tie). Deterministic, so every rank computes the same plan."""
-    loads, mine = [0] * world, [[] for _ in range(world)]
-    for n in sorted(range(len(costs)), key=lambda n: (-costs[n], n)):
-        r = min(range(world), key=lambda r: (loads[r], r))
-        mine[r].append(n)
-        loads[r] += costs[n]
-    return [sorted(m) for m in mine]
 
 
 # ---------------------------------------------------------------- shell
@@ -365,134 +355,143 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n
     return problems
 
 
-class ExtractStage(Stage):
-    """Tokenized rows -> the target's hidden states at the chosen layers."""
+class ExtractStage(BatchStage):
+    """Tokenized rows -> the target's hidden states at the chosen layers. A batch stage whose
+    work items are the shards: in this process on the local executor (one model replica),
+    one replica per actor on Ray, the ranks' token-balanced shares under torchrun; each shard's
+    states file is the same whoever writes it, so every executor publishes the same output."""
 
     name = STAGE
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: ExtractSettings = ctx.settings
         files = _dataset_files(ctx.run)
-        table = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
-                                  for f in files])
-        rows = table.to_pylist()
-        for position, row in enumerate(rows):
-            row["row"] = position
+        lengths = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]).column(
+            "input_ids").combine_chunks().value_lengths().to_pylist()
         layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
-        ctx.state["rows"] = rows
-        # under torchrun every rank prepares; joining the group waits for rank 0's recovery
-        ctx.rank, ctx.world = join(settings.dist_timeout_s)
+        n_layers, hidden = target_shape(settings.model)
+        ctx.state.update(files=files, lengths=lengths, layers=layers, n_layers=n_layers,
+                         hidden=hidden)
         return {"settings": fingerprinted(settings), "layers": layers,
                 "inputs": [sha256_file(f) for f in files],
                 "model": model_identity(settings.model)}
 
     def begin(self, ctx: StageContext) -> None:
-        barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
+        settings: ExtractSettings = ctx.settings
+        layers, n_layers = ctx.state["layers"], ctx.state["n_layers"]
+        stored = stored_layers(layers, n_layers, settings.format)
+        need = _check_disk(ctx.partial, sum(ctx.state["lengths"]), len(stored),
+                           ctx.state["hidden"], settings.dtype)
+        ctx.run.update_stage(STAGE, settings=asdict(settings), layers=layers,
+                             stored_layers=stored, n_layers=n_layers, estimated_bytes=need,
+                             ranks=ctx.world)
 
-    def execute(self, ctx: StageContext) -> dict[str, Any]:
-        rows = ctx.state["rows"]
-        lengths = [len(r["input_ids"]) for r in rows]
-        shards = shard_plan(lengths, ctx.settings.shard_rows)
-        target, error = None, None
-        try:
-            target = _extract_share(ctx, rows, shards)
-        except Exception as exc:  # every rank hears of it, and rank 0 records it
-            error = exc
-        agree(error, ctx.world, STAGE)
-        if ctx.rank != 0:
-            return {}  # rank 0 merges, checks and publishes
-        assert target is not None
-        stored = stored_layers(target.layers, target.n_layers, ctx.settings.format)
-        return _merge(ctx, rows, shards, target, stored, sum(lengths))
+    def plan(self, ctx: StageContext) -> list[WorkItem]:
+        """One item per shard, its cost the padded tokens of its forward passes."""
+        lengths = ctx.state["lengths"]
+        batch_tokens = ctx.settings.batch_tokens
+        return [WorkItem(n, members, cost=shard_cost([lengths[i] for i in members],
+                                                     batch_tokens))
+                for n, members in enumerate(shard_plan(lengths, ctx.settings.shard_rows))]
 
-    def cleanup(self, ctx: StageContext) -> None:
-        shutil.rmtree(ctx.partial / "shards", ignore_errors=True)
+    def bind(self, ctx: StageContext) -> None:
+        self.settings: ExtractSettings = ctx.settings
+        self.files: list[Path] = ctx.state["files"]
+        self.partial: Path = ctx.partial
 
+    def resources(self) -> Resources:
+        """A worker holds one replica of the target: a GPU where it runs on one (with
+        --device-map auto, the GPUs its worker sees), and one worker process per machine."""
+        device = self.settings.device
+        on_gpu = device.startswith("cuda") or (device == "auto" and _cuda_available())
+        return Resources(cpus=1, gpus=1 if on_gpu else 0, local_workers=1)
 
-def _extract_share(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]]
-                   ) -> Target:
-    """This rank's shards (all of them in one process), each written with its done marker;
-    those marked before are skipped (resume). Returns the loaded target."""
-    settings: ExtractSettings = ctx.settings
-    partial = ctx.partial
-    # loaded only when there is work: a big target takes minutes
-    target = Target(replace(settings, device=device_for_rank(settings.device)))
-    lengths = [len(r["input_ids"]) for r in rows]
-    stored = stored_layers(target.layers, target.n_layers, settings.format)
-    if ctx.rank == 0:
-        need = _check_disk(partial, sum(lengths), len(stored), target.hidden, settings.dtype)
-        ctx.run.update_stage(STAGE, settings=asdict(settings), layers=target.layers,
-                             stored_layers=stored, n_layers=target.n_layers,
-                             estimated_bytes=need, ranks=ctx.world)
-    costs = [shard_cost([lengths[i] for i in m], settings.batch_tokens) for m in shards]
-    mine = assign_shards(costs, ctx.world)[ctx.rank]
-    done_dir = partial / "shards"
-    done_dir.mkdir(exist_ok=True)
-    with progress_bar("extract", total=len(mine),
-                      enabled=ctx.progress if ctx.rank == 0 else False) as bar:
-        for n in mine:
-            marker = done_dir / f"shard-{n:05d}.json"
-            if not marker.exists():  # else done before: resume
-                got, quarantined, padded_tokens, health = _write_shard(
-                    target, settings, [rows[i] for i in shards[n]], marker.stem, partial)
-                write_json_atomic(marker, {"index": got, "quarantine": quarantined,
-                                           "padded": padded_tokens, "health": health})
-            bar.advance(1)
-    return target
+    def setup(self) -> None:
+        # loaded only where there is work: a big target takes minutes
+        self.target = Target(replace(self.settings, device=device_for_rank(self.settings.device)))
+        self.dataset = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source",
+                                                               "turn"]) for f in self.files])
 
+    def load(self, item: WorkItem) -> list[dict[str, Any]]:
+        rows = self.dataset.take(pa.array(item.payload, pa.int64())).to_pylist()
+        for position, row in zip(item.payload, rows, strict=True):
+            row["row"] = position
+        return rows
 
-def _merge(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]],
-           target: Target, stored: list[int], tokens: int) -> dict[str, Any]:
-    """Every shard's result, in shard order whichever rank wrote it: one index (by row, as one
-    process writes it), the accounting, the health figures and the gates."""
-    settings: ExtractSettings = ctx.settings
-    partial = ctx.partial
-    lengths = [len(r["input_ids"]) for r in rows]
-    per_source: dict[str, Stats] = {}
-    index: list[dict[str, Any]] = []
-    padded = 0
-    healths: list[list[dict[str, Any]]] = []
-    references: list[dict[str, Any]] = []
-    unhealthy: list[str] = []
-    for n, members in enumerate(shards):
-        name = f"shard-{n:05d}"
-        marker = partial / "shards" / f"{name}.json"
-        try:
-            result = json.loads(marker.read_text())
-        except (OSError, ValueError) as exc:
-            raise StageError(f"extract: {marker} (shard {n}) is missing or unreadable after "
-                             f"every rank finished ({exc}); rerun to redo it") from exc
-        index.extend(result["index"])
-        padded += result["padded"]
-        healths.append(result["health"]["layers"])
-        if result["health"]["reference"]:
-            references.append(result["health"]["reference"])
-        unhealthy += [f"{name}: {p}" for p in result["health"]["problems"]]
-        bad = {(q["id"], q["turn"]): q["reason"] for q in result["quarantine"]}
-        for i in members:
-            stats = per_source.setdefault(rows[i]["source"], Stats(extra={"tokens": 0}))
+    def process_batch(self, batch: list[dict[str, Any]], item: WorkItem) -> BatchOutput:
+        """One shard: its states file (written here, renamed into place whole), and its index
+        rows, quarantined rows, accounting, padded tokens and health for `finish`."""
+        index, quarantined, padded, health = _write_shard(
+            self.target, self.settings, batch, f"shard-{item.index:05d}", self.partial)
+        bad = {(q["id"], q["turn"]): q["reason"] for q in quarantined}
+        per_source: dict[str, Stats] = {}
+        for row in batch:
+            stats = per_source.setdefault(row["source"], Stats(extra={"tokens": 0}))
             stats.rows_in += 1
-            if (rows[i]["id"], rows[i]["turn"]) in bad:
-                stats.quarantine(bad[rows[i]["id"], rows[i]["turn"]])
+            if (row["id"], row["turn"]) in bad:
+                stats.quarantine(bad[row["id"], row["turn"]])
             else:
                 stats.rows_out += 1
-                stats.extra["tokens"] += lengths[i]
-    pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
-                   partial / "index.parquet")
-    doc = stats_document(per_source, STAGE)
-    doc["total"].update({"layers": target.layers, "stored_layers": stored,
-                         # the same layers in both conventions (README: which ids go where)
-                         "target_layer_ids": target.layers,
-                         "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(
-                             target.layers),
-                         "n_layers": target.n_layers,
-                         "hidden_size": target.hidden, "dtype": settings.dtype,
-                         "format": settings.format,
-                         "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
-    doc["health"] = {"layers": summarize(healths), "limits": asdict(
-        HealthLimits.for_dtype(settings.dtype)), "reference_rows": len(references),
-        "reference_max_rel": max((r["max_rel"] for r in references), default=None),
-        "problems": unhealthy}
+                stats.extra["tokens"] += len(row["input_ids"])
+        return BatchOutput(rows=pa.Table.from_pylist(index, schema=INDEX),
+                           quarantine=pa.Table.from_pylist(quarantined, schema=QUARANTINE),
+                           stats=per_source, extra={"padded": padded, "health": health})
+
+    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
+               ) -> dict[str, Any]:
+        """Every shard's result, in shard order whichever worker wrote it: one index (by row,
+        as one process writes it), the accounting, the health figures and the gates."""
+        settings: ExtractSettings = ctx.settings
+        per_source: dict[str, Stats] = {}
+        for result in results:
+            for source, data in result["sources"].items():
+                per_source.setdefault(source, Stats()).merge(Stats.from_dict(data))
+        index = [e for r in results
+                 for e in pq.read_table(item_paths(work_dir, r["index"])[0]).to_pylist()]
+        pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
+                       ctx.partial / "index.parquet")
+        layers, n_layers = ctx.state["layers"], ctx.state["n_layers"]
+        stored = stored_layers(layers, n_layers, settings.format)
+        doc = stats_document(per_source, STAGE)
+        padded = sum(r["padded"] for r in results)
+        tokens = sum(ctx.state["lengths"])
+        doc["total"].update({"layers": layers, "stored_layers": stored,
+                             # the same layers in both conventions (README: which ids go where)
+                             "target_layer_ids": layers,
+                             "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
+                             "n_layers": n_layers, "hidden_size": ctx.state["hidden"],
+                             "dtype": settings.dtype, "format": settings.format,
+                             "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
+        doc["health"] = _health_document(results, settings.dtype)
+        _gate_states(ctx, doc, bool(index), len(stored))
+        return doc
+
+    def cleanup(self, ctx: StageContext) -> None:
+        super().cleanup(ctx)
+        shutil.rmtree(ctx.partial / "shards", ignore_errors=True)  # an older version's markers
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _health_document(results: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
+    """The shards' health, summed up: per-layer figures, the reference re-runs, the problems."""
+    references = [r["health"]["reference"] for r in results if r["health"]["reference"]]
+    return {"layers": summarize([r["health"]["layers"] for r in results]),
+            "limits": asdict(HealthLimits.for_dtype(dtype)), "reference_rows": len(references),
+            "reference_max_rel": max((r["max_rel"] for r in references), default=None),
+            "problems": [f"shard-{r['index']:05d}: {p}" for r in results
+                         for p in r["health"]["problems"]]}
+
+
+def _gate_states(ctx: StageContext, doc: dict[str, Any], kept_any: bool, n_stored: int) -> None:
+    """The health check, a non-empty output and the contract, in that order; stats.json is
+    written with a failed health check (its numbers say why) and with a passed contract."""
+    unhealthy = doc["health"]["problems"]
+    partial = ctx.partial
     if unhealthy:
         write_json_atomic(partial / "stats.json", doc)
         raise ContractError(
@@ -501,18 +500,18 @@ def _merge(ctx: StageContext, rows: list[dict[str, Any]], shards: list[list[int]
             + "\nStates that are zeros or differ from the same row run alone are wrong even "
             "though finite: check the target's architecture support, or --batch-tokens 1 "
             "to rule padding out", {"problems": unhealthy})
-    if not index:
-        raise StageError(f"extract kept no rows of {len(rows)}: every row's hidden states "
-                         f"were non-finite ({Q_NON_FINITE}); try --dtype fp32")
-    problems = verify(partial, {r["row"]: r["input_ids"] for r in rows},
-                      len(stored), target.hidden)
+    if not kept_any:
+        raise StageError(f"extract kept no rows of {len(ctx.state['lengths'])}: every row's "
+                         f"hidden states were non-finite ({Q_NON_FINITE}); try --dtype fp32")
+    ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in ctx.state["files"]]
+                           ).column("input_ids").to_pylist()
+    problems = verify(partial, dict(enumerate(ids)), n_stored, ctx.state["hidden"])
     write_json_atomic(partial / "contract.json", {"passed": not problems,
                                                   "problems": problems})
     if problems:
         raise ContractError("the extract contract failed:\n  - " + "\n  - ".join(problems),
                             {"problems": problems})
     write_json_atomic(partial / "stats.json", doc)
-    return doc
 
 
 # ---------------------------------------------------------------- the dry run (--plan)

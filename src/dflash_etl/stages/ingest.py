@@ -215,8 +215,9 @@ class IngestStage(BatchStage):
             {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
             for s, resolved in sources for p in resolved.paths
         ]
-        ctx.run.update_manifest(config=config.to_dict(), config_hash=config.digest(),
-                                inputs=inputs)
+        if ctx.rank == 0:  # under torchrun rank 0 alone writes the run directory
+            ctx.run.update_manifest(config=config.to_dict(), config_hash=config.digest(),
+                                    inputs=inputs)
         ctx.state["sources"] = sources
         return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
                 "settings": dataclasses.asdict(ctx.settings)}

@@ -34,7 +34,6 @@ from dflash_etl.core.config import (
     setting,
     stage_settings,
 )
-from dflash_etl.core.distributed import barrier, join
 from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.outputs import HiddenStatesOutput, TokenizedOutput
 from dflash_etl.core.rundir import (
@@ -276,13 +275,13 @@ def check_output(out: Path) -> tuple[int, int, list[str]]:
 
 class TrainStage(Stage):
     """Hidden states (or the target, online) -> a DFlash drafter and its tau. Under torchrun
-    every rank runs it; rank 0 alone owns the run directory (lock, partial, publish)."""
+    every rank runs it (the runner joins them: ctx.rank, ctx.world) and trains on its share of
+    each step's batch (DDP); rank 0 alone owns the run directory (lock, partial, publish)."""
 
     name = STAGE
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TrainSettings = ctx.settings
-        ctx.rank, ctx.world = join(settings.dist_timeout_s)
         rows, files = _load_rows(ctx.run)
         t2d = None
         if settings.head_vocab == "draft":
@@ -299,9 +298,6 @@ class TrainStage(Stage):
         ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
                          layers_from=layers_from, t2d=t2d)
         return _fingerprint_payload(settings, files, extract_fp, None if extracted else layers)
-
-    def begin(self, ctx: StageContext) -> None:
-        barrier(ctx.world)  # rank 0 has prepared the partial directory
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         call = Timer()  # this call's seconds, recorded with each checkpoint (see _train)
@@ -333,7 +329,6 @@ class TrainStage(Stage):
             trainer.states.close()
 
     def end(self, ctx: StageContext) -> None:
-        barrier(ctx.world)  # rank 0 has published
         if ctx.rank == 0:
             from dflash_etl.models.serving import vllm_command
 
