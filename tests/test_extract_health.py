@@ -14,6 +14,7 @@ from dflash_etl.validation.health import (
     reference_diff,
     shard_problems,
 )
+from dflash_etl.validation.model_outputs import check_states
 
 torch = pytest.importorskip("torch")
 
@@ -105,5 +106,5 @@ def test_check_finds_zeros_in_published_states(default_tokenized, tiny_target, t
     data = load_file(str(shard))
     data["hidden_states"][:, 0] = 0  # layer 1 zeroed, shape and token ids intact
     save_file(data, str(shard))
-    _, _, problems = extract.check_output(run / "extract")
+    _, _, problems = check_states(run / "extract")
     assert any(shard.name in p and "layer 1" in p and "exactly zero" in p for p in problems)

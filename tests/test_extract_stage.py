@@ -16,6 +16,7 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.models.target import Target, auto_layers, parse_layers
 from dflash_etl.stages import extract
 from dflash_etl.stages.extract import length_batches, padding_share
+from dflash_etl.validation.model_outputs import verify_states
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +88,7 @@ def test_speculators_format_resume_and_contract(tiny_target, default_tokenized, 
     save_file(broken, str(files[0]))
     entries = {r["row"]: r["input_ids"] for r in [{"row": k, "input_ids": v}
                                                   for k, v in enumerate(ids)]}
-    problems = extract.verify(run_dir / "extract", entries, 2, 64)
+    problems = verify_states(run_dir / "extract", entries, 2, 64)
     assert problems and "token ids differ" in problems[0]
 
 

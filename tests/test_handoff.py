@@ -219,7 +219,31 @@ def test_export_never_replaces_a_directory_it_did_not_write(native_run, tmp_path
     first = export(native_run, "specforge", out)
     second = export(native_run, "specforge", out)  # its own export: replaced whole
     assert first["rows_out"] == second["rows_out"] and (out / "export.json").is_file()
-    assert not list(tmp_path.glob(".*.partial"))
+    assert not list(tmp_path.glob(".*.partial")) and not list(tmp_path.glob(".*.old"))
+
+
+def test_an_export_whose_publish_fails_leaves_the_previous_one_in_place(native_run, tmp_path,
+                                                                        monkeypatch):
+    """The export publishes as the run's stages do (core.rundir.swap_in): the old export is
+    renamed away, not deleted, until the new one is in; a failed rename puts it back."""
+    import os
+
+    _specforge()
+    out = tmp_path / "out"
+    export(native_run, "specforge", out)
+    before = (out / "export.json").read_bytes()
+    real = os.replace
+
+    def refuse_the_new(src, dst):
+        if str(src).endswith(".out.partial"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_the_new)
+    with pytest.raises(OSError, match="No space left"):
+        export(native_run, "specforge", out)
+    assert (out / "export.json").read_bytes() == before
+    assert not (tmp_path / ".out.old").exists()
 
 
 def test_the_cli_prints_the_commands_and_says_what_is_wrong(native_run, tmp_path, capsys):

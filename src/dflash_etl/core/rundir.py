@@ -205,15 +205,7 @@ class RunDir:
         partial, final, old = self.partial_dir(stage), self.stage_dir(stage), self.old_dir(stage)
         if partial.is_dir():  # not yet renamed in
             (partial / FINGERPRINT).unlink(missing_ok=True)
-            if final.exists():
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(final, old)
-            try:
-                os.replace(partial, final)
-            except BaseException:
-                self._restore_old(stage)  # the old output back in place, never neither
-                raise
+            swap_in(partial, final, old)
         self.update_stage(stage, status="complete")
         shutil.rmtree(old, ignore_errors=True)
 
@@ -243,11 +235,7 @@ class RunDir:
     def _restore_old(self, stage: str) -> bool:
         """A commit whose second rename failed left the old output at `.<stage>.old` and none at
         `<stage>/`: put it back (True when it did)."""
-        old, final = self.old_dir(stage), self.stage_dir(stage)
-        if old.is_dir() and not final.exists():
-            os.replace(old, final)
-            return True
-        return False
+        return restore_old(self.stage_dir(stage), self.old_dir(stage))
 
     def changed_files(self, stage: str) -> list[str]:
         """What differs between the published output and what was published (missing, resized,
@@ -283,3 +271,26 @@ class Timer:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+def swap_in(partial: Path, final: Path, old: Path) -> None:
+    """Publish `partial` as `final`: an existing `final` is renamed to `old` first, and put back
+    when the second rename fails, so `final` is never half deleted, nor gone with nothing in
+    its place. The caller removes `old` once it has recorded the publish."""
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    try:
+        os.replace(partial, final)
+    except BaseException:
+        restore_old(final, old)
+        raise
+
+
+def restore_old(final: Path, old: Path) -> bool:
+    """The old output back at `final` where a publish left none there (True when it did)."""
+    if old.is_dir() and not final.exists():
+        os.replace(old, final)
+        return True
+    return False

@@ -90,6 +90,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
                 check_accounting(doc, stage.name)
                 shell.gate(ctx, doc, stage.contract_params(ctx))
                 stage.cleanup(ctx)
+                doc["total"].update(ctx.call_totals)
                 # a resumed stage's seconds include the earlier calls' work it resumed from
                 seconds = timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
                 run.commit(stage.name, doc["total"], seconds, **ctx.timings)

@@ -47,6 +47,9 @@ class StageContext:
     shell: Shell = field(default_factory=lambda: Shell())
     state: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)  # kept in the manifest, not the data
+    # this call's figures (train's steps_this_run): the returned document's total and the
+    # manifest show them; stats.json, which is data, does not
+    call_totals: dict[str, Any] = field(default_factory=dict)
 
     def n_workers(self) -> int:
         """--workers, else [run] workers, else one per core."""

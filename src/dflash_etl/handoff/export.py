@@ -27,7 +27,7 @@ from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.lock import run_lock
 from dflash_etl.core.outputs import DrafterOutput, HiddenStatesOutput, TokenizedOutput
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, now, remove_tree, write_json_atomic
+from dflash_etl.core.rundir import RunDir, now, remove_tree, swap_in, write_json_atomic
 from dflash_etl.handoff import specforge, speculators
 from dflash_etl.models.serving import aux_hidden_state_layer_ids, vllm_command
 
@@ -61,9 +61,10 @@ def export(run_dir: str | Path, to: str, out: str | Path | None = None, link: st
         doc.update({"to": to, "run": str(run.root.resolve()), "created_at": now()})
         _account(doc)
         write_json_atomic(partial / RECORD, doc)
-        remove_tree(final)
         final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(partial, final)
+        old = final.with_name(f".{final.name}.old")
+        swap_in(partial, final, old)  # the run's own publish: never no export in place
+        remove_tree(old)
     return doc
 
 

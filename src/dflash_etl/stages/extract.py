@@ -18,7 +18,6 @@ Output (runs/<name>/extract/):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from dataclasses import asdict, dataclass, replace
@@ -37,8 +36,7 @@ from dflash_etl.core.config import (
     stage_settings,
 )
 from dflash_etl.core.distributed import device_for_rank, rank_world
-from dflash_etl.core.errors import ContractError, StageError
-from dflash_etl.core.outputs import HiddenStatesOutput
+from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar, size_text
 from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.stage import (
@@ -63,13 +61,12 @@ from dflash_etl.validation.health import (
     shard_problems,
     summarize,
 )
+from dflash_etl.validation.model_outputs import Q_NON_FINITE, Q_UNHEALTHY
 
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
                    ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
 PLACEMENT = ("device_map", "max_memory")  # settings left out of the fingerprint
-Q_NON_FINITE = "non_finite_hidden_states"
-Q_UNHEALTHY = "unhealthy_hidden_states"  # a shard failing the health check (validation/health.py)
 QUARANTINE = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("reason", pa.string())])
 
 
@@ -287,74 +284,6 @@ def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str
     return {"layers": layer_stats, "reference": reference, "problems": problems}
 
 
-def verify(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) -> list[str]:
-    """The contract of an extract output: every indexed row's states are [length, layers, hidden],
-    finite, and stored with token ids equal to the tokenized row. Returns the problems."""
-    from safetensors import safe_open
-
-    index = pq.read_table(out / "index.parquet").to_pylist()
-    problems = []
-    handles: dict[str, Any] = {}
-    with contextlib.ExitStack() as files:
-        for entry in index:
-            if entry["shard"] not in handles:
-                handles[entry["shard"]] = files.enter_context(
-                    safe_open(str(out / "hidden_states" / entry["shard"]), "pt"))
-            problems += _entry_problems(handles[entry["shard"]], entry, rows, n_layers, hidden)
-            if len(problems) >= 20:
-                break
-    return problems
-
-
-def check_output(out: Path) -> tuple[int, int, list[str]]:
-    """`dflash-etl check` on an extract output: (rows, shard files, problems), against the
-    tokenized dataset of the same run (../tokenize/dataset)."""
-    states = HiddenStatesOutput.read(out)
-    dataset = out.parent / "tokenize" / "dataset"
-    files = sorted(dataset.glob("*.arrow"))
-    if not files:
-        return 0, 0, [f"no tokenized dataset at {dataset} to compare the token ids with"]
-    ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]).column(
-        "input_ids").to_pylist()
-    problems = verify(out, dict(enumerate(ids)), len(states.stored_layers), states.hidden_size)
-    problems += health_problems(out, states.stored_layers, HealthLimits.for_dtype(states.dtype))
-    index_rows = pq.read_metadata(states.index_file).num_rows
-    return index_rows, len(list((out / "hidden_states").iterdir())), problems
-
-
-def health_problems(out: Path, layers: list[int], limits: HealthLimits) -> list[str]:
-    """The health check on published states, file by file (no model here, so no reference
-    check): a layer of zeros is wrong however finite and well-shaped it is."""
-    from safetensors import safe_open
-
-    problems: list[str] = []
-    for path in sorted((out / "hidden_states").glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            health = layer_health(f.get_tensor("hidden_states"), layers)
-        problems += [f"{path.name}: {p}" for p in shard_problems(health, None, limits)]
-        if len(problems) >= 20:
-            break
-    return problems
-
-
-def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n_layers: int,
-                    hidden: int) -> list[str]:
-    """One index entry's problems: shape, finite values, token ids."""
-    problems = []
-    a, b = entry["offset"], entry["offset"] + entry["length"]
-    states = f.get_slice("hidden_states")[a:b]
-    tokens = f.get_slice("token_ids")[a:b].tolist()
-    where = f"row {entry['row']} (id {entry['id']}, turn {entry['turn']})"
-    if tuple(states.shape) != (entry["length"], n_layers, hidden):
-        problems.append(f"{where}: states {tuple(states.shape)}, expected "
-                        f"({entry['length']}, {n_layers}, {hidden})")
-    elif not bool(states.float().isfinite().all()):
-        problems.append(f"{where}: non-finite values")
-    if tokens != rows.get(entry["row"]):
-        problems.append(f"{where}: token ids differ from the tokenized row")
-    return problems
-
-
 class ExtractStage(BatchStage):
     """Tokenized rows -> the target's hidden states at the chosen layers. A batch stage whose
     work items are the shards: in this process on the local executor (one model replica),
@@ -463,8 +392,11 @@ class ExtractStage(BatchStage):
                              "dtype": settings.dtype, "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
         doc["health"] = _health_document(results, settings.dtype)
-        _gate_states(ctx, doc, bool(index), len(stored))
         return doc
+
+    def contract_params(self, ctx: StageContext) -> dict[str, Any]:
+        """The tokenized rows the stored token ids must equal."""
+        return {"dataset": ctx.state["files"]}
 
     def cleanup(self, ctx: StageContext) -> None:
         super().cleanup(ctx)
@@ -485,33 +417,6 @@ def _health_document(results: list[dict[str, Any]], dtype: str) -> dict[str, Any
             "reference_max_rel": max((r["max_rel"] for r in references), default=None),
             "problems": [f"shard-{r['index']:05d}: {p}" for r in results
                          for p in r["health"]["problems"]]}
-
-
-def _gate_states(ctx: StageContext, doc: dict[str, Any], kept_any: bool, n_stored: int) -> None:
-    """The health check, a non-empty output and the contract, in that order; stats.json is
-    written with a failed health check (its numbers say why) and with a passed contract."""
-    unhealthy = doc["health"]["problems"]
-    partial = ctx.partial
-    if unhealthy:
-        write_json_atomic(partial / "stats.json", doc)
-        raise ContractError(
-            "the extract health check failed (their rows are quarantined "
-            f"{Q_UNHEALTHY}):\n  - " + "\n  - ".join(unhealthy[:20])
-            + "\nStates that are zeros or differ from the same row run alone are wrong even "
-            "though finite: check the target's architecture support, or --batch-tokens 1 "
-            "to rule padding out", {"problems": unhealthy})
-    if not kept_any:
-        raise StageError(f"extract kept no rows of {len(ctx.state['lengths'])}: every row's "
-                         f"hidden states were non-finite ({Q_NON_FINITE}); try --dtype fp32")
-    ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in ctx.state["files"]]
-                           ).column("input_ids").to_pylist()
-    problems = verify(partial, dict(enumerate(ids)), n_stored, ctx.state["hidden"])
-    write_json_atomic(partial / "contract.json", {"passed": not problems,
-                                                  "problems": problems})
-    if problems:
-        raise ContractError("the extract contract failed:\n  - " + "\n  - ".join(problems),
-                            {"problems": problems})
-    write_json_atomic(partial / "stats.json", doc)
 
 
 # ---------------------------------------------------------------- the dry run (--plan)

@@ -4,8 +4,8 @@ core, resolved here once for every stage from the stage registry's declarations:
 - its settings: its config section, the command line, and the [target] model where the
   registry says the stage falls back to it;
 - the executor its work items run on (local or Ray: --executor / [run] executor);
-- its gate, where the registry gives it a suite: the suite helper started early, then
-  stats.json, the contract and the suite before the output is published;
+- its gate: stats.json, then the contract the registry names and, where it gives one, the
+  suite (its helper started early), before the output is published;
 - the run's HTML report after each stage."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dflash_etl.models.tiny_model import with_target
 from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper, suites
 from dflash_etl.validation.contracts import validate_output
+from dflash_etl.validation.model_outputs import validate_model_output
 
 
 def settings_of(stage: str, config: PipelineConfig | None, run_dir: Path,
@@ -48,13 +49,16 @@ def _start_gate(stage: str) -> None:
 
 
 def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any]) -> None:
-    """stats.json, the contract and the suite the registry names, before the output is
-    published. extract's and train's outputs (no suite) are checked by their own stage: a
-    model's states and a drafter have no contract file."""
+    """stats.json, then the contract and the suite the registry names, before the output is
+    published. extract's and train's contracts (hidden states, a drafter) are code, not a
+    contract file, and they have no suite."""
     spec = STAGES.get(ctx.name)
-    if spec is None or spec.suite is None:
+    if spec is None:
         return
     write_json_atomic(ctx.partial / "stats.json", doc)
+    if spec.suite is None:
+        validate_model_output(spec.contract, ctx.partial, contract_params)
+        return
     thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
                   else suites.Thresholds.from_manifest(ctx.run.root))
     if not spec.contract_beside_suite:

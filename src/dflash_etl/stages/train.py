@@ -18,7 +18,6 @@ checkpoints/, stats.json, contract.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from dflash_etl.core.config import (
     setting,
     stage_settings,
 )
-from dflash_etl.core.errors import ContractError, StageError
+from dflash_etl.core.errors import StageError
 from dflash_etl.core.outputs import HiddenStatesOutput, TokenizedOutput
 from dflash_etl.core.rundir import (
     RunDir,
@@ -46,7 +45,7 @@ from dflash_etl.core.stage import Stage, StageContext
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.models.mask_token import resolve_mask_token
-from dflash_etl.models.training.checkpoints import list_checkpoints, log_through
+from dflash_etl.models.training.checkpoints import log_through
 from dflash_etl.models.training.evaluation import TauEvaluator, eval_prompt, held_out_ids
 from dflash_etl.models.training.loss import anchor_candidates
 from dflash_etl.models.training.states import ExtractedStates
@@ -242,37 +241,6 @@ def _split(rows: list[dict[str, Any]], settings: TrainSettings
     return train_rows, prompts[:settings.eval_prompts], per_source
 
 
-def verify(out: Path, block_size: int) -> list[str]:
-    """The contract of a train output: the drafter loads from its files with finite weights,
-    and eval.json holds finite tau values within [1, block_size]."""
-    import torch
-
-    from dflash_etl.models.drafter import DFlashDrafter
-
-    problems = []
-    try:
-        drafter = DFlashDrafter.load(out / "drafter")
-        if not all(bool(torch.isfinite(p).all()) for p in drafter.parameters()):
-            problems.append("drafter/model.safetensors: non-finite weights")
-    except Exception as exc:  # a broken file raises many types
-        problems.append(f"drafter/: cannot load the drafter: {exc}")
-    evaluation = json.loads((out / "eval.json").read_text())
-    for key in ("tau_untrained", "tau_final"):
-        value = evaluation.get(key)
-        if not isinstance(value, int | float) or not 1.0 <= value <= block_size:
-            problems.append(f"eval.json: {key} = {value!r}, expected a number in "
-                            f"[1, {block_size}]")
-    return problems
-
-
-def check_output(out: Path) -> tuple[int, int, list[str]]:
-    """`dflash-etl check` on a train output: (rows trained on, checkpoints, problems)."""
-    total = json.loads((out / "stats.json").read_text())["total"]
-    checkpoints = (len(list_checkpoints(out / "checkpoints"))
-                   if (out / "checkpoints").is_dir() else 0)
-    return total["rows_out"], checkpoints, verify(out, int(total["block_size"]))
-
-
 class TrainStage(Stage):
     """Hidden states (or the target, online) -> a DFlash drafter and its tau. Under torchrun
     every rank runs it (the runner joins them: ctx.rank, ctx.world) and trains on its share of
@@ -324,6 +292,8 @@ class TrainStage(Stage):
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)
             ctx.timings.update(timing)
+            if timing:  # how much of the training this call did: the run's record, not data
+                ctx.call_totals["steps_this_run"] = timing["steps_this_run"]
             return doc
         finally:
             trainer.states.close()
@@ -378,14 +348,6 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     write_json_atomic(partial / "eval.json", evaluation)
     doc = _stats_document(trainer, settings, per_source, evaluation)
     trained = settings.steps - start
-    problems = verify(partial, settings.block_size)
-    write_json_atomic(partial / "contract.json", {"passed": not problems, "problems": problems})
-    if problems:
-        raise ContractError("the train contract failed:\n  - " + "\n  - ".join(problems),
-                            {"problems": problems})
-    write_json_atomic(partial / "stats.json", doc)
-    # how much of the training this process did is the run's record (the manifest), not data
-    doc["total"]["steps_this_run"] = trained
     return doc, {"steps_per_s": round(trained / seconds, 3) if seconds and trained else None,
                  "steps_this_run": trained, "earlier_seconds": earlier,
                  "seconds_this_run": round(call.seconds, 3), "checkpoint_seconds": None}
