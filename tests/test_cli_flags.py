@@ -246,4 +246,7 @@ def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
                                "ray_address": None, "max_decompressed_bytes": None,
                                "strict_sources": None}
     assert calls["tokenize"]["workers"] == 3 and calls["tokenize"]["seq_length"] is None
-    assert "workers" not in calls["extract"] and calls["extract"]["model"] is None
+    # extract is a batch stage too (its shards are work items: one process locally, whatever
+    # --workers says, as its declared resources cap it; actors on Ray); train is not
+    assert calls["extract"]["workers"] == 3 and calls["extract"]["model"] is None
+    assert "workers" not in calls["train"] and "executor" not in calls["train"]

@@ -157,3 +157,35 @@ def test_ray_actors_are_sized_from_the_stages_resources():
     assert actors_fitting({"CPU": 8.0, "GPU": 2.0}, 1, 1) == 2  # a replica per GPU
     assert actors_fitting({"CPU": 8.0, "GPU": 4.0}, 4, 1) == 2  # the CPUs run out first
     assert actors_fitting({"CPU": 8.0}, 1, 1) == 1  # no GPU yet: one, which Ray waits for
+
+
+class Pids(Squares):
+    """Squares that say which process ran each item."""
+
+    def process_batch(self, batch, item):
+        out = super().process_batch(batch, item)
+        out.extra["pid"] = os.getpid()
+        return out
+
+
+class OneReplica(Pids):
+    """Pids whose worker holds a model replica (extract's declaration)."""
+
+    def resources(self):
+        from dflash_etl.core.stage import Resources
+
+        return Resources(cpus=1, gpus=1, local_workers=1)
+
+
+def test_a_stage_holding_a_replica_runs_in_this_process_whatever_workers_says(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.workers = 3
+    items = [WorkItem(k, 2) for k in range(6)]
+    runs = {}
+    for stage in (OneReplica(), Pids()):
+        work = tmp_path / type(stage).__name__
+        work.mkdir()
+        runs[type(stage).__name__] = {r["pid"] for r in
+                                      LocalExecutor().map(stage, ctx, items, work)}
+    assert runs["OneReplica"] == {os.getpid()}
+    assert os.getpid() not in runs["Pids"]  # uncapped: the forked pool's workers

@@ -376,7 +376,8 @@ def test_errors_name_the_cause(extracted, untied_target, tmp_path, copy_run):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
-@pytest.mark.parametrize("mode", ["offline", pytest.param("online", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["offline", "launcher",
+                                  pytest.param("online", marks=pytest.mark.slow)])
 def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_path, mode,
                                                   copy_run):
     """`torchrun --nproc-per-node 2 -m -- dflash_etl.stages.train`: DDP over gloo on CPU; each rank
@@ -389,14 +390,20 @@ def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_
     if online:
         shutil.rmtree(run_dir / "extract")  # nothing but the target gives the states
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # `launcher`: `dflash-etl train --launcher torchrun` starts the same launch itself
+    launch = ([sys.executable, "-m", "dflash_etl", "train", "--launcher", "torchrun",
+               "--nproc-per-node", "2"] if mode == "launcher" else
+              [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(29500 + os.getpid() % 1000), "-m", "--",
+               "dflash_etl.stages.train"])
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(29500 + os.getpid() % 1000), "-m", "--", "dflash_etl.stages.train",
-         "--run", str(run_dir), "--target", str(untied_target), "--draft-layers", "1",
+        [*launch, "--run", str(run_dir), "--target", str(untied_target), "--draft-layers", "1",
          "--block-size", "8", "--steps", "4", "--batch-rows", "4", "--anchors-per-row", "8",
          "--eval-prompts", "2", "--eval-new-tokens", "4", *online],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    if mode == "launcher":
+        assert "torch.distributed.run --standalone --nproc-per-node 2 -m --" in result.stderr
     assert result.stdout.count("train done") == 1  # rank 0 wrote and reports
     stats = json.loads((run_dir / "train" / "stats.json").read_text())["total"]
     assert stats["steps"] == 4

@@ -60,8 +60,8 @@ def run_one(spec: StageSpec, args: argparse.Namespace) -> int:
         options.update(workers=args.workers, **_executor(args))
     if spec.settings_class is not None:
         options.update(settings_overrides(args, spec.settings_class))
-    if spec.name == "extract":  # --launcher torchrun: the command again, under torchrun
-        code = relaunch(config, options, getattr(args, "argv", None))
+    if "launcher" in options:  # --launcher torchrun: the command again, under torchrun
+        code = relaunch(config, options, getattr(args, "argv", None), spec.name)
         if code is not None:
             return code
     doc = spec.module().run(config, args.run, **options)

@@ -65,10 +65,11 @@ class TorchrunExecutor:
 
 def relaunch(config: PipelineConfig | None, overrides: dict[str, Any], argv: list[str] | None,
              stage: str = "extract") -> int | None:
-    """`--launcher torchrun`: this stage's command again under `python -m torch.distributed.run
-    --standalone` (one node), whose exit status it returns; None when the stage runs here (no
-    launcher asked for, this process already is a rank, or a `plan` dry run, which measures one
-    replica in this process)."""
+    """`--launcher torchrun` (extract, train): this stage's command again under `python -m
+    torch.distributed.run --standalone` (one node), whose exit status it returns; None when the
+    stage runs here (no launcher asked for, this process already is a rank, or extract's `plan`
+    dry run, which measures one replica in this process). The launch options are resolved here
+    alone, from the command line, then the stage's section."""
     section = config.section(stage) if config else {}
     launcher = overrides.get("launcher") or section.get("launcher") or "none"
     plan = overrides["plan"] if overrides.get("plan") is not None else section.get("plan")

@@ -86,6 +86,11 @@ class TrainSettings:
                           help="target layer indices, or 'auto': extract's layers (offline: "
                                "those it stored; --online: [extract] layers and draft_layers "
                                "by extract's rule)")
+    launcher: str = setting("none", choices=("none", "torchrun"),
+                            help="torchrun: re-run this command under `python -m "
+                                 "torch.distributed.run --standalone` (DDP, one node)")
+    nproc_per_node: int = setting(0, min=0, help="--launcher torchrun: processes (0: one per "
+                                                 "visible GPU, at least one)")
     dist_timeout_s: int = setting(1800, min=1, help="under torchrun: seconds a rank waits for "
                                                     "the others before the run fails")
     eval_prompts: int = setting(16, min=0, help="held-out prompts for tau")
@@ -205,7 +210,7 @@ def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
 
 # settings that do not change the trained drafter: a resumed run may change them
 NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints",
-                     "dist_timeout_s")
+                     "launcher", "nproc_per_node", "dist_timeout_s")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
