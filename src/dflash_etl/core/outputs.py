@@ -55,6 +55,24 @@ class TokenizedOutput:
         """The rows, a `datasets` save_to_disk directory."""
         return self.stage_dir / "dataset"
 
+    def dataset_files(self) -> list[Path]:
+        """The rows' Arrow files, in order (what extract and train read)."""
+        files = sorted(self.dataset_dir.glob("*.arrow"))
+        if not files:
+            raise StageError(f"no tokenized dataset in {self.dataset_dir}: "
+                             f"{_rerun(self.dataset_dir, 'tokenize')}")
+        return files
+
+    @staticmethod
+    def files_of(run_root: Path) -> list[Path]:
+        """The tokenized rows of the run at `run_root`; a run without a tokenize output is
+        told to run it."""
+        stage_dir = Path(run_root) / "tokenize"
+        if not stage_dir.is_dir():
+            raise StageError(f"no tokenized dataset in {stage_dir / 'dataset'}: run "
+                             "`dflash-etl tokenize` for this run first")
+        return TokenizedOutput.read(stage_dir).dataset_files()
+
     def contract_params(self) -> dict[str, int]:
         """The limits the tokenized contract and suite check the rows against."""
         return {"vocab_size": self.vocab_size, "seq_length": self.seq_length,

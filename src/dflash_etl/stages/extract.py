@@ -37,6 +37,7 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.distributed import device_for_rank, rank_world
 from dflash_etl.core.errors import StageError
+from dflash_etl.core.outputs import TokenizedOutput
 from dflash_etl.core.progress import progress_bar, size_text
 from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.stage import (
@@ -184,11 +185,7 @@ def shard_cost(lengths: list[int], batch_tokens: int) -> int:
 
 # ---------------------------------------------------------------- shell
 def _dataset_files(run: RunDir) -> list[Path]:
-    files = sorted((run.stage_dir("tokenize") / "dataset").glob("*.arrow"))
-    if not files:
-        raise StageError(f"no tokenized dataset in {run.stage_dir('tokenize') / 'dataset'}: run "
-                         "`dflash-etl tokenize` for this run first")
-    return files
+    return TokenizedOutput.files_of(run.root)
 
 
 def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) -> int:

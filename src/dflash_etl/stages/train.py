@@ -175,10 +175,7 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
 
 
 def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
-    files = sorted((run.stage_dir("tokenize") / "dataset").glob("*.arrow"))
-    if not files:
-        raise StageError(f"no tokenized dataset in {run.stage_dir('tokenize') / 'dataset'}: run "
-                         "`dflash-etl tokenize` for this run first")
+    files = TokenizedOutput.files_of(run.root)
     table = pa.concat_tables([read_arrow(f).select(["input_ids", "loss_mask", "id", "source",
                                                     "turn"]) for f in files])
     rows = table.to_pylist()
