@@ -189,3 +189,21 @@ def test_a_stage_holding_a_replica_runs_in_this_process_whatever_workers_says(tm
                                       LocalExecutor().map(stage, ctx, items, work)}
     assert runs["OneReplica"] == {os.getpid()}
     assert os.getpid() not in runs["Pids"]  # uncapped: the forked pool's workers
+
+
+def test_run_options_are_resolved_in_one_place(tmp_path):
+    """The command line over the stage's section over [run]; unset: the defaults."""
+    from dflash_etl.core.config import load_config
+    from dflash_etl.core.stage import RunOptions
+
+    (tmp_path / "pipeline.toml").write_text(
+        '[run]\nworkers = 3\nexecutor = "ray"\nray_address = "auto"\n\n'
+        '[[sources]]\nname = "a"\npath = "a.jsonl"\n\n'
+        '[extract]\nlauncher = "torchrun"\nnproc_per_node = 2\n')
+    config = load_config(tmp_path / "pipeline.toml")
+    assert RunOptions.resolve(config, "extract", {}) == RunOptions(3, "ray", "auto", "torchrun", 2)
+    given = {"workers": 1, "executor": "local", "launcher": "none", "nproc_per_node": None}
+    assert RunOptions.resolve(config, "extract", given) == RunOptions(1, "local", "auto", "none",
+                                                                      2)
+    assert RunOptions.resolve(config, "train", {}).launcher == "none"  # [extract]'s only
+    assert RunOptions.resolve(None, "extract", {}) == RunOptions()

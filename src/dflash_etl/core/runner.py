@@ -24,7 +24,7 @@ from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_w
 from dflash_etl.core.errors import StageError, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
-from dflash_etl.core.stage import Shell, Stage, StageContext
+from dflash_etl.core.stage import RunOptions, Shell, Stage, StageContext
 
 
 def fingerprint_of(payload: dict[str, Any]) -> str:
@@ -47,12 +47,12 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     if rank == 0:  # rank 0 alone gates
         shell.start_gate(stage.name)  # its great_expectations loads meanwhile
     run = RunDir(run_dir)
-    run_config = config.run if config else None
+    options = RunOptions.resolve(config, stage.name, {
+        "workers": workers, "executor": executor, "ray_address": ray_address})
     ctx = StageContext(
-        name=stage.name, run=run, config=config, progress=progress, workers=workers,
-        executor=executor or (run_config.executor if run_config else "local"),
-        ray_address=ray_address or (run_config.ray_address if run_config else None),
-        rank=rank, world=world, shell=shell,
+        name=stage.name, run=run, config=config, progress=progress, workers=options.workers,
+        executor=options.executor, ray_address=options.ray_address, rank=rank, world=world,
+        shell=shell,
     )
     lock = run_lock(run.root, stage.name) if rank == 0 else contextlib.nullcontext()
     with lock as stale:

@@ -28,6 +28,36 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, remove_tree, write_json_atomic
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a stage's work runs, never what it makes (none of it is in a fingerprint), resolved
+    here alone: the command line (a caller's keywords) over the stage's config section over
+    [run]. `workers` 0: one per core locally, one per CPU (or GPU) on Ray."""
+
+    workers: int = 0
+    executor: str = "local"
+    ray_address: str | None = None
+    launcher: str = "none"  # extract, train: "torchrun" re-runs the command under torchrun
+    nproc_per_node: int = 0  # --launcher torchrun: 0 is one per visible GPU
+
+    @classmethod
+    def resolve(cls, config: PipelineConfig | None, stage: str, given: dict[str, Any]
+                ) -> RunOptions:
+        run = config.run if config else None
+        section = config.section(stage) if config else {}
+
+        def pick(key: str, default: Any) -> Any:
+            for value in (given.get(key), section.get(key), getattr(run, key, None)):
+                if value is not None and value != "":
+                    return value
+            return default
+
+        return cls(workers=int(given.get("workers") or (run.workers if run else 0) or 0),
+                   executor=pick("executor", "local"), ray_address=pick("ray_address", None),
+                   launcher=pick("launcher", "none"),
+                   nproc_per_node=int(pick("nproc_per_node", 0)))
+
+
 @dataclass
 class StageContext:
     """One stage run: what the runner knows, and what `prepare` found for `execute`."""
@@ -52,9 +82,8 @@ class StageContext:
     call_totals: dict[str, Any] = field(default_factory=dict)
 
     def n_workers(self) -> int:
-        """--workers, else [run] workers, else one per core."""
-        configured = self.config.run.workers if self.config else 0
-        return max(1, self.workers or configured or os.cpu_count() or 1)
+        """--workers, else [run] workers (RunOptions), else one per core."""
+        return max(1, self.workers or os.cpu_count() or 1)
 
 
 class Stage:

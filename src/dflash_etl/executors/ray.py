@@ -136,16 +136,14 @@ class RayExecutor:
 
     def _run(self, stage: BatchStage, ctx: StageContext, todo: list[WorkItem],
              work_dir: Path):
-        ray = init_ray(self.address, ctx.workers or (ctx.config.run.workers if ctx.config
-                                                     else None) or None)
+        ray = init_ray(self.address, ctx.workers or None)
         from ray.data import DataContext
 
         DataContext.get_current().enable_progress_bars = False  # ours is drawn instead
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # a line per dataset, per stage
         need = stage.resources()
-        actors = max(1, min(ctx.workers or (ctx.config.run.workers if ctx.config else 0)
-                            or actors_fitting(ray.cluster_resources(), need.cpus, need.gpus),
-                            len(todo)))
+        actors = max(1, min(ctx.workers or actors_fitting(ray.cluster_resources(), need.cpus,
+                                                           need.gpus), len(todo)))
         per_task = items_per_task(len(todo), actors)
         rows = [{"item": pickle.dumps(item)} for item in todo]
         dataset = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // per_task))

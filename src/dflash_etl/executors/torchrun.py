@@ -22,7 +22,14 @@ from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import agree, assign_by_cost, under_launcher
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.stage import BatchStage, StageContext, WorkItem, done_result, run_item
+from dflash_etl.core.stage import (
+    BatchStage,
+    RunOptions,
+    StageContext,
+    WorkItem,
+    done_result,
+    run_item,
+)
 
 
 class TorchrunExecutor:
@@ -68,19 +75,19 @@ def relaunch(config: PipelineConfig | None, overrides: dict[str, Any], argv: lis
     """`--launcher torchrun` (extract, train): this stage's command again under `python -m
     torch.distributed.run --standalone` (one node), whose exit status it returns; None when the
     stage runs here (no launcher asked for, this process already is a rank, or extract's `plan`
-    dry run, which measures one replica in this process). The launch options are resolved here
-    alone, from the command line, then the stage's section."""
+    dry run, which measures one replica in this process). The launch options are
+    resolved by `RunOptions`, as the runner's are."""
     section = config.section(stage) if config else {}
-    launcher = overrides.get("launcher") or section.get("launcher") or "none"
+    options = RunOptions.resolve(config, stage, overrides)
     plan = overrides["plan"] if overrides.get("plan") is not None else section.get("plan")
-    if launcher != "torchrun" or under_launcher() or plan:
+    if options.launcher != "torchrun" or under_launcher() or plan:
         return None
     if argv is None:
         raise StageError(f"[{stage}] launcher = 'torchrun' re-runs the `dflash-etl {stage}` "
                          f"command under torchrun; `dflash-etl run` cannot: run `dflash-etl "
                          f"{stage} --launcher torchrun` on the run, then `dflash-etl run` for "
                          f"the rest (it skips the finished {stage})")
-    nproc = overrides.get("nproc_per_node") or section.get("nproc_per_node") or 0
+    nproc = options.nproc_per_node
     if not nproc:
         import torch
 
