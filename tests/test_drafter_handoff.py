@@ -240,6 +240,10 @@ def test_vllm_serve_command_is_one_copy_pasteable_line(tmp_path):
     assert json.loads(argv[4]) == {"method": "dflash", "model": str(drafter.resolve()),
                                    "num_speculative_tokens": 15}
     assert shlex.split(vllm_serve_command("Qwen/Qwen3-8B", drafter, 8))[2] == "Qwen/Qwen3-8B"
+    # the thinking mode the rows were rendered in is the server's default: on-policy serving
+    argv = shlex.split(vllm_serve_command(target, drafter, 16, {"enable_thinking": False}))
+    assert argv[5] == "--default-chat-template-kwargs" and len(argv) == 7
+    assert json.loads(argv[6]) == {"enable_thinking": False}
 
 
 def _greedy(target, prompt: list[int], n: int) -> list[int]:

@@ -50,12 +50,7 @@ def native_run(tmp_path_factory, tiny_target, default_tokenized, copy_run) -> Pa
 
     base = tmp_path_factory.mktemp("handoff")
     target = base / "target"
-    shutil.copytree(tiny_target, target)  # the shared target stays as it is
-    config_path = target / "config.json"  # speculators reads head_dim, as real checkpoints have
-    target_config = json.loads(config_path.read_text())
-    target_config["head_dim"] = target_config["hidden_size"] // target_config[
-        "num_attention_heads"]
-    config_path.write_text(json.dumps(target_config))
+    shutil.copytree(tiny_target, target)  # the shared target stays as it is (head_dim and all)
     run = copy_run(default_tokenized, base)
     extract.run(None, run, progress=False, model=str(target), layers="1,2")
     train.run(None, run, progress=False, target=str(target), layers="1,2", draft_layers=1,
@@ -130,6 +125,24 @@ def test_specforge_export_reads_with_specforge_own_reader_and_model(native_run, 
     parsed = Config.model_validate(run_config)  # SpecForge's own schema
     assert parsed.mode == "offline" and parsed.training.strategy == "dflash"
     assert shlex.split(doc["command"])[-1] == str((out / "specforge_run.json").resolve())
+    # the drafter SpecForge's trainer resolves from the run config, with its own code (its
+    # overrides included): the layers the features hold (1,2: no rule of SpecForge's gives
+    # them for one draft layer), our block size and mask token
+    from specforge.algorithms.dflash.providers import algorithm_providers
+    from specforge.training.model_loading import resolve_draft_config
+
+    resolved = resolve_draft_config(parsed,
+                                    provider=algorithm_providers().model.draft_config)
+    ours = json.loads((native_run / "train" / "drafter" / "config.json").read_text())
+    assert resolved.dflash_config["target_layer_ids"] == doc["layers"] == [1, 2]
+    assert resolved.num_hidden_layers == ours["num_hidden_layers"]
+    assert resolved.block_size == ours["block_size"]
+    assert resolved.dflash_config["mask_token_id"] == ours["dflash_config"]["mask_token_id"]
+    # each row's record holds its own states alone: the export is about the extract's size
+    exported = sum(p.stat().st_size for p in (out / "features").rglob("*.ckpt"))
+    extracted = sum(p.stat().st_size for p in (native_run / "extract" / "hidden_states"
+                                                ).iterdir())
+    assert exported < 1.1 * extracted + 2048 * doc["rows_out"], (exported, extracted)
 
 
 def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators_run, tmp_path):

@@ -80,3 +80,17 @@ def test_a_missing_field_names_the_file_and_the_stage_to_rerun(tmp_path):
     _drop(drafter / "config.json", "block_size", "dflash_config")
     with pytest.raises(StageError, match=r"config.json has no block_size .*dflash-etl train"):
         DrafterOutput.read(drafter.parent)
+
+
+def test_the_rendered_template_kwargs_are_what_most_rows_were_rendered_with():
+    from dflash_etl.core.outputs import rendered_template_kwargs
+
+    total = {"rows_written": 10, "generation_prompt_kwargs": {"enable_thinking=False": 9,
+                                                              "reasoning=low,x=1": 1}}
+    assert rendered_template_kwargs({"total": total}) == {"enable_thinking": False}
+    assert rendered_template_kwargs({"total": {"rows_written": 10}}) == {}
+    few = {"rows_written": 10, "generation_prompt_kwargs": {"enable_thinking=False": 5}}
+    assert rendered_template_kwargs({"total": few}) == {}  # half is not most
+    served = {"serve_with": {"chat_template_kwargs": {"enable_thinking": True}}}
+    assert rendered_template_kwargs({"total": total, "on_policy": served}) == {
+        "enable_thinking": True}  # regenerate's mode, which the on-policy check held them to

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -336,6 +337,16 @@ def test_offline_training_on_the_vl_target(models, tokenized_copy, tmp_path):
     assert config["hidden_size"] == HIDDEN and config["num_target_layers"] == LAYERS
     assert config["dflash_config"]["target_layer_ids"] == [1, 2]
     assert 1 <= doc["total"]["tau_final"] <= 4
+    # Qwen3.6's template rendered the rows' prompts with thinking off (the empty think block):
+    # the printed `vllm serve` line starts the server in that mode, not its thinking default
+    from dflash_etl.models.serving import vllm_command
+
+    rendered = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
+    assert 2 * rendered["generation_prompt_kwargs"]["enable_thinking=False"] > rendered[
+        "rows_written"]
+    argv = shlex.split(vllm_command(run_dir))
+    flag = argv.index("--default-chat-template-kwargs")
+    assert json.loads(argv[flag + 1]) == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize("kind", ["text", "vl"])

@@ -7,7 +7,7 @@ the stage to rerun: a default here would train or export with a value the data w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,25 @@ def _fields(doc: Any, keys: tuple[str, ...], path: Path, stage: str) -> dict[str
     return {k: doc[k] for k in keys}
 
 
+def rendered_template_kwargs(stats: dict[str, Any]) -> dict[str, Any]:
+    """The chat-template kwargs most of tokenize's rows were rendered with: regenerate's
+    thinking mode where the on-policy check recorded one, else each variant the template needed
+    for most rows (Qwen3's `enable_thinking=False`, counted per row as "name=value")."""
+    served = ((stats.get("on_policy") or {}).get("serve_with") or {}).get(
+        "chat_template_kwargs")
+    if served:
+        return dict(served)
+    total = stats.get("total") or {}
+    rows = int(total.get("rows_written") or 0)
+    kwargs: dict[str, Any] = {}
+    for variant, n in (total.get("generation_prompt_kwargs") or {}).items():
+        if 2 * int(n) > rows:
+            for pair in variant.split(","):
+                name, _, value = pair.partition("=")
+                kwargs[name] = {"True": True, "False": False, "None": None}.get(value, value)
+    return kwargs
+
+
 @dataclass(frozen=True)
 class TokenizedOutput:
     """tokenize/: the limits its rows were made with (settings.json) and its draft vocabulary
@@ -49,6 +68,9 @@ class TokenizedOutput:
     d2t_file: Path
     t2d_file: Path
     t2d_length: int
+    # the chat-template kwargs the rows' generation prompts were rendered with (stats.json):
+    # what a server must be started with to serve the target as the drafter learned it
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dataset_dir(self) -> Path:
@@ -91,7 +113,9 @@ class TokenizedOutput:
                    min_supervised_tokens=int(limits["min_supervised_tokens"]),
                    vocab_size=int(limits["vocab_size"]), draft_vocab_size=int(draft["size"]),
                    d2t_file=stage_dir / draft["d2t"], t2d_file=stage_dir / draft["t2d"],
-                   t2d_length=int(draft["t2d_length"]))
+                   t2d_length=int(draft["t2d_length"]),
+                   template_kwargs=rendered_template_kwargs(
+                       _load(stage_dir / "stats.json", "tokenize")))
 
 
 @dataclass(frozen=True)

@@ -296,8 +296,6 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         target=inputs["target"], draft_config=str((final / "dflash_draft_config.json").resolve()),
         features=str((final / "features").resolve()), seq_length=tokenized.seq_length,
         output_dir=str((final.parent / "specforge-drafter").resolve()),
-        draft_layers=int(draft_config["num_hidden_layers"]),
-        block_size=int(draft_config["block_size"]),
         gamma=drafter.loss_decay_gamma if drafter else None)
     write_json_atomic(partial / "specforge_run.json", config)
     return {

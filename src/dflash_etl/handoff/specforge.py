@@ -35,19 +35,24 @@ def record(input_ids: list[int], loss_mask: list[int], states: Any) -> dict[str,
     seq = len(input_ids)
     return {"input_ids": torch.tensor(input_ids, dtype=torch.long),
             "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
-            "hidden_states": states.reshape(1, seq, -1).contiguous()}
+            # a copy of the row alone: a slice of a shard saved as it is keeps the shard's
+            # whole storage in every file (torch.save writes the storage, not the view)
+            "hidden_states": states.reshape(1, seq, -1).clone()}
 
 
 def run_config(*, target: str, draft_config: str, features: str, seq_length: int,
-               output_dir: str, draft_layers: int, block_size: int,
-               gamma: float | None) -> dict[str, Any]:
-    """A SpecForge run config (its `Config` schema) for offline DFlash training on the export."""
+               output_dir: str, gamma: float | None) -> dict[str, Any]:
+    """A SpecForge run config (its `Config` schema) for offline DFlash training on the export.
+
+    The drafter's shape (layers, block size, the target layers it reads) is the draft config's
+    alone: SpecForge's `model.draft_num_hidden_layers` would make it rebuild
+    `dflash_config.target_layer_ids` by its own rule (`apply_dflash_overrides`), which trains
+    on other layers than the features hold, silently where the count happens to match."""
     training: dict[str, Any] = {"strategy": "dflash", "attention_backend": "sdpa"}
     if gamma is not None:
         training["loss_decay_gamma"] = gamma
     return {
-        "model": {"target_model_path": target, "draft_model_config": draft_config,
-                  "draft_num_hidden_layers": draft_layers, "draft_block_size": block_size},
+        "model": {"target_model_path": target, "draft_model_config": draft_config},
         "data": {"hidden_states_path": features, "max_length": seq_length},
         "training": training,
         "output_dir": output_dir,

@@ -2,9 +2,12 @@
 
 Each step the drafter proposes a block (the last accepted token, then block_size-1 mask tokens,
 one forward pass), the target checks it greedily, the longest agreeing prefix is accepted plus
-the target's own next token (the bonus), and the step scores accepted + 1. The output is the
-target's greedy decoding whatever the drafter proposes, which the tests assert; tau is the mean
-score per step, averaged per prompt and then over prompts (as z-lab's DFlash benchmark does).
+the target's own next token (the bonus), and the step scores the tokens it added to the text:
+accepted + 1, but no more than `max_new_tokens` leave room for, and no further than the end of
+turn. Near the end the block shrinks to the room left. This is z-lab's `dflash_generate`'s count
+(tested against it: the same tau on the same drafter, target and prompts); tau is the mean score
+per step, averaged per prompt and then over the prompts that took a step (as z-lab's benchmark
+does). The output is the target's greedy decoding whatever the drafter proposes (tested).
 
 The target keeps a KV cache and feeds only each block (rejected drafts are cropped from it);
 targets whose cache cannot be cropped (hybrid recurrent layers) re-read the whole sequence each
@@ -28,21 +31,30 @@ class Decoded:
     accepted: list[int]  # per step: draft tokens accepted + 1
 
     @property
-    def tau(self) -> float:
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+    def tau(self) -> float | None:
+        """Tokens per step; None when the text ended before a step (z-lab leaves it out)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else None
 
 
-def drafter_proposer(target: Any, drafter: Any) -> Callable[[Any, list[int]], list[int]]:
+# (the target's states before the anchor, the text so far, the tokens the step may add) ->
+# the drafts, at most that many
+Proposer = Callable[[Any, list[int], int], list[int]]
+
+
+def drafter_proposer(target: Any, drafter: Any) -> Proposer:
     """The drafter's block proposal: given the target's states before the anchor (the last
-    token of `seq`), block_size-1 tokens from one forward pass."""
+    token of `seq`), block_size-1 tokens from one forward pass (fewer where `room` is
+    smaller: the block is then the anchor and `room` mask tokens, as z-lab's loop makes it)."""
     c = drafter.config
     embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     device = next(drafter.parameters()).device
     head_device = execution_device(lm_head)  # another one than the drafter's under a device map
 
-    def propose(context: Any, seq: list[int]) -> list[int]:
-        block = torch.tensor([[seq[-1]] + [c.mask_token_id] * (c.block_size - 1)],
-                             device=device)
+    def propose(context: Any, seq: list[int], room: int) -> list[int]:
+        drafts = max(0, min(c.block_size - 1, room))
+        if not drafts:
+            return []
+        block = torch.tensor([[seq[-1]] + [c.mask_token_id] * drafts], device=device)
         flat = context.reshape(1, context.shape[0], -1).to(device, torch.float32)
         hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
                          embed(block).float()[:, None],
@@ -53,7 +65,7 @@ def drafter_proposer(target: Any, drafter: Any) -> Callable[[Any, list[int]], li
     return propose
 
 
-def speculative_decode(target: Any, propose: Callable[[Any, list[int]], list[int]],
+def speculative_decode(target: Any, propose: Proposer,
                        prompt: list[int], max_new_tokens: int, eos_ids: set[int],
                        use_cache: bool = True) -> Decoded:
     """Decode `max_new_tokens` after `prompt`: `propose` drafts each block from the target's
@@ -72,7 +84,8 @@ def speculative_decode(target: Any, propose: Callable[[Any, list[int]], list[int
     with torch.no_grad():
         while len(new) < max_new_tokens and new[-1] not in eos_ids:
             anchor = len(seq) - 1
-            draft = propose(context, seq)
+            room = max_new_tokens - len(new)  # the tokens this step may still add
+            draft = propose(context, seq, room)[:room]
             if cache is None:
                 # only the anchor's and the drafts' logits: the LM head over every position
                 # of the sequence made the pass ~11x slower on a 248k vocabulary (bench_tau_verify)
@@ -85,12 +98,12 @@ def speculative_decode(target: Any, propose: Callable[[Any, list[int]], list[int
             n = 0
             while n < len(draft) and draft[n] == checked[n]:
                 n += 1
-            gained = [*draft[:n], checked[n]]
+            gained = [*draft[:n], checked[n]][:room]
             for k, token in enumerate(gained):  # stop at the end of turn, as the target would
                 if token in eos_ids:
                     gained = gained[:k + 1]
                     break
-            accepted.append(n + 1)
+            accepted.append(len(gained))  # what the step added to the text: z-lab's count
             seq += gained
             new += gained
             if cache is None:
@@ -119,8 +132,9 @@ def acceptance_length(target: Any, drafter: Any, prompts: list[list[int]], max_n
     per_prompt = [speculative_decode(target, propose, p, max_new_tokens, eos_ids).tau
                   for p in prompts]
     drafter.train(was_training)
-    return {"tau": sum(per_prompt) / len(per_prompt) if per_prompt else None,
-            "per_prompt": [round(t, 4) for t in per_prompt]}
+    stepped = [t for t in per_prompt if t is not None]  # a text that ended at once: no step
+    return {"tau": sum(stepped) / len(stepped) if stepped else 1.0,
+            "per_prompt": [None if t is None else round(t, 4) for t in per_prompt]}
 
 
 def eos_token_ids(model: Any) -> set[int]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.outputs import DrafterOutput
+from dflash_etl.core.outputs import DrafterOutput, TokenizedOutput
 from dflash_etl.core.rundir import RunDir
 
 
@@ -25,22 +26,28 @@ def aux_hidden_state_layer_ids(target_layer_ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in target_layer_ids]
 
 
-def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: int) -> str:
+def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: int,
+                       template_kwargs: dict[str, Any] | None = None) -> str:
     """The `vllm serve` line for this drafter: vLLM's DFlash proposer drafts
     num_speculative_tokens tokens per step in one block (the anchor + that many mask tokens),
     so a drafter trained on blocks of `block_size` drafts block_size - 1 (z-lab's b16 drafters
-    are served with 15)."""
+    are served with 15). `template_kwargs`: what the rows were rendered with (thinking off...),
+    the server's default for every request, so it serves what the drafter learned."""
     spec = {"method": "dflash", "model": str(Path(drafter_dir).resolve()),
             "num_speculative_tokens": block_size - 1}
     where = Path(target)
     target = where.resolve() if where.exists() else target  # a local directory, or a hub id
-    return (f"vllm serve {shlex.quote(str(target))} "
+    line = (f"vllm serve {shlex.quote(str(target))} "
             f"--speculative-config {shlex.quote(json.dumps(spec))}")
+    if template_kwargs:
+        line += f" --default-chat-template-kwargs {shlex.quote(json.dumps(template_kwargs))}"
+    return line
 
 
 def vllm_command(run_root: str | Path) -> str:
     """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
-    drafter (the target it was trained against, num_speculative_tokens = block_size - 1)."""
+    drafter (the target it was trained against, num_speculative_tokens = block_size - 1, and
+    the chat-template kwargs tokenize rendered the rows with)."""
     run = RunDir(Path(run_root))
     drafter = run.stage_dir("train") / "drafter"
     info = run.manifest().get("stages", {}).get("train", {})
@@ -48,5 +55,6 @@ def vllm_command(run_root: str | Path) -> str:
         raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
                          "first")
     trained = DrafterOutput.read(run.stage_dir("train"))
+    rendered = TokenizedOutput.read(run.stage_dir("tokenize")).template_kwargs
     return vllm_serve_command(info["settings"]["target"], trained.drafter_dir,
-                              trained.block_size)
+                              trained.block_size, rendered)

@@ -45,6 +45,8 @@ def build_tiny_qwen2(out: Path, *, hidden_size: int = 64, layers: int = 4, heads
         vocab_size=len(vocab["model"]["vocab"]) + len(vocab["added_tokens"]),
         hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, eos_token_id=2, pad_token_id=0,
+        # stated, as real checkpoints state it: speculators' drafter builder reads it
+        head_dim=hidden_size // heads,
         tie_word_embeddings=tie_word_embeddings)).save_pretrained(out)
     # save_pretrained writes its own generation config; keep the tokenizer's end-of-turn id
     generation: dict[str, Any] = {"eos_token_id": 2, "pad_token_id": 0}
