@@ -289,7 +289,11 @@ def test_the_export_reads_what_tokenize_and_train_wrote_and_names_a_missing_fiel
     config = json.loads((tmp_path / "sf" / "specforge_run.json").read_text())
     assert config["data"]["max_length"] == 100
     drafter = json.loads((run / "train" / "drafter" / "config.json").read_text())
-    assert config["model"]["draft_block_size"] == drafter["dflash_config"]["block_size"] == 4
+    # the block is the draft config's (SpecForge's resolved config: test above), and the run
+    # config overrides nothing of the drafter's shape
+    draft = json.loads((tmp_path / "sf" / "dflash_draft_config.json").read_text())
+    assert draft["block_size"] == drafter["dflash_config"]["block_size"] == 4
+    assert not {"draft_block_size", "draft_num_hidden_layers"} & set(config["model"])
     del drafter["dflash_config"]["block_size"]
     (run / "train" / "drafter" / "config.json").write_text(json.dumps(drafter))
     with pytest.raises(StageError, match=r"config\.json has no block_size .*dflash-etl train"):

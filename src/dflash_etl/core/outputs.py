@@ -7,7 +7,7 @@ the stage to rerun: a default here would train or export with a value the data w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +68,17 @@ class TokenizedOutput:
     d2t_file: Path
     t2d_file: Path
     t2d_length: int
-    # the chat-template kwargs the rows' generation prompts were rendered with (stats.json):
-    # what a server must be started with to serve the target as the drafter learned it
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dataset_dir(self) -> Path:
         """The rows, a `datasets` save_to_disk directory."""
         return self.stage_dir / "dataset"
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat-template kwargs the rows' generation prompts were rendered with (its
+        stats.json): what a server must be started with to serve what the drafter learned."""
+        return rendered_template_kwargs(_load(self.stage_dir / "stats.json", "tokenize"))
 
     def dataset_files(self) -> list[Path]:
         """The rows' Arrow files, in order (what extract and train read)."""
@@ -113,9 +116,7 @@ class TokenizedOutput:
                    min_supervised_tokens=int(limits["min_supervised_tokens"]),
                    vocab_size=int(limits["vocab_size"]), draft_vocab_size=int(draft["size"]),
                    d2t_file=stage_dir / draft["d2t"], t2d_file=stage_dir / draft["t2d"],
-                   t2d_length=int(draft["t2d_length"]),
-                   template_kwargs=rendered_template_kwargs(
-                       _load(stage_dir / "stats.json", "tokenize")))
+                   t2d_length=int(draft["t2d_length"]))
 
 
 @dataclass(frozen=True)
