@@ -298,3 +298,41 @@ def test_the_export_reads_what_tokenize_and_train_wrote_and_names_a_missing_fiel
     (run / "train" / "drafter" / "config.json").write_text(json.dumps(drafter))
     with pytest.raises(StageError, match=r"config\.json has no block_size .*dflash-etl train"):
         export(run, "specforge", tmp_path / "again")
+
+
+def test_a_failed_forced_rerun_leaves_the_complete_stage_as_it_was(native_run, tmp_path):
+    """The trap: `extract --format speculators --force` without --model (a usage error) marked
+    the complete extract `failed`, after which the export and `check` refused the run. Now a
+    failed attempt, before or after its partial directory began, leaves the stage complete with
+    its output, the attempt under `last_attempt`; a successful rerun clears it."""
+    from dflash_etl.cli.main import main
+    from dflash_etl.stages import extract
+    from dflash_etl.validation.check import check_path
+
+    _specforge()
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+
+    def entry() -> dict:
+        return json.loads((run / "manifest.json").read_text())["stages"]["extract"]
+
+    before = entry()
+    assert main(["extract", "--run", str(run), "--format", "speculators", "--force"]) != 0
+    after = entry()
+    assert (after["status"], after["fingerprint"]) == ("complete", before["fingerprint"])
+    assert "model" in after["last_attempt"]["error"]
+    broken = tmp_path / "broken"  # its config reads, its weights are gone: it fails at load
+    shutil.copytree(before["settings"]["model"], broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(StageError):
+        extract.run(None, run, force=True, progress=False, model=str(broken), layers="1,2")
+    assert (run / ".extract.partial").is_dir()  # it had begun
+    after = entry()
+    assert (after["status"], after["fingerprint"]) == ("complete", before["fingerprint"])
+    assert {k: v for k, v in after.items() if k != "last_attempt"} == before
+    assert check_path(run, suites=False)["passed"]
+    assert export(run, "specforge", tmp_path / "sf")["rows_out"] > 0
+    target = before["settings"]["model"]
+    extract.run(None, run, force=True, progress=False, model=target, layers="1,2")
+    assert "last_attempt" not in entry() and "published" not in entry()

@@ -615,3 +615,34 @@ def test_a_process_killed_between_the_renames_is_recovered(tmp_path, capsys):
     code, out, err = _ingest(capsys, config, run)
     assert code == 0 and "already complete, skipped" in out, err
     _assert_usable(run, before)
+
+
+def test_a_killed_rerun_of_a_complete_stage_leaves_it_complete(tmp_path):
+    """A forced rerun SIGKILLed mid-way left the stage `running` over its complete output; the
+    next holder of the lock marked it `failed`, and every later stage refused the run. Now the
+    entry from before (kept under `published` while the rerun runs) comes back, complete."""
+    from dflash_etl.core import runner
+    from dflash_etl.core.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    partial = run.begin("fake", "f1")
+    (partial / "rows.txt").write_text("one")
+    run.commit("fake", {"rows_out": 1}, 0.1)
+    complete = run.manifest()["stages"]["fake"]
+    assert "published" not in complete
+    run.begin("fake", "f2")  # the rerun, killed before it published
+    assert run.manifest()["stages"]["fake"]["published"]["fingerprint"] == "f1"
+    runner._mark_interrupted(run, {"pid": 123, "host": "h"})
+    entry = run.manifest()["stages"]["fake"]
+    assert {k: v for k, v in entry.items() if k != "last_attempt"} == complete
+    assert "pid 123" in entry["last_attempt"]["error"]
+    assert (run.stage_dir("fake") / "rows.txt").read_text() == "one"
+    partial = run.begin("fake", "f2")  # resumes the killed rerun; its publish clears the record
+    (partial / "rows.txt").write_text("two")
+    run.commit("fake", {"rows_out": 1}, 0.1)
+    entry = run.manifest()["stages"]["fake"]
+    assert entry["fingerprint"] == "f2" and not {"published", "last_attempt"} & set(entry)
+    never = RunDir(tmp_path / "other")  # a stage that never completed is marked failed
+    never.begin("fake", "f1")
+    runner._mark_interrupted(never, {"pid": 1, "host": "h"})
+    assert never.manifest()["stages"]["fake"]["status"] == "failed"

@@ -171,8 +171,21 @@ class RunDir:
         drop_temporaries(partial)
         if not marker.exists():  # never rewritten in place: a kill then would lose the partial
             write_text_atomic(marker, fingerprint)
-        self.update_stage(stage, status="running", fingerprint=fingerprint, started_at=now())
+        # the complete output this run would replace: what a failure or a kill leaves in place
+        self.update_stage(stage, status="running", fingerprint=fingerprint, started_at=now(),
+                          published=self.published_entry(stage))
         return partial
+
+    def published_entry(self, stage: str) -> dict[str, Any] | None:
+        """The stage's manifest entry as it was when its output in `<stage>/` was published
+        (complete, or kept under `published` while a rerun runs), or None: no complete output."""
+        info = self.manifest().get("stages", {}).get(stage) or {}
+        if not self.stage_dir(stage).is_dir():
+            return None
+        entry = info if info.get("status") == "complete" else info.get("published")
+        if not entry:
+            return None
+        return {k: v for k, v in entry.items() if k not in ("published", "last_attempt")}
 
     def commit(self, stage: str, summary: dict[str, Any], seconds: float,
                **timings: Any) -> Path:
@@ -206,8 +219,19 @@ class RunDir:
         if partial.is_dir():  # not yet renamed in
             (partial / FINGERPRINT).unlink(missing_ok=True)
             swap_in(partial, final, old)
-        self.update_stage(stage, status="complete")
+        self._mark_complete(stage)
         shutil.rmtree(old, ignore_errors=True)
+
+    def _mark_complete(self, stage: str) -> None:
+        """Complete: the output that was being replaced, and an earlier failed attempt, are
+        history now."""
+        manifest = self.manifest()
+        entry = manifest.setdefault("stages", {}).setdefault(stage, {})
+        entry["status"] = "complete"
+        entry.pop("published", None)
+        entry.pop("last_attempt", None)
+        manifest["packages"] = package_versions()
+        write_json_atomic(self.manifest_path, manifest)
 
     def recover(self, stage: str) -> str | None:
         """Finish what a process killed in `commit` left: a stage the manifest says is
@@ -262,6 +286,16 @@ class RunDir:
 
     def fail(self, stage: str, error: str) -> None:
         self.update_stage(stage, status="failed", finished_at=now(), error=error)
+
+    def keep_complete(self, stage: str, entry: dict[str, Any], error: str) -> None:
+        """A failed attempt on a complete stage: its entry from before (`entry`) goes back as it
+        was (status, fingerprint, counts, files), with the attempt under `last_attempt`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        manifest = self.manifest()
+        manifest.setdefault("stages", {})[stage] = {
+            **entry, "last_attempt": {"status": "failed", "finished_at": now(), "error": error}}
+        manifest["packages"] = package_versions()
+        write_json_atomic(self.manifest_path, manifest)
 
 
 class Timer:

@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,52 +61,67 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
             set_lock_stage(run.root, stage.name)  # `dflash-etl run` holds it across stages
         if stale:
             _mark_interrupted(run, stale)
-        timer = Timer()
-        begun = False
+        attempt = _Attempt()
         try:
-            if rank == 0:
-                _recover(run, stage.name)
-            ctx.settings = shell.settings(stage.name, config, run.root, overrides)
-            # under torchrun every rank joins here, after rank 0's recovery; the launch's
-            # deadline for a lost rank is the stage's dist_timeout_s
-            ctx.rank, ctx.world = join(getattr(ctx.settings, "dist_timeout_s",
-                                               DEFAULT_TIMEOUT_S))
-            ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
-            if not force and (done := run.completed_stats(stage.name, ctx.fingerprint,
-                                                          say=_say)):
-                why = stage.redo_complete(ctx, done)
-                if why is None:
-                    return done
-                _say(f"{stage.name}: {why}")
-            if rank == 0:
-                ctx.partial = run.begin(stage.name, ctx.fingerprint)
-            else:
-                ctx.partial = run.partial_dir(stage.name)
-            begun = True
-            if rank == 0:
-                stage.begin(ctx)
-            barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
-            doc = stage.execute(ctx)
-            if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
-                check_accounting(doc, stage.name)
-                shell.gate(ctx, doc, stage.contract_params(ctx))
-                stage.cleanup(ctx)
-                doc["total"].update(ctx.call_totals)
-                # a resumed stage's seconds include the earlier calls' work it resumed from
-                seconds = timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
-                run.commit(stage.name, doc["total"], seconds, **ctx.timings)
+            doc = _attempt(stage, ctx, overrides, force, attempt)
         except BaseException as exc:
             error = exc if isinstance(exc, StageError) else describe_error(exc, stage.name)
             if rank == 0 and run.root.is_dir():
-                _record_failure(ctx, error, begun)
+                _record_failure(ctx, error, attempt)
             if error is exc or isinstance(exc, KeyboardInterrupt):
                 raise
             raise error from exc
+        if doc.get("skipped"):
+            return doc
         if rank == 0:
             _publish_docs(ctx)
         barrier(ctx.world)  # rank 0 has published: every rank ends with the output in place
         stage.end(ctx)
         return doc
+
+
+@dataclass
+class _Attempt:
+    """How far a stage's run got, for what a failure must leave in the manifest."""
+
+    begun: bool = False  # the partial directory exists
+    publishing: bool = False  # the commit has begun: the published output may be the new one
+    timer: Timer = field(default_factory=Timer)
+
+
+def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: bool,
+             attempt: _Attempt) -> dict[str, Any]:
+    """settings -> (join) -> prepare -> skip, or partial -> execute -> gate -> publish."""
+    run, rank, shell = ctx.run, ctx.rank, ctx.shell
+    if rank == 0:
+        _recover(run, stage.name)
+    ctx.settings = shell.settings(stage.name, ctx.config, run.root, overrides)
+    # under torchrun every rank joins here, after rank 0's recovery; the launch's deadline for
+    # a lost rank is the stage's dist_timeout_s
+    ctx.rank, ctx.world = join(getattr(ctx.settings, "dist_timeout_s", DEFAULT_TIMEOUT_S))
+    ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
+    if not force and (done := run.completed_stats(stage.name, ctx.fingerprint, say=_say)):
+        why = stage.redo_complete(ctx, done)
+        if why is None:
+            return done
+        _say(f"{stage.name}: {why}")
+    ctx.partial = (run.begin(stage.name, ctx.fingerprint) if rank == 0
+                   else run.partial_dir(stage.name))
+    attempt.begun = True
+    if rank == 0:
+        stage.begin(ctx)
+    barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
+    doc = stage.execute(ctx)
+    if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
+        check_accounting(doc, stage.name)
+        shell.gate(ctx, doc, stage.contract_params(ctx))
+        stage.cleanup(ctx)
+        doc["total"].update(ctx.call_totals)
+        # a resumed stage's seconds include the earlier calls' work it resumed from
+        seconds = attempt.timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
+        attempt.publishing = True
+        run.commit(stage.name, doc["total"], seconds, **ctx.timings)
+    return doc
 
 
 def check_accounting(doc: dict[str, Any], stage: str) -> None:
@@ -114,20 +130,33 @@ def check_accounting(doc: dict[str, Any], stage: str) -> None:
         Stats.from_dict(counts).check(f"{stage} ({name})")
 
 
-def _record_failure(ctx: StageContext, error: BaseException, begun: bool) -> None:
-    """The manifest says `failed` with the message (never `running`); the report shows it."""
+def _record_failure(ctx: StageContext, error: BaseException, attempt: _Attempt) -> None:
+    """The manifest says `failed` with the message (never `running`); the report shows it. A
+    stage that was complete before this attempt (a forced rerun, new settings, a typo on the
+    command line) stays complete with its output, the attempt recorded under `last_attempt`,
+    unless the attempt had begun to publish: a failed command never breaks a complete stage."""
     run, stage = ctx.run, ctx.name
     message = str(error) or type(error).__name__
     if isinstance(error, KeyboardInterrupt):
         message = "interrupted: completed work is kept in the partial directory; rerun to resume"
+    kept = None if attempt.publishing else run.published_entry(stage)
+
+    def record() -> None:
+        if kept is None:
+            run.fail(stage, message)
+        else:
+            run.keep_complete(stage, kept, message)
+            _say(f"{stage}: the complete output published before is kept (the manifest's "
+                 "last_attempt records this failure)")
+
     try:
-        run.fail(stage, message)
+        record()
     except OSError as exc:
         if exc.errno == errno.ENOSPC:  # the lock's reserve makes room for the manifest
             free_reserve(run.root)
             with contextlib.suppress(OSError):
-                run.fail(stage, message)
-    if begun:
+                record()
+    if attempt.begun:
         _publish_docs(ctx)
 
 
@@ -153,5 +182,8 @@ def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
         if info.get("status") == "running":
             message = (f"the process running it (pid {stale.get('pid')} on {stale.get('host')}) "
                        "died before it finished; its completed work is kept and a rerun resumes it")
-            run.fail(stage, message)
+            if (kept := run.published_entry(stage)) is not None:  # a rerun of a complete stage
+                run.keep_complete(stage, kept, message)
+            else:
+                run.fail(stage, message)
             _say(f"{stage}: {message}")
