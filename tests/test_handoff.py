@@ -212,6 +212,11 @@ def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run
     # its drafter captures the layers we extracted, in the serving convention (ours + 1)
     assert config["aux_hidden_state_layer_ids"] == doc["aux_hidden_state_layer_ids"]
     assert config["draft_vocab_size"] == doc["draft_vocab_size"]
+    # and attends as ours does: full attention on every layer (bidirectional within a block),
+    # not its default sliding window, causal within the block
+    layers = config["transformer_layer_config"]
+    assert layers["layer_types"] == ["full_attention"] * layers["num_hidden_layers"]
+    assert layers["use_sliding_window"] is False
 
 
 def test_speculators_export_refuses_the_native_format_with_the_fix(native_run, tmp_path):

@@ -40,6 +40,9 @@ class SpeculatorsTraining:
                 "--target-layer-ids", *map(str, aux_hidden_state_layer_ids(self.layers)),
                 "--draft-vocab-size", str(self.draft_vocab_size),
                 "--num-layers", str(self.draft_layers),
+                # ours attend fully (bidirectional within a block) on every layer; speculators'
+                # default is sliding-window attention, causal within the block
+                "--full-attention-indices", *map(str, range(self.draft_layers)),
                 "--block-size", str(self.block_size),
                 "--total-seq-len", str(self.seq_length),
                 # its loader casts the states to this; it defaults to bf16 whatever was stored
