@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import runpy
 import shutil
 import sys
@@ -36,6 +38,19 @@ def test_run_writes_outputs_manifest_and_counts(default_run):
     assert all(len(i["sha256"]) == 64 for i in manifest["inputs"])
     assert manifest["packages"]["polars"] and manifest["config_hash"]
     assert not any(p.name.startswith(".") for p in default_run.iterdir() if p.is_dir())
+
+
+def test_run_prints_each_stages_wall_time(default_run, default_cli_run):
+    """The README promises a default run of about a minute: the run says what each stage took
+    (the manifest alone had it)."""
+    if os.environ.get("DFLASH_TEST_DEFAULT_RUN"):
+        pytest.skip("a reused run has no output of its own")
+    line = next(x for x in default_cli_run[1].stdout.splitlines() if x.startswith("wall time:"))
+    timed = re.findall(r"(\w+) ([0-9.]+) s", line.split(";")[0])
+    assert [name for name, _ in timed] == ["ingest", "regenerate", "tokenize", "extract", "train"]
+    total = float(re.search(r"; ([0-9.]+) s in all", line).group(1))
+    assert abs(total - sum(float(s) for _, s in timed)) <= 0.05 * len(timed)
+    assert all(float(s) > 0 for _, s in timed)
 
 
 def test_check_passes_on_a_good_output_and_fails_on_a_corrupted_one(default_run, tmp_path,

@@ -103,6 +103,7 @@ def test_torchrun_extract_equals_one_process(tiny_target, default_tokenized, one
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.distributed.run --standalone --nproc-per-node 2 -m --" in result.stderr
     assert result.stdout.count("extract done") == 1
+    assert "ranks:         2 (torchrun" in result.stdout
     manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"]
     assert (manifest["status"], manifest["ranks"]) == ("complete", 2)
     reference = json.loads((one_process / "manifest.json").read_text())["stages"]["extract"]

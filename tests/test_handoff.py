@@ -279,6 +279,10 @@ def test_the_cli_prints_the_commands_and_says_what_is_wrong(native_run, tmp_path
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--format speculators" in err
     assert "Traceback" not in err
+    # --out with --to vllm (which writes nothing) was ignored in silence
+    assert main(["export", "--run", str(native_run), "--to", "vllm", "--out",
+                 str(tmp_path / "v")]) == 1
+    assert "writes nothing: drop --out" in capsys.readouterr().err
 
 
 def test_the_export_reads_what_tokenize_and_train_wrote_and_names_a_missing_field(native_run,
@@ -341,3 +345,18 @@ def test_a_failed_forced_rerun_leaves_the_complete_stage_as_it_was(native_run, t
     target = before["settings"]["model"]
     extract.run(None, run, force=True, progress=False, model=target, layers="1,2")
     assert "last_attempt" not in entry() and "published" not in entry()
+
+
+def test_a_drafter_of_other_layers_is_refused_naming_both_lists(native_run, tmp_path):
+    _specforge()
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    path = run / "train" / "drafter" / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 3]
+    path.write_text(json.dumps(config))
+    with pytest.raises(StageError) as refused:
+        export(run, "specforge", tmp_path / "sf")
+    message = str(refused.value)
+    assert "reads layers [0, 3] but extract stored [1, 2]" in message
+    assert "mask_token_id" not in message  # the lists, not the whole dflash_config

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import dflash_etl.cli.stage as stage_command
@@ -61,18 +62,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_stages(args: argparse.Namespace) -> int:
     say(f"config: {args.config}\nrun:    {args.run}")
     config = load_config(args.config)
-    ran: set[str] = set()
+    ran: dict[str, float] = {}  # stage -> its wall seconds in this call
     for spec in STAGES:
-        if not set(spec.after) <= ran:
+        if not set(spec.after) <= set(ran):
             continue
         if not _configured(config, spec):
             if any(spec.name in later.after for later in STAGES):  # say why those do not run
                 say(f"{spec.name} skipped: no [{spec.section}] {spec.requires} in the config")
             continue
+        start = time.perf_counter()
         code = stage_command.run_one(spec, args)
         if code:
             return code
-        ran.add(spec.name)
+        ran[spec.name] = time.perf_counter() - start
+    say("wall time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in ran.items())
+        + f"; {sum(ran.values()):.1f} s in all")
     say(f"manifest: {Path(args.run) / 'manifest.json'}")
     say(f"report:   {_docs(args.run)}")
     return 0

@@ -138,6 +138,11 @@ def _summary_extract(name: str, run: Path, doc: dict[str, Any]) -> int:
         f"padding {total.get('padding_share')}")
     say(f"  hidden states: {out / 'hidden_states'}  ({total.get('format')})")
     say(f"  index:         {out / 'index.parquet'}")
+    from dflash_etl.core.rundir import RunDir
+
+    ranks = RunDir(run).manifest().get("stages", {}).get("extract", {}).get("ranks") or 1
+    if ranks > 1 and not doc.get("skipped"):  # the manifest's record: stats.json is the data's
+        say(f"  ranks:         {ranks} (torchrun; the output is one process's, byte for byte)")
     return 0
 
 

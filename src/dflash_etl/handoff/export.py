@@ -331,8 +331,9 @@ def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
     else:
         config = dict(drafter.config)
     if config["dflash_config"]["target_layer_ids"] != layers:
-        raise StageError(f"the trained drafter reads layers {config['dflash_config']} but "
-                         f"extract stored {layers}: rerun train on this extract")
+        raise StageError(f"the trained drafter reads layers "
+                         f"{config['dflash_config']['target_layer_ids']} but extract stored "
+                         f"{layers}: rerun train on this extract")
     config.setdefault("layer_types", ["full_attention"] * config["num_hidden_layers"])
     config.setdefault("hidden_act", "silu")
     config.setdefault("attention_bias", False)
@@ -368,6 +369,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_from_args(args: argparse.Namespace) -> int:
     if args.to == "vllm":
+        if args.out:  # nothing is written: an --out given would be silently ignored
+            raise StageError("--to vllm prints the serve line and writes nothing: drop --out "
+                             f"({args.out})")
         print(f"serve the drafter with:\n  {vllm_command(args.run)}", flush=True)
         return 0
     doc = export(args.run, args.to, args.out, args.link)
