@@ -646,3 +646,34 @@ def test_a_killed_rerun_of_a_complete_stage_leaves_it_complete(tmp_path):
     never.begin("fake", "f1")
     runner._mark_interrupted(never, {"pid": 1, "host": "h"})
     assert never.manifest()["stages"]["fake"]["status"] == "failed"
+
+
+def test_a_stage_never_replaces_a_folder_it_did_not_publish(tmp_path, monkeypatch):
+    """`mkdir -p D/ingest && echo mine > D/ingest/x; dflash-etl ingest --run D` deleted the
+    user's folder (rc 0). Now the stage refuses before any work and leaves it, and a stage
+    folder that is a symlink to another disk is refused rather than replaced by a folder."""
+    from dflash_etl.core.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}) + "\n")
+    (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "a"\npath = "rows.jsonl"\n')
+    run = tmp_path / "D"
+    (run / "ingest").mkdir(parents=True)
+    (run / "ingest" / "x").write_text("mine")
+    assert main(["ingest", "--config", "pipeline.toml", "--run", str(run)]) == 1
+    assert (run / "ingest" / "x").read_text() == "mine"
+    assert not (run / ".ingest.partial").exists()
+    shutil.rmtree(run / "ingest")
+    elsewhere = tmp_path / "other-disk"
+    elsewhere.mkdir()
+    (run / "ingest").symlink_to(elsewhere)
+    with pytest.raises(Exception, match="is a symlink"):
+        ingest.run(load_config(tmp_path / "pipeline.toml"), run, workers=1, progress=False)
+    assert (run / "ingest").is_symlink()
+    (run / "ingest").unlink()
+    doc = ingest.run(load_config(tmp_path / "pipeline.toml"), run, workers=1, progress=False)
+    assert doc["total"]["rows_out"] == 1
+    again = ingest.run(load_config(tmp_path / "pipeline.toml"), run, workers=1, progress=False,
+                       force=True)  # its own output: replaced as before
+    assert again["total"]["rows_out"] == 1

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl import __version__
+from dflash_etl.core.errors import StageError
 
 PACKAGES = (
     "polars", "pyarrow", "pandera", "orjson", "great-expectations", "transformers", "tokenizers",
@@ -163,6 +164,7 @@ class RunDir:
     def begin(self, stage: str, fingerprint: str) -> Path:
         """A partial directory to write into; kept (for resume) when its fingerprint matches.
         What a killed writer left half written in it (*.tmp) is removed."""
+        self.refuse_foreign_output(stage)
         partial = self.partial_dir(stage)
         marker = partial / FINGERPRINT
         if partial.exists() and (not marker.exists() or marker.read_text() != fingerprint):
@@ -175,6 +177,21 @@ class RunDir:
         self.update_stage(stage, status="running", fingerprint=fingerprint, started_at=now(),
                           published=self.published_entry(stage))
         return partial
+
+    def refuse_foreign_output(self, stage: str) -> None:
+        """Publishing renames `<stage>/` away and removes it: refuse, before any work, a folder
+        there that this tool did not publish (every output it publishes holds files.json), and a
+        symlink, which the rename would replace with a folder on the run's disk."""
+        final = self.stage_dir(stage)
+        if final.is_symlink():
+            raise StageError(f"{final} is a symlink (to {os.readlink(final)}): a stage output is "
+                             "published by renaming it into the run directory, which would "
+                             "replace the link; put the whole run directory on that disk "
+                             "(--run) instead. Nothing was changed")
+        if final.exists() and not (final / FILES_JSON).is_file():
+            raise StageError(f"{final} exists and is not an output this tool published (no "
+                             f"{FILES_JSON} in it): move it away or choose another --run; "
+                             "publishing would replace it. Nothing was changed")
 
     def published_entry(self, stage: str) -> dict[str, Any] | None:
         """The stage's manifest entry as it was when its output in `<stage>/` was published
