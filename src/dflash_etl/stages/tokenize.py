@@ -77,6 +77,11 @@ class TokenizeSettings:
     max_off_policy_share: float = setting(
         0.01, min=0, max=1, help="rows rendered in another thinking mode than regenerate "
         "generated with, as a share of rows, before the on-policy check fails the stage")
+    special_tokens_in_content: str = setting(
+        "quarantine", choices=("quarantine", "keep"),
+        help="a conversation whose text holds a special token's string (<|im_end|>...): "
+             "quarantine it (special_token_in_content), or keep it, the string then becoming "
+             "the real token")
     cross_check: float = setting(
         0.01, min=0, max=1, help="share of conversations (chosen by id) also tokenized without "
         "the shortcuts the probe allowed (one render for {% generation %} templates, N+1 "
@@ -145,6 +150,7 @@ def _mask_policy(settings: TokenizeSettings) -> Any:
         supervise_reasoning=settings.supervise_reasoning, turns=settings.turns,
         seq_length=settings.seq_length, truncation=settings.truncation,
         min_supervised_tokens=settings.min_supervised_tokens,
+        special_tokens_in_content=settings.special_tokens_in_content,
     )
 
 

@@ -11,6 +11,7 @@ from dflash_etl.templates.masks.policy import (
     LIMIT_CODES,
     R_MASK_VERIFICATION_FAILED,
     R_RENDER_ERROR,
+    R_SPECIAL_TOKEN_IN_CONTENT,
     MaskPolicy,
     MaskRefused,
     TokenizedRow,
@@ -58,9 +59,12 @@ def tokenize_conversations(
     """
     policy = policy or MaskPolicy()
     planned: list[_Planned | MaskRefused] = []
+    specials = special_strings(tokenizer) if policy.special_tokens_in_content == "quarantine" \
+        else ()
     for conv in convs:
         prep = None
         try:
+            refuse_special_token_text(conv, specials)
             prep = _prepare(conv, probe, policy)
             planned.append(_plan(prep, tokenizer, probe, policy, chat_template, fast))
         except (MaskRefused, RenderError) as exc:
@@ -85,6 +89,48 @@ def tokenize_conversations(
                 results[k] = _cross_checked(results[k], conv, tokenizer, probe, policy,
                                             chat_template)
     return results
+
+
+def special_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens as text (`<|im_start|>`, `<|endoftext|>`...): the strings
+    an encode turns into those tokens wherever they stand. Longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {t.content for t in decoder.values() if getattr(t, "special", False) and t.content}
+    found.update(t for t in getattr(tokenizer, "all_special_tokens", ()) if t)
+    return tuple(sorted(found, key=lambda t: (-len(t), t)))
+
+
+def refuse_special_token_text(conv: dict[str, Any], specials: tuple[str, ...]) -> None:
+    """MaskRefused when any text of the conversation (a message's content, reasoning, tool
+    calls, the tools) holds a special token's string: the template's markup alone may make
+    special tokens, or a reply could supervise a fake turn through them."""
+    if not specials:
+        return
+    for where, text in _texts(conv):
+        for token in specials:
+            if token in text:
+                raise MaskRefused(R_SPECIAL_TOKEN_IN_CONTENT, (
+                    f"{where} holds the special token {token!r} as text: encoded it would be the "
+                    "real token (a fake turn in the context, or supervised in a reply); clean "
+                    "the source, or set [tokenize] special_tokens_in_content = \"keep\" to "
+                    "tokenize it as it is"))
+
+
+def _texts(conv: dict[str, Any]) -> Any:
+    """(where, text) for every string in the conversation's messages and tools."""
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, str):
+            yield where, value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield from walk(item, f"{where}.{key}")
+        elif isinstance(value, list | tuple):
+            for k, item in enumerate(value):
+                yield from walk(item, f"{where}[{k}]")
+
+    for k, message in enumerate(conv.get("messages") or []):
+        yield from walk(message, f"message {k} ({(message or {}).get('role', '?')})")
+    yield from walk(conv.get("tools") or [], "tools")
 
 
 def _cross_checked(

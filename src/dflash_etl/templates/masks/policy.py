@@ -41,6 +41,9 @@ R_DUPLICATED_THINK = "duplicated_think_markup"
 # the generation prompt opens a reasoning block (R1 distills: "<think>\n") the template's turns
 # lack, and the turn has no reasoning: what the model writes before closing the block is unknown
 R_PREFILL_NEEDS_REASONING = "prefill_needs_reasoning"
+# a message's text holds a special token's string (`<|im_end|>`): encoded, it would become the
+# real token, a fake turn in the prompt or supervised in a reply
+R_SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
 THINK_TAGS = ("<think>", "</think>")
 
 FILTER_CODES = frozenset(
@@ -70,6 +73,7 @@ QUARANTINE_CODES = frozenset(
         R_OUTPUT_TOO_LARGE,
         R_DUPLICATED_THINK,
         R_PREFILL_NEEDS_REASONING,
+        R_SPECIAL_TOKEN_IN_CONTENT,
     }
 )
 
@@ -103,6 +107,9 @@ class MaskPolicy:
     seq_length: int | None = None
     truncation: Literal["right", "drop"] = "right"
     min_supervised_tokens: int = 2
+    # "quarantine": a conversation whose text holds a special token's string is refused
+    # (R_SPECIAL_TOKEN_IN_CONTENT); "keep": it is tokenized as it is (the string becomes the token)
+    special_tokens_in_content: Literal["quarantine", "keep"] = "quarantine"
 
 
 @dataclass
