@@ -677,3 +677,41 @@ def test_a_stage_never_replaces_a_folder_it_did_not_publish(tmp_path, monkeypatc
     again = ingest.run(load_config(tmp_path / "pipeline.toml"), run, workers=1, progress=False,
                        force=True)  # its own output: replaced as before
     assert again["total"]["rows_out"] == 1
+
+
+def test_sigterm_is_handled_as_ctrl_c_is(tmp_path, capsys):
+    """`timeout`, Kubernetes, Slurm and `docker stop` send SIGTERM, to this process alone. It
+    exited 143 with no word and left the stage `running`. Now: the workers stalled mid-item are
+    not waited for, the stage is `failed: terminated`, the lock is released, exit 143 with a
+    message, and a rerun resumes from the finished item."""
+    config = _setup(tmp_path, units=4)
+    run = tmp_path / "run"
+    proc, lines = _start(DYING, "ingest", "--config", config, "--run", run, "--workers", "2")
+    workers: list[int] = []
+    try:
+        working = _wait_for(lines, proc, "working", count=2)
+        workers = [int(line.split()[2]) for line in working]
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        said = []
+        while not lines.empty():
+            said.append(lines.get())
+        deadline = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers))
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 143, "".join(said)
+    assert any(line.startswith("terminated (SIGTERM)") for line in said), said
+    stage = _stage(run)
+    assert stage["status"] == "failed" and stage["error"].startswith("terminated (SIGTERM)")
+    assert (run / ".lock").read_text() == ""  # released
+    code, _, err = _cli(capsys, "ingest", "--config", config, "--run", run, "--workers", "1")
+    assert code == 0, err
+    _assert_usable(run, _clean(capsys, config, tmp_path))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +20,7 @@ from typing import Any
 
 from dflash_etl.cli.flags import add_settings_flags
 from dflash_etl.core.config import ConfigError, load_config
-from dflash_etl.core.errors import StageError, describe_error
+from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.progress import size_text
 from dflash_etl.core.rundir import PLAN_FILE
 from dflash_etl.executors.torchrun import relaunch
@@ -231,8 +234,13 @@ def start_suite_helper(command: str | None, argv: list[str]) -> None:
 
 def execute(args: argparse.Namespace) -> int:
     """Run a parsed command: a user error is one line and exit 1, never a traceback."""
+    terminate_as_interrupt()
     try:
         return int(args.func(args) or 0)
+    except Terminated:
+        print("terminated (SIGTERM): completed work is kept; rerun to resume", file=sys.stderr,
+              flush=True)
+        return 143
     except (ConfigError, StageError) as exc:
         if getattr(args, "debug", False):
             traceback.print_exc()
@@ -246,6 +254,24 @@ def execute(args: argparse.Namespace) -> int:
             traceback.print_exc()
         print(f"error: {describe_error(exc, args.command)}", file=sys.stderr, flush=True)
         return 1
+
+
+def terminate_as_interrupt() -> None:
+    """SIGTERM raises Terminated in this process (a KeyboardInterrupt: the stage is marked
+    failed, the lock released, exit 143 with a message) instead of ending it with the stage left
+    `running`; processes forked from it (pool workers) keep the default, dying at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signals are the main thread's; an embedding caller keeps its own
+    main = os.getpid()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if os.getpid() != main:  # a forked worker: the default, as if no handler were here
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def stage_main(name: str, argv: list[str] | None = None) -> int:

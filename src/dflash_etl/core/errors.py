@@ -11,6 +11,11 @@ TORCH_HINT = ("install torch first, the build for this machine (`pip install tor
               "the CPU build here; see the README's set-up)")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, Kubernetes, Slurm, `docker stop`): handled as Ctrl-C is (the stage
+    is marked failed, its completed work kept), and said as what it was."""
+
+
 class StageError(RuntimeError):
     """A stage cannot produce a trustworthy output (empty output, failed gate, bad inputs)."""
 

@@ -22,7 +22,7 @@ from typing import Any
 from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_world
-from dflash_etl.core.errors import StageError, describe_error
+from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer
 from dflash_etl.core.stage import RunOptions, Shell, Stage, StageContext
@@ -138,7 +138,8 @@ def _record_failure(ctx: StageContext, error: BaseException, attempt: _Attempt) 
     run, stage = ctx.run, ctx.name
     message = str(error) or type(error).__name__
     if isinstance(error, KeyboardInterrupt):
-        message = "interrupted: completed work is kept in the partial directory; rerun to resume"
+        what = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted"
+        message = f"{what}: completed work is kept in the partial directory; rerun to resume"
     kept = None if attempt.publishing else run.published_entry(stage)
 
     def record() -> None:

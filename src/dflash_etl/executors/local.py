@@ -93,18 +93,40 @@ class LocalExecutor:
             with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("fork"),
                                      initializer=_init_worker,
                                      initargs=(os.getpid(), stage)) as pool:
-                in_flight: deque[Future[dict[str, Any]]] = deque()
-                for k, item in enumerate(todo):
-                    in_flight.append(pool.submit(_work, item, work_dir))
-                    if k == 0:
-                        workers_started()  # the first submit forked every worker
-                    if len(in_flight) >= IN_FLIGHT_PER_WORKER * n_workers:
-                        result = in_flight.popleft().result()
-                        results[result["index"]] = result
-                        bar.advance(1)
-                while in_flight:
-                    result = in_flight.popleft().result()
-                    results[result["index"]] = result
-                    bar.advance(1)
+                try:
+                    LocalExecutor._drain(pool, todo, work_dir, n_workers, results, bar,
+                                         workers_started)
+                except BaseException:
+                    _stop_workers(pool)
+                    raise
         finally:
             gc.unfreeze()
+
+    @staticmethod
+    def _drain(pool: ProcessPoolExecutor, todo: list[WorkItem], work_dir: str, n_workers: int,
+               results: dict[int, dict[str, Any]], bar: Any,
+               workers_started: Callable[[], None]) -> None:
+        """Submit the items a few ahead of the workers and collect their results."""
+        in_flight: deque[Future[dict[str, Any]]] = deque()
+        for k, item in enumerate(todo):
+            in_flight.append(pool.submit(_work, item, work_dir))
+            if k == 0:
+                workers_started()  # the first submit forked every worker
+            if len(in_flight) >= IN_FLIGHT_PER_WORKER * n_workers:
+                result = in_flight.popleft().result()
+                results[result["index"]] = result
+                bar.advance(1)
+        while in_flight:
+            result = in_flight.popleft().result()
+            results[result["index"]] = result
+            bar.advance(1)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """An error or an interrupt (SIGTERM reaches this process alone): the workers' items in
+    flight are not waited for but killed (an item's files are renamed in whole, its done marker
+    last, so a killed one is simply done again by the rerun)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # shutdown drops it
+    for process in processes:
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
