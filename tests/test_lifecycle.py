@@ -715,3 +715,42 @@ def test_sigterm_is_handled_as_ctrl_c_is(tmp_path, capsys):
     code, _, err = _cli(capsys, "ingest", "--config", config, "--run", run, "--workers", "1")
     assert code == 0, err
     _assert_usable(run, _clean(capsys, config, tmp_path))
+
+
+def test_check_says_a_stage_is_running_and_whether_its_process_lives(tmp_path, capsys):
+    """`check` said "all checks passed" over a run whose stage was `running` (a live process on
+    it, or one SIGTERMed or killed): now it fails, saying which."""
+    from dflash_etl.core.rundir import RunDir
+    from dflash_etl.validation.check import check_path
+
+    config = _setup(tmp_path, units=2)
+    run = tmp_path / "run"
+    code, _, err = _cli(capsys, "ingest", "--config", config, "--run", run)
+    assert code == 0, err
+    assert check_path(run, suites=False)["passed"]
+    RunDir(run).update_stage("regenerate", status="running")  # as a killed process left it
+    report = check_path(run, suites=False)
+    assert not report["passed"]
+    assert "FAIL regenerate (manifest.json): the stage is not finished: left running by a " \
+        "process that died" in report["summary"]
+    proc, lines = _start(HOLD, run, "regenerate")
+    try:
+        _wait_for(lines, proc, "held")
+        report = check_path(run, suites=False)
+        assert f"running now (pid {proc.pid} on" in report["summary"]
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def test_a_corrupt_manifest_is_named_with_what_to_do(tmp_path, capsys):
+    config = _setup(tmp_path, units=1)
+    run = tmp_path / "run"
+    code, _, err = _cli(capsys, "ingest", "--config", config, "--run", run)
+    assert code == 0, err
+    (run / "manifest.json").write_text('{"stages": {"ingest": ')  # cut by a full disk
+    for argv in (["ingest", "--config", config, "--run", run], ["docs", "--run", run]):
+        code, _, err = _cli(capsys, *argv)
+        message = _error(code, err)
+        assert str(run / "manifest.json") in message and "not valid JSON" in message
+        assert "internal error" not in message

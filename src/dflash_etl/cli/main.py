@@ -93,6 +93,9 @@ def cmd_docs(args: argparse.Namespace) -> int:
     if not (Path(args.run) / "manifest.json").exists():
         raise StageError(f"{args.run} is not a run directory (no manifest.json): give the "
                          "--run directory a `dflash-etl run` or stage wrote")
+    from dflash_etl.core.rundir import RunDir
+
+    RunDir(args.run).manifest()  # a corrupt one is named (the report alone would show nothing)
     say(f"report: {_docs(args.run)}")
     return 0
 

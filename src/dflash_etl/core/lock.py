@@ -105,6 +105,22 @@ def run_lock(run_root: str | Path, stage: str) -> Iterator[dict[str, Any] | None
             os.close(fd)  # the lock is let go however the record fared
 
 
+def live_holder(run_root: str | Path) -> dict[str, Any] | None:
+    """The record of the process holding the run's lock now (pid, host, stage), or None when
+    no live process holds it (a record a dead holder left is stale: None)."""
+    path = Path(run_root) / ".lock"
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(path) or {"pid": "?", "host": "?", "stage": "?"}
+    finally:
+        os.close(fd)  # closing lets a lock this call took go
+    return None
+
+
 def _take(path: Path, root: Path) -> int:
     """The lock file's descriptor, locked; another live holder is a RunLocked naming it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

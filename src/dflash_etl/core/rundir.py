@@ -113,7 +113,17 @@ class RunDir:
 
     def manifest(self) -> dict[str, Any]:
         if self.manifest_path.exists():
-            return json.loads(self.manifest_path.read_text())
+            try:
+                manifest = json.loads(self.manifest_path.read_text())
+            except ValueError as exc:  # cut or edited by hand: name it, never "internal error"
+                raise StageError(
+                    f"{self.manifest_path} is not valid JSON ({exc}): it records this run's "
+                    "stages; restore it (a copy, version control), or move it away and rerun "
+                    "the stages, which then redo their outputs") from exc
+            if not isinstance(manifest, dict):
+                raise StageError(f"{self.manifest_path} holds no JSON object: restore it, or "
+                                 "move it away and rerun the stages")
+            return manifest
         return {"tool": {"name": "dflash-etl", "version": __version__}, "stages": {}}
 
     def update_manifest(self, **fields: Any) -> dict[str, Any]:

@@ -147,17 +147,29 @@ def _kind(path: Path) -> str | None:
 
 
 def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
-    """The stages a run directory's manifest records as failed, with their messages: their
-    output is missing (or an older one is stale), so the run is not whole even when every
-    published output passes."""
+    """The stages a run directory's manifest records as failed, with their messages, and those
+    still `running` (a live process on them, or one that died): their output is missing (or an
+    older one is stale), so the run is not whole even when every published output passes."""
     path = run_dir / "manifest.json"
     try:
         stages = json.loads(path.read_text()).get("stages", {}) if path.is_file() else {}
     except (OSError, ValueError) as exc:
         return [{"stage": "manifest", "error": f"{path} cannot be read: {exc}"}]
-    return [{"stage": name, "error": str(info.get("error") or "no message recorded")}
-            for name, info in stages.items()
-            if isinstance(info, dict) and info.get("status") == "failed"]
+    failures = [{"stage": name, "error": str(info.get("error") or "no message recorded")}
+                for name, info in stages.items()
+                if isinstance(info, dict) and info.get("status") == "failed"]
+    running = [name for name, info in stages.items()
+               if isinstance(info, dict) and info.get("status") in ("running", "publishing")]
+    if running:
+        from dflash_etl.core.lock import live_holder
+
+        holder = live_holder(run_dir)
+        why = (f"running now (pid {holder.get('pid')} on {holder.get('host')}): its output is not "
+               "published yet; check again when that process ends" if holder else
+               "left running by a process that died (SIGKILL, a lost machine): rerun the stage "
+               "to resume it")
+        failures += [{"stage": name, "error": why, "state": "running"} for name in running]
+    return failures
 
 
 def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dict[str, Any]:
@@ -182,8 +194,9 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
         return {"passed": report["passed"], "stages": [report], "manifest_failures": [],
                 "summary": "\n".join(lines)}
     broken = [] if kind or suite else manifest_failures(path)
-    failed_lines = [f"FAIL {f['stage']} (manifest.json): the stage failed: {f['error']}"
-                    for f in broken]
+    failed_lines = [f"FAIL {f['stage']} (manifest.json): the stage "
+                    f"{'is not finished' if f.get('state') == 'running' else 'failed'}: "
+                    f"{f['error']}" for f in broken]
     targets = [(path, kind)] if kind else [
         (child, _kind(child)) for child in sorted(path.iterdir())
         if child.is_dir() and not child.name.startswith(".")  # .<stage>.partial: unpublished
