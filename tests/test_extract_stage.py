@@ -304,3 +304,20 @@ def test_the_plan_recommends_online_training_when_the_output_would_not_fit(
     assert "does NOT fit" in out and "short by" in out and "--online" in out
     assert "tokens/s" in out and "hours" in out
     assert not (run_dir / "extract").exists()
+
+
+def test_the_disk_check_counts_the_shards_written_before(tmp_path, monkeypatch):
+    """After a full disk, a rerun resumes when the space left holds what is still to write
+    (it asked for the whole estimate again, and said both figures as "0.0 GiB")."""
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    need = 1000 * 2 * 16 * 4 + 1000 * 8  # 1000 tokens x 2 layers x 16 x fp32, + token ids
+    (tmp_path / "hidden_states").mkdir()
+    (tmp_path / "hidden_states" / "shard-00000.safetensors").write_bytes(b"x" * 100_000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**9, 0, need - 100_000))
+    assert extract._check_disk(tmp_path, 1000, 2, 16, "fp32") == need
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**9, 0, need - 100_001))
+    with pytest.raises(StageError, match=r"~0\.1 MiB .*0\.1 MiB of it written before.* "
+                                         r"0\.0 MiB free"):
+        extract._check_disk(tmp_path, 1000, 2, 16, "fp32")

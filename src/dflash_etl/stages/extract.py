@@ -189,13 +189,17 @@ def _dataset_files(run: RunDir) -> list[Path]:
 
 
 def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) -> int:
+    """The bytes the whole output takes; fails when what is still to write (the shards an
+    interrupted run wrote into `out` already count) exceeds the free space."""
     need = tokens * layers * hidden * (2 if dtype == "bf16" else 4) + tokens * 8
+    written = sum(f.stat().st_size for f in (out / "hidden_states").glob("*.safetensors")) \
+        if (out / "hidden_states").is_dir() else 0
     free = shutil.disk_usage(out).free
-    if need > free:
-        raise StageError(f"the hidden states need ~{need / 2**30:.1f} GiB ({tokens} tokens x "
-                         f"{layers} layers x {hidden} x {dtype}) but {out} has "
-                         f"{free / 2**30:.1f} GiB free: free space, choose fewer --layers, or "
-                         "use --dtype bf16")
+    if need - written > free:
+        raise StageError(f"the hidden states need ~{size_text(need)} ({tokens} tokens x "
+                         f"{layers} layers x {hidden} x {dtype}; {size_text(written)} of it "
+                         f"written before) but {out} has {size_text(free)} free: free space, "
+                         "choose fewer --layers, or use --dtype bf16")
     return need
 
 
