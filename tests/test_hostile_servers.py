@@ -133,6 +133,9 @@ def _handler(server: Hostile) -> type[BaseHTTPRequestHandler]:
         def mode_ngram(self, prompt: str, stream: bool) -> None:
             self._reply(NGRAM_REPLY, stream)
 
+        def mode_surrogate(self, prompt: str, stream: bool) -> None:
+            self._reply("An answer with a lone surrogate \ud800 in it.", stream)  # JSON: \\ud800
+
         def mode_status_503(self, prompt: str, stream: bool) -> None:
             self._send(503, b'{"error": {"message": "overloaded"}}')
 
@@ -351,7 +354,8 @@ def test_a_fleet_server_that_answers_garbage_is_taken_out(hostile):
 # ---------------------------------------------------------------- the stage
 N_OK = 40
 HOSTILE_MODES = ["slow_loris", "endless", "invalid_json", "html", "no_choices",
-                 "empty_choices", "broken_sse", "loop", "ngram", "once-html", "once-slow_loris"]
+                 "empty_choices", "broken_sse", "loop", "ngram", "once-html", "once-slow_loris",
+                 "surrogate"]
 
 
 @pytest.fixture()
@@ -389,8 +393,11 @@ def test_the_stage_finishes_and_accounts_for_every_row(hostile, hostile_run, str
         total["rows_filtered"].values())
     failed = {"slow_loris", "endless", "invalid_json", "html", "no_choices", "empty_choices",
               "broken_sse"}
+    # a reply with a lone surrogate failed the whole stage (UnicodeEncodeError, "a bug"), and
+    # every rerun replayed it from the cache: now it is one counted row
     assert total["quarantine_reasons"] == {"generation_failed": len(failed),
-                                           "degenerate_repetition": 2}
+                                           "degenerate_repetition": 2,
+                                           "invalid_unicode_reply": 1}
     assert total["rows_out"] == N_OK + 2  # the two that failed once were answered on retry
     frame = pl.read_parquet(run_dir / "regenerate" / "quarantine.parquet")
     reasons = dict(zip(frame["reason"], frame["message"], strict=True))

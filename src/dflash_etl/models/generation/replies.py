@@ -17,6 +17,8 @@ Q_DUMMY_REPLY = "dummy_reply"
 Q_REASONING_LEAK = "reasoning_in_content"
 Q_GENERATION_FAILED = "generation_failed"  # the template refused, or the server failed
 Q_DEGENERATE = "degenerate_repetition"  # a reply stuck in a loop (greedy decoding's failure)
+# a reply holding a lone UTF-16 surrogate (a server's broken escape): no Unicode text at all
+Q_INVALID_UNICODE = "invalid_unicode_reply"
 F_TRUNCATED = "truncated_response"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -106,6 +108,11 @@ def check_reply(reply: Reply, settings: GenerationSettings) -> tuple[str, str, s
     the news."""
     if reply.error:
         return ("quarantine", Q_GENERATION_FAILED, reply.error)
+    for text in (reply.text, reply.reasoning or ""):
+        if (at := _lone_surrogate(text)) is not None:
+            return ("quarantine", Q_INVALID_UNICODE,
+                    f"the reply holds a lone UTF-16 surrogate at character {at} "
+                    f"(U+{ord(text[at]):04X}): the server sent text that is not valid Unicode")
     content, reasoning = reply_parts(reply, settings.thinking)
     for part in (content, reasoning or ""):
         if loop := repetition(part, settings):
@@ -121,6 +128,15 @@ def check_reply(reply: Reply, settings: GenerationSettings) -> tuple[str, str, s
     if settings.thinking == "off" and ("<think>" in content or "</think>" in content):
         return ("quarantine", Q_REASONING_LEAK,
                 "thinking is off but the reply contains think markup")
+    return None
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """The position of the first character UTF-8 cannot encode (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
     return None
 
 
