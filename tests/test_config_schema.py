@@ -20,6 +20,7 @@ from dflash_etl.core.config import (
     parse_config,
 )
 from dflash_etl.core.errors import StageError
+from dflash_etl.stages import STAGES  # noqa: F401  the registry: the stage sections' schemas
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = '[[sources]]\nname = "a"\npath = "a.jsonl"\n'
@@ -104,7 +105,7 @@ def test_a_section_of_the_wrong_kind(tmp_path):
     (SOURCE + "[train]\nlr = 0\n", "[train] lr = 0: must be a number > 0"),
     (SOURCE + "[train]\nlr = nan\n", "[train] lr = nan: must be a number > 0"),
     (SOURCE + "[train]\nblock_size = 1\n",
-     "[train] block_size = 1: must be an integer >= 2 (a block needs the anchor"),
+     "[train] block_size = 1: must be an integer in [2, 256] (a block needs the anchor"),
     (SOURCE + "[train]\ndevice = 'gpu'\n", '[train] device = "gpu": must be one of "auto"'),
     (SOURCE + "[regenerate]\ntimeout_s = 0\n",
      "[regenerate] timeout_s = 0: must be a number > 0"),
@@ -119,6 +120,10 @@ def test_a_section_of_the_wrong_kind(tmp_path):
     (SOURCE + "[expectations.max_quarantine_rate_per_source]\na = 'high'\n",
      '[expectations.max_quarantine_rate_per_source] a = "high": must be a number in [0, 1]'),
     (SOURCE + "[target]\ntiny = 3\n", "[target] tiny = 3: must be a table"),
+    # values the schema let through, that failed hours later (or allocated 25 GB)
+    (SOURCE + "[train]\nblock_size = 100000000\n",
+     "[train] block_size = 100000000: must be an integer in [2, 256]"),
+    ('[[sources]]\npath = "a"\nweight = inf\n', "weight must be a positive finite number"),
     ('[[sources]]\npath = 5\n', "[[sources]] #1 path = 5: must be a string"),
     ('[[sources]]\npath = "a"\nfields = { messages = 1 }\n',
      "[[sources]] #1 fields = { messages = 1 }: must be a table of strings"),

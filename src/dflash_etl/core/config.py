@@ -379,8 +379,8 @@ def _source(entry: dict[str, Any], index: int) -> SourceConfig:
                                  or max_rows < 0):
         raise ConfigError(f"{where} ({name!r}): max_rows must be a non-negative integer")
     if weight is not None and (not isinstance(weight, int | float) or isinstance(weight, bool)
-                               or math.isnan(weight) or weight <= 0):
-        raise ConfigError(f"{where} ({name!r}): weight must be a positive number")
+                               or not math.isfinite(weight) or weight <= 0):
+        raise ConfigError(f"{where} ({name!r}): weight must be a positive finite number")
     fields = entry.get("fields", {})
     bad = set(fields) - set(FIELD_KEYS)
     if bad:

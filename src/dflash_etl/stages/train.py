@@ -65,8 +65,10 @@ class TrainSettings:
     target: str = setting("", metavar="DIR",
                           help="the target model directory (offline; default: [target] model)")
     draft_layers: int = setting(5, min=1, help="decoder layers of the drafter")
-    block_size: int = setting(16, min=2, why="a block needs the anchor and at least one token "
-                              "to predict", help="anchor + tokens predicted per block")
+    block_size: int = setting(16, min=2, max=256,
+                              why="a block needs the anchor and at least one token to predict; "
+                                  "DFlash drafters use 8 or 16 (each step's work grows with it)",
+                              help="anchor + tokens predicted per block")
     steps: int = setting(1000, min=1, help="optimizer steps")
     lr: float = setting(6e-4, above=0, help="peak learning rate")
     warmup_steps: int = setting(-1, min=-1, help="learning-rate warmup steps (-1: 4% of the "
