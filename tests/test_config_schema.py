@@ -123,7 +123,7 @@ def test_a_section_of_the_wrong_kind(tmp_path):
     # values the schema let through, that failed hours later (or allocated 25 GB)
     (SOURCE + "[train]\nblock_size = 100000000\n",
      "[train] block_size = 100000000: must be an integer in [2, 256]"),
-    ('[[sources]]\npath = "a"\nweight = inf\n', "weight must be a positive finite number"),
+    ('[[sources]]\npath = "a"\nweight = inf\n', "weight must be a positive number, and finite"),
     ('[[sources]]\npath = 5\n', "[[sources]] #1 path = 5: must be a string"),
     ('[[sources]]\npath = "a"\nfields = { messages = 1 }\n',
      "[[sources]] #1 fields = { messages = 1 }: must be a table of strings"),

@@ -380,7 +380,7 @@ def _source(entry: dict[str, Any], index: int) -> SourceConfig:
         raise ConfigError(f"{where} ({name!r}): max_rows must be a non-negative integer")
     if weight is not None and (not isinstance(weight, int | float) or isinstance(weight, bool)
                                or not math.isfinite(weight) or weight <= 0):
-        raise ConfigError(f"{where} ({name!r}): weight must be a positive finite number")
+        raise ConfigError(f"{where} ({name!r}): weight must be a positive number, and finite")
     fields = entry.get("fields", {})
     bad = set(fields) - set(FIELD_KEYS)
     if bad:
