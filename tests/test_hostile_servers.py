@@ -422,7 +422,8 @@ def test_a_rerun_retries_only_the_rows_that_failed(hostile, hostile_run):
     assert sum(hostile.seen.values()) == 2 * n_in  # every row failed once, then sent again
     failing = 7  # slow_loris endless invalid_json html no_choices empty_choices broken_sse
     assert doc["total"]["quarantine_reasons"] == {"generation_failed": failing,
-                                                  "degenerate_repetition": 2}
+                                                  "degenerate_repetition": 2,
+                                                  "invalid_unicode_reply": 1}
     cached = (run_dir / "regenerate" / "generations.jsonl").read_text().splitlines()
     assert len(cached) == n_in - failing  # the successes only (a degenerate reply is one)
 
