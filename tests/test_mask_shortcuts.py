@@ -157,8 +157,13 @@ def test_marker_inside_tool_arguments_renders_the_turn(tok):
                                               "arguments": {"text": "a <|im_end|>\n b"}}}]
     conv = _conv(("user", "Echo it"), ("assistant", ""), ("tool", "ok"), ("assistant", "Done."),
                  **{"1": {"tool_calls": json.dumps(call)}})
-    slow = tokenize_conversations([conv], tok, probe, chat_template=TOOLS, fast=False)
-    fast = tokenize_conversations([conv], tok, probe, chat_template=TOOLS)
+    # the marker is text inside the call: by default such a conversation is refused
+    # (special_token_in_content); kept as it is, the shortcut must still find the turn's end
+    (refused,) = tokenize_conversations([conv], tok, probe, chat_template=TOOLS)
+    assert isinstance(refused, MaskRefused) and refused.code == "special_token_in_content"
+    keep = MaskPolicy(special_tokens_in_content="keep")
+    slow = tokenize_conversations([conv], tok, probe, keep, chat_template=TOOLS, fast=False)
+    fast = tokenize_conversations([conv], tok, probe, keep, chat_template=TOOLS)
     assert probe.tool_call_args == "object" and not isinstance(slow[0], MaskRefused), slow
     assert _outcome(fast) == _outcome(slow)
 

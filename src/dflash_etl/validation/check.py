@@ -159,7 +159,7 @@ def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
                 for name, info in stages.items()
                 if isinstance(info, dict) and info.get("status") == "failed"]
     running = [name for name, info in stages.items()
-               if isinstance(info, dict) and info.get("status") in ("running", "publishing")]
+               if isinstance(info, dict) and info.get("status") == "running"]
     if running:
         from dflash_etl.core.lock import live_holder
 
