@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,26 @@ from dflash_etl.validation.health import HealthLimits, layer_health, shard_probl
 
 Q_NON_FINITE = "non_finite_hidden_states"  # extract's quarantine reasons
 Q_UNHEALTHY = "unhealthy_hidden_states"
+
+
+class TokenIds(Mapping[int, list[int]]):
+    """The tokenized rows' input_ids by row position, read one row at a time from the
+    memory-mapped Arrow files: a dataset's ids as Python lists would be many times its size."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.column = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]
+                                       ).column("input_ids")
+
+    def __getitem__(self, row: int) -> list[int]:
+        if not 0 <= row < len(self.column):
+            raise KeyError(row)
+        return self.column[row].as_py()
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.column)))
 
 
 def validate_model_output(contract: str, stage_dir: Path, params: dict[str, Any]) -> None:
@@ -48,10 +69,8 @@ def validate_hidden_states(stage_dir: Path, params: dict[str, Any]) -> None:
     if not pq.read_metadata(stage_dir / "index.parquet").num_rows:
         raise StageError(f"extract kept no rows of {doc['total']['rows_in']}: every row's "
                          f"hidden states were non-finite ({Q_NON_FINITE}); try --dtype fp32")
-    ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in params["dataset"]]
-                           ).column("input_ids").to_pylist()
     total = doc["total"]
-    problems = verify_states(stage_dir, dict(enumerate(ids)), len(total["stored_layers"]),
+    problems = verify_states(stage_dir, TokenIds(params["dataset"]), len(total["stored_layers"]),
                              total["hidden_size"])
     _contract_report(stage_dir, "extract", problems)
 
@@ -70,7 +89,8 @@ def _contract_report(stage_dir: Path, stage: str, problems: list[str]) -> None:
                             {"problems": problems})
 
 
-def verify_states(out: Path, rows: dict[int, list[int]], n_layers: int, hidden: int) -> list[str]:
+def verify_states(out: Path, rows: Mapping[int, list[int]], n_layers: int, hidden: int
+                  ) -> list[str]:
     """The contract of an extract output: every indexed row's states are [length, layers, hidden],
     finite, and stored with token ids equal to the tokenized row. Returns the problems."""
     from safetensors import safe_open
@@ -97,9 +117,7 @@ def check_states(out: Path) -> tuple[int, int, list[str]]:
     files = sorted(dataset.glob("*.arrow"))
     if not files:
         return 0, 0, [f"no tokenized dataset at {dataset} to compare the token ids with"]
-    ids = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]).column(
-        "input_ids").to_pylist()
-    problems = verify_states(out, dict(enumerate(ids)), len(states.stored_layers),
+    problems = verify_states(out, TokenIds(files), len(states.stored_layers),
                              states.hidden_size)
     problems += health_problems(out, states.stored_layers, HealthLimits.for_dtype(states.dtype))
     index_rows = pq.read_metadata(states.index_file).num_rows
@@ -121,7 +139,7 @@ def health_problems(out: Path, layers: list[int], limits: HealthLimits) -> list[
     return problems
 
 
-def _entry_problems(f: Any, entry: dict[str, Any], rows: dict[int, list[int]], n_layers: int,
+def _entry_problems(f: Any, entry: dict[str, Any], rows: Mapping[int, list[int]], n_layers: int,
                     hidden: int) -> list[str]:
     """One index entry's problems: shape, finite values, token ids."""
     problems = []
