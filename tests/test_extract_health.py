@@ -48,7 +48,7 @@ def test_healthy_states_record_their_numbers(default_tokenized, tiny_target, tmp
     run = copy_run(default_tokenized, tmp_path)
     doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2")
     health = doc["health"]
-    assert [layer["layer"] for layer in health["layers"]] == [1, 2]
+    assert [layer["layer"] for layer in health["layers"]] == [1, 2, 3]  # and the stored last
     assert all(layer["zero_share"] < 0.01 and layer["norm_mean"] > 0
                for layer in health["layers"])
     assert health["reference_rows"] >= 1 and health["reference_max_rel"] < 1e-3
@@ -77,7 +77,7 @@ def test_corrupted_states_fail_extract_with_the_numbers(default_tokenized, tiny_
     def corrupted(self, rows, logits=False, extra_layers=()):
         out, states = real(self, rows, logits=logits, extra_layers=extra_layers)
         if corruption == "zeros":
-            states = [s * torch.tensor([1.0, 0.0])[None, :, None] for s in states]
+            states = [s * torch.tensor([1.0, 0.0, 1.0])[None, :, None] for s in states]
         elif len(rows) > 1:  # batched only: what a padding bug does
             states = [torch.roll(s, 1, dims=0) for s in states]
         return out, states

@@ -50,7 +50,7 @@ def test_states_equal_an_independent_forward_pass(tiny_target, default_tokenized
             a, b = entry["offset"], entry["offset"] + entry["length"]
             got = f.get_slice("hidden_states")[a:b]
             assert f.get_slice("token_ids")[a:b].tolist() == ids
-        assert got.shape == (len(ids), 3, 64)
+        assert got.shape == (len(ids), 4, 64)  # the chosen three, then the last (3) again
         assert torch.allclose(got[:, :2], want, atol=1e-4), entry
         with torch.no_grad():
             assert torch.allclose(model.model.norm(got[:, 2]), ref[4][0], atol=1e-4), entry

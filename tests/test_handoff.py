@@ -139,10 +139,11 @@ def test_specforge_export_reads_with_specforge_own_reader_and_model(native_run, 
     assert resolved.block_size == ours["block_size"]
     assert resolved.dflash_config["mask_token_id"] == ours["dflash_config"]["mask_token_id"]
     # each row's record holds its own states alone: the export is about the extract's size
-    exported = sum(p.stat().st_size for p in (out / "features").rglob("*.ckpt"))
-    extracted = sum(p.stat().st_size for p in (native_run / "extract" / "hidden_states"
-                                                ).iterdir())
-    assert exported < 1.1 * extracted + 2048 * doc["rows_out"], (exported, extracted)
+    # (the chosen layers of the extract's, which also keeps the last one for speculators)
+    exported = _size(out / "features", "*.ckpt")
+    extracted = _size(native_run / "extract" / "hidden_states", "*.safetensors")
+    share = len(doc["layers"]) / (len(doc["layers"]) + 1)
+    assert exported < 1.1 * share * extracted + 2048 * doc["rows_out"], (exported, extracted)
 
 
 def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators_run, tmp_path):
@@ -219,9 +220,68 @@ def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run
     assert layers["use_sliding_window"] is False
 
 
-def test_speculators_export_refuses_the_native_format_with_the_fix(native_run, tmp_path):
-    with pytest.raises(StageError, match="--format speculators --force"):
-        export(native_run, "speculators", tmp_path / "x")
+def _size(directory: Path, pattern: str) -> int:
+    return sum(p.stat().st_size for p in directory.rglob(pattern))
+
+
+def test_a_native_extract_exports_to_speculators_without_a_re_extract(native_run,
+                                                                      speculators_run, tmp_path):
+    """Native shards -> one file per row, each holding its row alone (the chosen layers and the
+    last), read by speculators' own loader as the same states a speculators-format extract
+    gives; the export is the extract's size, not a shard per row."""
+    pytest.importorskip("speculators.train.data", reason=SPECULATORS_HINT)
+    from safetensors.torch import load_file
+    from speculators.train.data import ArrowDataset
+
+    out = tmp_path / "speculators"
+    doc = export(native_run, "speculators", out)
+    rows = _tokenized(native_run)
+    assert doc["rows_out"] == len(rows) and doc["stored_layers"] == [1, 2, 3]
+    loaded = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise",
+                          hidden_states_dtype=torch.float32)
+    for row in (0, 5, len(rows) - 1):
+        mine = load_file(str(out / "hidden_states" / f"hs_{row}.safetensors"))
+        theirs = load_file(str(speculators_run / "extract" / "hidden_states"
+                               / f"hs_{row}.safetensors"))
+        assert mine["token_ids"].tolist() == theirs["token_ids"].tolist() == rows[row][
+            "input_ids"]
+        torch.testing.assert_close(mine["hidden_states"], theirs["hidden_states"])
+        sample = loaded[row]
+        assert sample["verifier_last_hidden_states"].shape == (len(rows[row]["input_ids"]),
+                                                               doc["hidden_size"])
+    exported = _size(out / "hidden_states", "*.safetensors")
+    extracted = _size(native_run / "extract" / "hidden_states", "*.safetensors")
+    assert exported < 1.1 * extracted + 1024 * len(rows), (exported, extracted)
+
+
+def test_a_speculators_extract_exports_to_specforge_at_its_size(speculators_run, tmp_path):
+    _specforge()
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    out = tmp_path / "specforge"
+    doc = export(speculators_run, "specforge", out)
+    rows = _tokenized(speculators_run)
+    first = sorted((out / "features").rglob("*.ckpt"))[0]
+    row = int(first.stem.split("_")[1])
+    record = load_feature_file(str(first))
+    assert record["hidden_states"].shape == (1, len(rows[row]["input_ids"]),
+                                             len(doc["layers"]) * doc["hidden_size"])
+    # the chosen layers only: the last layer speculators needs is not copied to SpecForge
+    exported = _size(out / "features", "*.ckpt")
+    extracted = _size(speculators_run / "extract" / "hidden_states", "*.safetensors")
+    share = len(doc["layers"]) / (len(doc["layers"]) + 1)
+    assert exported < 1.1 * share * extracted + 2048 * doc["rows_out"], (exported, extracted)
+
+
+def test_an_extract_without_the_last_layer_is_refused_with_the_rerun(native_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    stats_path = run / "extract" / "stats.json"
+    stats = json.loads(stats_path.read_text())
+    stats["total"]["stored_layers"] = stats["total"]["layers"]  # as extracts before this wrote
+    stats_path.write_text(json.dumps(stats))
+    with pytest.raises(StageError, match=r"extract --run .* --model .* --layers 1,2 --force"):
+        export(run, "speculators", tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
@@ -274,10 +334,10 @@ def test_the_cli_prints_the_commands_and_says_what_is_wrong(native_run, tmp_path
     serve = shlex.split(out.splitlines()[1])
     assert serve[:2] == ["vllm", "serve"]
     assert json.loads(serve[4])["model"] == str((native_run / "train" / "drafter").resolve())
-    assert main(["export", "--run", str(native_run), "--to", "speculators",
+    assert main(["export", "--run", str(tmp_path), "--to", "speculators",
                  "--out", str(tmp_path / "s")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--format speculators" in err
+    assert err.startswith("error: ") and "is not a run directory (no manifest.json)" in err
     assert "Traceback" not in err
     # --out with --to vllm (which writes nothing) was ignored in silence
     assert main(["export", "--run", str(native_run), "--to", "vllm", "--out",

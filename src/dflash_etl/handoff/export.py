@@ -4,10 +4,11 @@
     dflash-etl export --run R --to vllm      # prints the `vllm serve` line for the drafter
     python -m dflash_etl.handoff.export --run R --to ...
 
-speculators: one `--data-path` directory whose big files are hard links to the run's (no second
-copy of the hidden states unless `--link copy`); needs extract's speculators format (one file
-per row, with the last layer its loader wants). specforge: the `.ckpt` records its offline
-reader takes, written shard by shard, plus its draft-model config and a run config.
+speculators: one `--data-path` directory: the tokenized dataset's files hard-linked, and a file
+per row of hidden states (the chosen layers, then the last one its loader wants), hard links to
+extract's speculators-format files (no second copy unless `--link copy`) or, from the native
+format, each row's slice of its shard written shard by shard. specforge: the `.ckpt` records
+its offline reader takes, written shard by shard, plus its draft-model config and a run config.
 Written to `<out>.partial`, checked (every row accounted, lengths, the layer count) and renamed
 into place; `<out>/export.json` records what was exported and the command.
 """
@@ -78,12 +79,14 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
                              f"`dflash-etl {needed} --run {run.root}` first")
     states = HiddenStatesOutput.read(run.stage_dir("extract"))
     settings = stages["extract"].get("settings", {})
-    if to == "speculators" and states.format != "speculators":
-        raise StageError(
-            f"{run.root}: extract wrote the native format; speculators reads one file per row "
-            "with the target's last layer after the chosen ones. Rerun: dflash-etl extract "
-            f"--run {run.root} --format speculators --force")
     target = settings.get("model") or ""
+    if to == "speculators" and states.stored_layers != [*states.layers, states.n_layers - 1]:
+        raise StageError(
+            f"{run.root}: extract stored layers {states.stored_layers} (an extract written "
+            "before both formats kept the last layer); speculators reads the target's last "
+            f"layer after the chosen ones {states.layers}. Rerun: dflash-etl extract --run "
+            f"{run.root} --model {target or 'DIR'} --layers "
+            f"{','.join(map(str, states.layers))} --force")
     if not Path(target, "config.json").is_file():
         raise StageError(f"extract's target model {target!r} has no config.json any more: the "
                          "export needs its vocabulary size and shape; restore it, or rerun "
@@ -165,21 +168,37 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     n_rows = table.num_rows
     input_ids = table.column("input_ids")
     layers, stored, hidden = states.layers, states.stored_layers, states.hidden_size
-    missing, problems = 0, []
+    missing, problems = n_rows, []
+
+    def check(row: int, shape: list[int]) -> None:
+        seq = len(input_ids[row])
+        if list(shape) != [seq, len(stored), hidden] and len(problems) < 5:
+            problems.append(f"hs_{row}.safetensors: shape {list(shape)}, expected "
+                            f"[{seq}, {len(stored)}, {hidden}]")
+
     with progress_bar("export speculators", n_rows, progress) as bar:
-        for row in range(n_rows):
-            source = ext / "hidden_states" / f"hs_{row}.safetensors"
-            bar.advance()
-            if not source.is_file():
-                missing += 1
-                continue
-            with safe_open(str(source), framework="pt") as f:
-                shape = f.get_slice("hidden_states").get_shape()
-            seq = len(input_ids[row])
-            if list(shape) != [seq, len(stored), hidden] and len(problems) < 5:
-                problems.append(f"hs_{row}.safetensors: shape {list(shape)}, expected "
-                                f"[{seq}, {len(stored)}, {hidden}]")
-            used.add(_link(source, partial / "hidden_states" / source.name, link))
+        if states.format == "speculators":  # already one file per row: linked, not copied
+            for row in range(n_rows):
+                source = ext / "hidden_states" / f"hs_{row}.safetensors"
+                bar.advance()
+                if source.is_file():
+                    with safe_open(str(source), framework="pt") as f:
+                        check(row, f.get_slice("hidden_states").get_shape())
+                    used.add(_link(source, partial / "hidden_states" / source.name, link))
+                    missing -= 1
+        else:  # native shards: each row's slice written to its own file, a shard at a time
+            from safetensors.torch import save_file
+
+            for row, hidden_states, token_ids in _states_by_row(states, stored=True):
+                bar.advance()
+                check(row, list(hidden_states.shape))
+                if token_ids.tolist() != input_ids[row].as_py() and len(problems) < 5:
+                    problems.append(f"row {row}: extract's token ids are not tokenize's")
+                save_file({"hidden_states": hidden_states.contiguous(),
+                           "token_ids": token_ids.contiguous()},
+                          str(partial / "hidden_states" / f"hs_{row}.safetensors"))
+                missing -= 1
+            used.add("written from extract's native shards")
     if problems:
         raise ContractError("the speculators export breaks its contract: " + "; ".join(problems))
     drafter: DrafterOutput | None = inputs["drafter"]
@@ -231,12 +250,14 @@ def _extract_reasons(inputs: dict[str, Any], missing: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- specforge
-def _states_by_row(states: HiddenStatesOutput) -> Any:
-    """(row, states [seq, K, H], token_ids) for every extracted row, one shard at a time."""
+def _states_by_row(states: HiddenStatesOutput, stored: bool = False) -> Any:
+    """(row, states [seq, K, H], token_ids) for every extracted row, one shard at a time (K the
+    chosen layers, or with `stored` every layer the file holds)."""
     import pyarrow.parquet as pq
     from safetensors.torch import load_file
 
-    ext, k = states.stage_dir, len(states.layers)
+    ext = states.stage_dir
+    k = len(states.stored_layers) if stored else len(states.layers)
     if states.format == "speculators":
         for path in sorted((ext / "hidden_states").glob("hs_*.safetensors"),
                            key=lambda p: int(p.stem[3:])):
@@ -251,7 +272,7 @@ def _states_by_row(states: HiddenStatesOutput) -> Any:
         data = load_file(str(ext / "hidden_states" / shard))
         for e in by_shard[shard]:
             span = slice(e["offset"], e["offset"] + e["length"])
-            yield e["row"], data["hidden_states"][span], data["token_ids"][span]
+            yield e["row"], data["hidden_states"][span, :k], data["token_ids"][span]
 
 
 def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,

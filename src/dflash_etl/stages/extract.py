@@ -7,13 +7,14 @@ a serving engine's KV cache. Rows are sorted by length and cut into batches of a
 rerun skips the finished ones.
 
 Output (runs/<name>/extract/):
-  native:      hidden_states/shard-NNNNN.safetensors with `hidden_states` [tokens, layers, hidden]
-               and `token_ids` [tokens] (rows concatenated), plus index.parquet: id, turn, shard,
-               offset, length;
+  native:      hidden_states/shard-NNNNN.safetensors with `hidden_states` [tokens, layers + 1,
+               hidden] and `token_ids` [tokens] (rows concatenated), plus index.parquet: id,
+               turn, shard, offset, length;
   speculators: hidden_states/hs_{i}.safetensors per row with `hidden_states` [seq, layers + 1,
-               hidden] (the chosen layers, then the last decoder layer, as speculators' loader
-               splits them) and `token_ids` [seq], i the row's position in the tokenized
-               dataset (the index says which file holds which row).
+               hidden] and `token_ids` [seq], i the row's position in the tokenized dataset
+               (the index says which file holds which row).
+Both hold the chosen layers, then the last decoder layer (speculators' loader splits it off as
+the verifier's final state), so either format exports to every consumer without a re-extract.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- pure core
-def stored_layers(layers: list[int], n_layers: int, fmt: str) -> list[int]:
-    """The layers a shard holds, in order: the chosen ones; the speculators format appends the
-    last decoder layer, which speculators' loader reads as the verifier's final hidden state."""
-    return [*layers, n_layers - 1] if fmt == "speculators" else list(layers)
+def stored_layers(layers: list[int], n_layers: int) -> list[int]:
+    """The layers a shard holds, in order: the chosen ones, then the last decoder layer, which
+    speculators' loader reads as the verifier's final hidden state (ours and SpecForge's read
+    only the chosen ones): one extract, in either format, serves every trainer."""
+    return [*layers, n_layers - 1]
 
 
 def length_batches(lengths: list[int], batch_tokens: int,
@@ -212,7 +214,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
     lengths = [len(r["input_ids"]) for r in rows]
     states: list[Any] = [None] * len(rows)
     batches = length_batches(lengths, settings.batch_tokens)
-    extra = (target.last_layer,) if settings.format == "speculators" else ()
+    extra = (target.last_layer,)
     for batch in batches:
         _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra)
         for k, s in zip(batch, got, strict=True):
@@ -309,7 +311,7 @@ class ExtractStage(BatchStage):
     def begin(self, ctx: StageContext) -> None:
         settings: ExtractSettings = ctx.settings
         layers, n_layers = ctx.state["layers"], ctx.state["n_layers"]
-        stored = stored_layers(layers, n_layers, settings.format)
+        stored = stored_layers(layers, n_layers)
         need = _check_disk(ctx.partial, sum(ctx.state["lengths"]), len(stored),
                            ctx.state["hidden"], settings.dtype)
         ctx.run.update_stage(STAGE, settings=asdict(settings), layers=layers,
@@ -381,7 +383,7 @@ class ExtractStage(BatchStage):
         pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
                        ctx.partial / "index.parquet")
         layers, n_layers = ctx.state["layers"], ctx.state["n_layers"]
-        stored = stored_layers(layers, n_layers, settings.format)
+        stored = stored_layers(layers, n_layers)
         doc = stats_document(per_source, STAGE)
         padded = sum(r["padded"] for r in results)
         tokens = sum(ctx.state["lengths"])
@@ -491,7 +493,7 @@ def plan(config: PipelineConfig | None, run_dir: str | Path, progress: bool | No
         loading = time.perf_counter()
         target = Target(settings)
         load_seconds = time.perf_counter() - loading
-        stored = stored_layers(target.layers, target.n_layers, settings.format)
+        stored = stored_layers(target.layers, target.n_layers)
         picks = plan_sample(batches, settings.plan_batches)
         scratch = run.root / ".extract-plan.tmp"
         shutil.rmtree(scratch, ignore_errors=True)
