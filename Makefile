@@ -28,9 +28,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(CONSUMERS)
 	touch $@
 
-# The trainers the hand-off tests run (tests/test_handoff.py), without their dependencies: a
-# plain install would replace torch with a CUDA build (their other dependencies are in `dev`).
-CONSUMERS := speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
+# The trainers the hand-off tests run (tests/test_handoff.py; yunchang is SpecForge's trainer's,
+# whose package is ../shared/fixtures/specforge), without their dependencies: a plain install
+# would replace torch with a CUDA build (their other dependencies are in `dev`).
+CONSUMERS := speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0 yunchang==0.6.4
 
 # A GPU machine: install into an environment that already has its CUDA torch, which is kept
 # (torch is not a dependency of this package; nothing here installs or replaces it):

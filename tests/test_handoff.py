@@ -146,6 +146,60 @@ def test_specforge_export_reads_with_specforge_own_reader_and_model(native_run, 
     assert exported < 1.1 * share * extracted + 2048 * doc["rows_out"], (exported, extracted)
 
 
+# What CPU forces on SpecForge's trainer (nothing else of the printed command changes):
+SPECFORGE_ON_CPU = [
+    "training.fsdp_sharding=NO_SHARD",  # FSDP needs an accelerator; NO_SHARD is its DDP path
+    "training.max_steps=2",  # a bound for the test, not a CPU need
+]
+
+
+def test_specforge_trains_from_the_printed_command_the_drafter_we_trained(native_run, tmp_path):
+    """The printed `torchrun ... -m specforge.cli train --config ...` runs (one process, gloo)
+    from another directory, and the drafter SpecForge writes (its own `export --to hf`) has our
+    layers, block, mask token, depth, attention and vocabulary, and loads into our class."""
+    import os
+    import subprocess
+
+    _specforge()
+    pytest.importorskip("yunchang", reason="yunchang (SpecForge's trainer needs it) is not "
+                        "installed: make setup")
+    from dflash_etl.models.drafter import DFlashDrafter
+
+    out = tmp_path / "specforge"
+    doc = export(native_run, "specforge", out, gpus=1)
+    argv = shlex.split(doc["command"])
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "1"]
+    run_config = json.loads((out / "specforge_run.json").read_text())
+    assert run_config["model"]["torch_dtype"] == "float32"  # the features' (fp32 extract)
+    assert run_config["model"]["embedding_key"] == "model.embed_tokens.weight"
+    env = {**os.environ, "PYTHONPATH": str(SPECFORGE), "OMP_NUM_THREADS": "1"}
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    result = subprocess.run([torchrun, *argv[1:], *SPECFORGE_ON_CPU], cwd=elsewhere, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = tmp_path / "specforge-drafter" / "specforge-run-step2"
+    assert (checkpoint / "training_state.pt").is_file()
+    hf = tmp_path / "specforge-hf"
+    result = subprocess.run(
+        [sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint",
+         str(checkpoint), "--draft-config", str(out / "dflash_draft_config.json"),
+         "--output-dir", str(hf)], cwd=elsewhere, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = json.loads((hf / "config.json").read_text())
+    ours = json.loads((native_run / "train" / "drafter" / "config.json").read_text())
+    for key in ("num_hidden_layers", "block_size", "vocab_size", "hidden_size", "layer_types"):
+        assert theirs[key] == ours[key], key
+    assert theirs["dflash_config"]["target_layer_ids"] == ours["dflash_config"][
+        "target_layer_ids"] == [1, 2]
+    assert theirs["dflash_config"]["mask_token_id"] == ours["dflash_config"]["mask_token_id"]
+    shutil.copy(native_run / "train" / "drafter" / "config.json", hf / "config.json")
+    trained = DFlashDrafter.load(hf)  # strict: every tensor of ours, no other
+    assert trained.fc.in_features == 2 * doc["hidden_size"]
+
+
 def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators_run, tmp_path):
     pytest.importorskip("speculators.train.data", reason=SPECULATORS_HINT)
     from speculators.train.config import TrainConfig

@@ -30,6 +30,7 @@ from dflash_etl.core.outputs import DrafterOutput, HiddenStatesOutput, Tokenized
 from dflash_etl.core.progress import progress_bar
 from dflash_etl.core.rundir import RunDir, now, remove_tree, swap_in, write_json_atomic
 from dflash_etl.handoff import specforge, speculators
+from dflash_etl.models.loading import embedding_weight_names
 from dflash_etl.models.serving import aux_hidden_state_layer_ids, vllm_command
 
 TARGETS = ("speculators", "specforge")  # written; `vllm` only prints its serve line
@@ -38,8 +39,9 @@ RECORD = "export.json"  # also the marker: an --out directory without it is neve
 
 
 def export(run_dir: str | Path, to: str, out: str | Path | None = None, link: str = "hard",
-           progress: bool | None = None) -> dict[str, Any]:
-    """Export the run for `to`; returns export.json's document (with the command to run)."""
+           progress: bool | None = None, gpus: int | None = None) -> dict[str, Any]:
+    """Export the run for `to`; returns export.json's document (with the command to run, for
+    `gpus` GPUs per node where given)."""
     if to not in TARGETS:
         raise StageError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if link not in LINKS:
@@ -51,6 +53,7 @@ def export(run_dir: str | Path, to: str, out: str | Path | None = None, link: st
     final = Path(out) if out else run.root / "export" / to
     with run_lock(run.root, f"export {to}"):
         inputs = _inputs(run, to)
+        inputs["gpus"] = gpus
         if final.exists() and not (final / RECORD).is_file():
             raise StageError(f"{final} exists and is not an export this tool wrote (no {RECORD}"
                              "): give another --out, or remove it yourself")
@@ -94,7 +97,8 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
     trained = stages.get("train", {}).get("status") == "complete"
     return {
         "run": run, "tokenized": TokenizedOutput.read(run.stage_dir("tokenize")),
-        "states": states, "target": target,
+        # absolute: the printed commands run from wherever the user is
+        "states": states, "target": str(Path(target).resolve()),
         "drafter": DrafterOutput.read(run.stage_dir("train")) if trained else None,
     }
 
@@ -313,11 +317,13 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     draft_config = _draft_config(inputs)
     write_json_atomic(partial / "dflash_draft_config.json", draft_config)
     drafter: DrafterOutput | None = inputs["drafter"]
+    embedding_key, lm_head_key = embedding_weight_names(inputs["target"])
     config = specforge.run_config(
         target=inputs["target"], draft_config=str((final / "dflash_draft_config.json").resolve()),
         features=str((final / "features").resolve()), seq_length=tokenized.seq_length,
         output_dir=str((final.parent / "specforge-drafter").resolve()),
-        gamma=drafter.loss_decay_gamma if drafter else None)
+        gamma=drafter.loss_decay_gamma if drafter else None, states_dtype=extracted.dtype,
+        embedding_key=embedding_key, lm_head_key=lm_head_key)
     write_json_atomic(partial / "specforge_run.json", config)
     return {
         "rows_in": n_rows, "rows_out": written, "rows_quarantined": missing,
@@ -325,7 +331,9 @@ def _specforge(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         "rows_filtered": {specforge.Q_NO_PAIR: filtered} if filtered else {},
         "layers": layers, "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
         "hidden_size": hidden, "dtype": extracted.dtype,
-        "command": specforge.train_command(str((final / "specforge_run.json").resolve())),
+        "embedding_key": embedding_key,
+        "command": specforge.train_command(str((final / "specforge_run.json").resolve()),
+                                           inputs["gpus"]),
     }
 
 
@@ -384,6 +392,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--link", default="hard", choices=LINKS,
                    help="how the big files get there (speculators; default: hard links, "
                         "a symlink across file systems)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs per node for the printed SpecForge launch (default: N, to fill in)")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
 
@@ -395,7 +405,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                              f"({args.out})")
         print(f"serve the drafter with:\n  {vllm_command(args.run)}", flush=True)
         return 0
-    doc = export(args.run, args.to, args.out, args.link)
+    if args.gpus is not None and args.gpus < 1:
+        raise StageError(f"--gpus {args.gpus}: give the number of GPUs per node, 1 or more")
+    doc = export(args.run, args.to, args.out, args.link, gpus=args.gpus)
     out = Path(args.out) if args.out else Path(args.run) / "export" / args.to
     print(f"export {args.to}: {doc['rows_out']} of {doc['rows_in']} rows -> {out}", flush=True)
     if doc["rows_quarantined"] or doc["rows_filtered"]:
@@ -405,6 +417,8 @@ def run_from_args(args: argparse.Namespace) -> int:
           f"dflash_config) = {doc['aux_hidden_state_layer_ids']} (embedding = 0: speculators)",
           flush=True)
     print(f"train with:\n  {doc['command']}", flush=True)
+    if " N " in f" {doc['command']} ":
+        print("  (N: the GPUs per node to train on; or give the export --gpus N)", flush=True)
     return 0
 
 

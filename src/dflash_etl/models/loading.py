@@ -165,3 +165,33 @@ def load_auto_tokenizer(model_dir: str | Path) -> Any:
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
                                          trust_remote_code=False)
+
+
+def weight_names(model_dir: str | Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint (its index's weight map, else each file's
+    header), without loading a tensor."""
+    directory = Path(model_dir)
+    index = sorted(directory.glob("*.safetensors.index.json"))
+    if index:
+        return sorted(_read_json(index[0]).get("weight_map", {}))
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names += list(f.keys())
+    return sorted(names)
+
+
+def embedding_weight_names(model_dir: str | Path) -> tuple[str, str | None]:
+    """(the decoder's input embedding, the output head or None where it is tied) as the
+    checkpoint names them: `model.embed_tokens.weight` in a causal LM,
+    `model.language_model.embed_tokens.weight` in a vision-language one (Qwen3.6's layout)."""
+    names = weight_names(model_dir)
+    embeddings = [n for n in names if n.endswith("embed_tokens.weight")]
+    if not embeddings:
+        raise StageError(f"{model_dir}: no `embed_tokens.weight` among its {len(names)} "
+                         "safetensors tensors; the trainers need the target's embedding: give a "
+                         "safetensors checkpoint of the target")
+    heads = [n for n in names if n.endswith("lm_head.weight")]
+    return min(embeddings, key=len), (min(heads, key=len) if heads else None)
