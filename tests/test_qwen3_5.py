@@ -214,7 +214,8 @@ def test_the_splitter_reads_qwen36_replies_that_start_inside_the_think_block():
     settings = RegenerateSettings(model="m", thinking="on")
     assert check_reply(Reply(qwen36, "stop", 9, think_open=True), settings) is None
     unclosed = check_reply(Reply("Thinking on and on.", "stop", 9, think_open=True), settings)
-    assert unclosed and unclosed[1] == "empty_response" and "no answer" in unclosed[2]
+    assert unclosed and unclosed[1] == "reply_inside_think_block" and "no answer" in unclosed[2]
+    assert "--max-new-tokens" in unclosed[2] and "--thinking off" in unclosed[2]
 
 
 def _turn_texts(text: str) -> list[str]:
@@ -491,3 +492,50 @@ def test_a_dense_target_says_nothing_about_kernels():
     assert linear_attention_layers(transformers.Qwen2Config()) == 0
     assert linear_attention_layers(transformers.Qwen3NextConfig(
         num_hidden_layers=4, full_attention_interval=2)) == 2
+
+
+@pytest.mark.parametrize("cut_all", [True, False])
+def test_replies_cut_inside_the_think_block_name_the_fix_with_counts(models, prompts_run,
+                                                                     monkeypatch, cut_all):
+    """Thinking on with the Qwen3.6 template and replies that never leave the think block (too
+    few tokens): counted as their own reason, and the error (nothing kept) or the failing
+    suite (most prompt-only rows lost) names --max-new-tokens / --thinking off with the counts,
+    not only "fix the data"."""
+    from dflash_etl.core.errors import StageError
+    from dflash_etl.models.generation.local import TransformersBackend
+    from dflash_etl.models.generation.replies import Q_INSIDE_THINK, Reply
+    from dflash_etl.stages import regenerate
+    from dflash_etl.validation.suites import SuiteError
+
+    def scripted(self, prompts: list[str]) -> list[Reply]:
+        return [Reply(f"Let me think about {k} and" if cut_all or k else
+                      "Brief.\n</think>\n\nAn answer.", "stop", 8)
+                for k, _ in enumerate(prompts)]
+
+    monkeypatch.setattr(TransformersBackend, "generate_text", scripted)
+    kw = {"progress": False, "thinking": "on", "mode": "missing", "dummy_min_repeats": 99,
+          "max_new_tokens": 8, "model": str(models["text"])}
+    if cut_all:
+        prompts_only = prompts_run.parent / "prompts.jsonl"
+        prompts_only.write_text("".join(json.dumps({"id": f"p{k}", "prompt": f"Question {k}?"})
+                                        + "\n" for k in range(3)))
+        (prompts_run.parent / "p.toml").write_text(
+            '[[sources]]\nname = "p"\npath = "prompts.jsonl"\n')
+        run_dir = prompts_run.parent / "cut"
+        ingest.run(load_config(prompts_run.parent / "p.toml"), run_dir, progress=False,
+                   workers=1)
+        with pytest.raises(StageError) as failed:
+            regenerate.run(None, run_dir, **kw)
+    else:
+        run_dir = prompts_run
+        with pytest.raises(SuiteError) as failed:
+            regenerate.run(None, run_dir, **kw)
+    message = str(failed.value)
+    assert Q_INSIDE_THINK in message and "--max-new-tokens" in message
+    assert "--thinking off" in message
+    if cut_all:
+        assert f"'{Q_INSIDE_THINK}': 3" in message
+    else:  # 2 of the 3 prompt-only rows: the count is in the warning
+        assert "2 of 3 replies ended inside the think block" in message
+        stats = json.loads((run_dir / ".regenerate.partial" / "stats.json").read_text())
+        assert stats["total"]["quarantine_reasons"][Q_INSIDE_THINK] == 2

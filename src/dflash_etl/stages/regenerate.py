@@ -44,6 +44,7 @@ from dflash_etl.models.generation.conversations import (
     ReplyCache,
     regenerate_conversations,
     target_positions,
+    think_cut_warning,
     truncation,
 )
 from dflash_etl.models.generation.fleet import OpenAIBackend
@@ -52,6 +53,7 @@ from dflash_etl.models.generation.replies import (
     NGRAM_MIN_WORDS,
     NGRAM_N,
     Q_GENERATION_FAILED,
+    Q_INSIDE_THINK,
     Backend,
 )
 from dflash_etl.models.loading import placement
@@ -246,6 +248,7 @@ class RegenerateStage(Stage):
         doc["total"]["finish_reasons"] = dict(finish)
         doc["total"]["truncation"], warnings = truncation(doc["total"],
                                                           settings.max_truncated_share)
+        warnings += think_cut_warning(doc["total"], settings)
         doc["warnings"] = warnings
         for warning in warnings:
             print(f"regenerate: WARNING: {warning}", file=sys.stderr, flush=True)
@@ -272,7 +275,8 @@ class RegenerateStage(Stage):
             raise StageError(
                 f"regenerate kept no conversations of {doc['total']['rows_in']}; most common "
                 f"reasons: {dict(reasons.most_common(4))}. 'truncated_response': raise "
-                "--max-new-tokens or pass --keep-truncated; 'dummy_reply': the model gives one "
+                f"--max-new-tokens or pass --keep-truncated; '{Q_INSIDE_THINK}': raise "
+                "--max-new-tokens or pass --thinking off; 'dummy_reply': the model gives one "
                 f"short reply to everything (check {settings.model}). See "
                 f"{partial / 'quarantine.parquet'}.")
         needed = {c["id"] for c in conversations if c.get("needs_response")}

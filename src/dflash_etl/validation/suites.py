@@ -562,6 +562,15 @@ def describe_failure(entry: dict[str, Any]) -> str:
     return line
 
 
+def _stage_warnings(stage_dir: Path) -> list[str]:
+    """The warnings in the stage's stats.json (written before its gate), if any."""
+    try:
+        warnings = json.loads((stage_dir / "stats.json").read_text()).get("warnings") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(w) for w in warnings] if isinstance(warnings, list) else []
+
+
 def failure_message(result: dict[str, Any], report: Path | None, result_path: Path) -> str:
     failed = [e for e in result["expectations"] if not e["success"]]
     lines = [f"the {result['suite']} suite failed on {result['stage_dir']}: "
@@ -572,6 +581,10 @@ def failure_message(result: dict[str, Any], report: Path | None, result_path: Pa
     if report is not None:
         lines.append(f"Report: {report}")
     lines.append(f"Validation result: {result_path}")
+    warned = _stage_warnings(Path(result["stage_dir"]))
+    if warned:  # what the stage itself knew about its data: often the fix
+        lines.append("The stage warned:")
+        lines += [f"  - {w}" for w in warned[:4]]
     lines.append("Fix the data, or the thresholds in [expectations] of pipeline.toml, and rerun.")
     return "\n".join(lines)
 

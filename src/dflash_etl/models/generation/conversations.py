@@ -16,6 +16,7 @@ from dflash_etl.core.accounting import Stats
 from dflash_etl.core.rundir import write_text_atomic
 from dflash_etl.models.generation.replies import (
     Q_DUMMY_REPLY,
+    Q_INSIDE_THINK,
     Backend,
     Reply,
     check_reply,
@@ -140,6 +141,18 @@ def truncation(total: dict[str, Any], max_share: float) -> tuple[dict[str, Any],
                 f"{max_share:g}): raise --max-new-tokens"
                 + (" (reasoning needs thousands of tokens)" if mode == "on" else ""))
     return shares, warnings
+
+
+def think_cut_warning(total: dict[str, Any], settings: GenerationSettings) -> list[str]:
+    """A warning when replies ended inside their think block (reasoning, no answer): on a
+    thinking target the fix is more tokens or no thinking, not the data."""
+    cut = int(total.get("quarantine_reasons", {}).get(Q_INSIDE_THINK, 0))
+    if not cut:
+        return []
+    replies = sum(total.get("replies_by_mode", {}).values()) or total.get("rows_in", 0)
+    return [f"{cut} of {replies} replies ended inside the think block, reasoning with no "
+            f"answer ({Q_INSIDE_THINK}), at max_new_tokens={settings.max_new_tokens}: raise "
+            "--max-new-tokens (reasoning needs thousands of tokens) or pass --thinking off"]
 
 
 @dataclass

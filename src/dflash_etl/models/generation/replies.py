@@ -13,6 +13,7 @@ from dflash_etl.models.generation.settings import GenerationSettings
 
 # Reason codes
 Q_EMPTY_RESPONSE = "empty_response"
+Q_INSIDE_THINK = "reply_inside_think_block"  # reasoning only: the answer never came
 Q_DUMMY_REPLY = "dummy_reply"
 Q_REASONING_LEAK = "reasoning_in_content"
 Q_GENERATION_FAILED = "generation_failed"  # the template refused, or the server failed
@@ -123,8 +124,9 @@ def check_reply(reply: Reply, settings: GenerationSettings) -> tuple[str, str, s
     if not content and not reasoning:
         return ("quarantine", Q_EMPTY_RESPONSE, "the model returned an empty reply")
     if not content and reply.think_open and not reply.reasoning and THINK_CLOSE not in reply.text:
-        return ("quarantine", Q_EMPTY_RESPONSE, "the reply ended inside the think block the "
-                "generation prompt opened: reasoning, no answer")
+        return ("quarantine", Q_INSIDE_THINK, "the reply ended inside the think block the "
+                f"generation prompt opened: reasoning, no answer (max_new_tokens="
+                f"{settings.max_new_tokens}: raise --max-new-tokens, or --thinking off)")
     if settings.thinking == "off" and ("<think>" in content or "</think>" in content):
         return ("quarantine", Q_REASONING_LEAK,
                 "thinking is off but the reply contains think markup")
