@@ -474,3 +474,39 @@ def test_a_drafter_of_other_layers_is_refused_naming_both_lists(native_run, tmp_
     message = str(refused.value)
     assert "reads layers [0, 3] but extract stored [1, 2]" in message
     assert "mask_token_id" not in message  # the lists, not the whole dflash_config
+
+
+def test_a_rerun_with_other_settings_says_what_differs_and_check_reports_train_stale(
+        native_run, tmp_path, capsys):
+    """Re-extracting other layers under a trained drafter: the rerun names the settings that
+    differ and that train depends on the output; `check` then fails train as stale until train
+    is rerun. A forced rerun that gives the same output leaves nothing stale."""
+    from dflash_etl.stages import extract, train
+    from dflash_etl.validation.check import check_path
+
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    target = json.loads((run / "manifest.json").read_text())["stages"]["extract"]["settings"][
+        "model"]
+    assert check_path(run, suites=False)["passed"]
+    extract.run(None, run, force=True, progress=False, model=target, layers="1,2")
+    assert "redoing" not in capsys.readouterr().err  # same settings
+    assert check_path(run, suites=False)["passed"]  # the same output: train still follows
+
+    extract.run(None, run, progress=False, model=target, layers="2")
+    err = capsys.readouterr().err
+    assert "extract: redoing with other settings than its published output" in err
+    assert "layers [1, 2] -> [2]" in err and "settings.layers \"1,2\" -> \"2\"" in err
+    assert "train was built on that output and will be stale" in err
+    checked = check_path(run, suites=False)
+    assert not checked["passed"]
+    assert "FAIL train (manifest.json): the stage is stale: built on the extract output" in \
+        checked["summary"] and f"dflash-etl train --run {run}" in checked["summary"]
+    from dflash_etl.report import build_docs
+
+    page = (build_docs(run) / "index.html").read_text()
+    assert 'data-status="fail">STALE</span>' in page
+    train.run(None, run, progress=False, target=target, layers="2", draft_layers=1,
+              block_size=4, steps=2, batch_rows=2, eval_prompts=1, eval_new_tokens=4,
+              save_every=100)
+    assert check_path(run, suites=False)["passed"]

@@ -355,3 +355,43 @@ def restore_old(final: Path, old: Path) -> bool:
         os.replace(old, final)
         return True
     return False
+
+
+# ---------------------------------------------------------------- what a stage was built on
+def output_identity(entry: dict[str, Any] | None) -> str | None:
+    """A complete stage's published output, as the stages after it record what they read: its
+    fingerprint (inputs and settings) and its files' listing; None when it is not complete."""
+    if not entry or entry.get("status") != "complete":
+        return None
+    return f"{entry.get('fingerprint')}:{(entry.get('files') or {}).get('listing_sha256')}"
+
+
+def stale_stages(stages: dict[str, Any]) -> list[dict[str, str]]:
+    """Complete stages built on an upstream output that has since been replaced by another, or
+    is no longer complete: their output no longer follows from the run's (rerun them)."""
+    stale = []
+    for name, entry in stages.items():
+        if not isinstance(entry, dict) or entry.get("status") != "complete":
+            continue
+        for upstream, identity in (entry.get("built_on") or {}).items():
+            current = output_identity(stages.get(upstream))
+            if current != identity:
+                stale.append({"stage": name, "upstream": upstream,
+                              "why": "replaced since" if current else "not complete now"})
+    return stale
+
+
+def setting_changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[str]:
+    """`key old -> new` for each resolved setting (a stage's prepare document, inputs aside)
+    that differs from the published output's; nested dicts compared key by key."""
+    if not before:
+        return []
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += [f"{key}.{c}" for c in setting_changes(old, new)]
+        elif old != new:
+            changes.append(f"{key} {json.dumps(old, default=str)} -> "
+                           f"{json.dumps(new, default=str)}")
+    return changes

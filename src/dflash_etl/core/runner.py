@@ -24,7 +24,7 @@ from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_world
 from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
-from dflash_etl.core.rundir import RunDir, Timer
+from dflash_etl.core.rundir import RunDir, Timer, output_identity, setting_changes
 from dflash_etl.core.stage import RunOptions, Shell, Stage, StageContext
 
 
@@ -99,16 +99,21 @@ def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: 
     # under torchrun every rank joins here, after rank 0's recovery; the launch's deadline for
     # a lost rank is the stage's dist_timeout_s
     ctx.rank, ctx.world = join(getattr(ctx.settings, "dist_timeout_s", DEFAULT_TIMEOUT_S))
-    ctx.fingerprint = fingerprint_of(stage.prepare(ctx))
+    prepared = stage.prepare(ctx)
+    ctx.fingerprint = fingerprint_of(prepared)
     if not force and (done := run.completed_stats(stage.name, ctx.fingerprint, say=_say)):
         why = stage.redo_complete(ctx, done)
         if why is None:
             return done
         _say(f"{stage.name}: {why}")
+    resolved = {k: v for k, v in prepared.items() if k != "inputs"}
+    if rank == 0:
+        _say_what_changes(run, stage.name, resolved)
     ctx.partial = (run.begin(stage.name, ctx.fingerprint) if rank == 0
                    else run.partial_dir(stage.name))
     attempt.begun = True
     if rank == 0:
+        run.update_stage(stage.name, resolved=json.loads(json.dumps(resolved, default=str)))
         stage.begin(ctx)
     barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
     doc = stage.execute(ctx)
@@ -120,8 +125,32 @@ def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: 
         # a resumed stage's seconds include the earlier calls' work it resumed from
         seconds = attempt.timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
         attempt.publishing = True
-        run.commit(stage.name, doc["total"], seconds, **ctx.timings)
+        stages = run.manifest().get("stages", {})
+        built_on = {up: identity for up in stage.upstream(ctx)
+                    if (identity := output_identity(stages.get(up)))}
+        run.commit(stage.name, doc["total"], seconds, built_on=built_on, **ctx.timings)
     return doc
+
+
+def _say_what_changes(run: RunDir, name: str, resolved: dict[str, Any]) -> None:
+    """Before a complete stage is redone with other settings: which, and which complete stages
+    were built on its output (they will be stale: `check` says so until they are rerun; a
+    forced rerun with the same settings says nothing, and `check` compares the outputs)."""
+    entry = run.published_entry(name)
+    if entry is None:
+        return
+    changes = setting_changes(entry.get("resolved"), json.loads(json.dumps(resolved,
+                                                                           default=str)))
+    dependents = [other for other, info in run.manifest().get("stages", {}).items()
+                  if isinstance(info, dict) and info.get("status") == "complete"
+                  and name in (info.get("built_on") or {})]
+    if not changes:  # forced with the same settings: the same output, most likely
+        return
+    what = f"other settings than its published output: {'; '.join(changes[:8])}"
+    after = (f"; {', '.join(dependents)} {'was' if len(dependents) == 1 else 'were'} built on "
+             f"that output and will be stale: rerun {'it' if len(dependents) == 1 else 'them'} "
+             "after this (`dflash-etl check` reports stale stages)" if dependents else "")
+    _say(f"{name}: redoing with {what}{after}")
 
 
 def check_accounting(doc: dict[str, Any], stage: str) -> None:

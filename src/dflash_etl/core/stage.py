@@ -90,11 +90,17 @@ class Stage:
     """A stage of the pipeline. Subclasses set `name` and implement `prepare` and `execute`."""
 
     name: ClassVar[str]
+    reads: ClassVar[tuple[str, ...]] = ()  # the stages whose outputs it reads
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         """Read what the stage needs to decide whether it must run; returns what the fingerprint
         covers (settings, input hashes, model identity)."""
         raise NotImplementedError
+
+    def upstream(self, ctx: StageContext) -> tuple[str, ...]:
+        """The stages whose published outputs this one reads (recorded as `built_on`, so a
+        later rerun of one of them shows this stage stale)."""
+        return self.reads
 
     def redo_complete(self, ctx: StageContext, done: dict[str, Any]) -> str | None:
         """Why a stage already complete for these inputs (`done`: its stats) runs again, or

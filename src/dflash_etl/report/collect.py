@@ -10,6 +10,7 @@ from typing import Any
 
 import polars as pl
 
+from dflash_etl.core.rundir import stale_stages
 from dflash_etl.stages import STAGES
 from dflash_etl.validation.suites import RESULT_FILE
 
@@ -91,6 +92,8 @@ def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo
         directory, is_partial = final, False
     else:
         return None
+    if any(s["stage"] == name for s in stale_stages(manifest.get("stages", {}))):
+        status = "stale"  # complete, but built on an upstream output since replaced
     return StageInfo(
         name=name, directory=directory, status=status, partial=is_partial, manifest=info,
         stats=_json(directory / "stats.json"), validation=_json(directory / RESULT_FILE),

@@ -294,6 +294,7 @@ class ExtractStage(BatchStage):
     states file is the same whoever writes it, so every executor publishes the same output."""
 
     name = STAGE
+    reads = ("tokenize",)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: ExtractSettings = ctx.settings

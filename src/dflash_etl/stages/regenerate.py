@@ -200,6 +200,7 @@ class RegenerateStage(Stage):
     """Conversations -> the same conversations with the target's replies."""
 
     name = STAGE
+    reads = ("ingest",)
 
     def __init__(self, generator: Backend | None = None) -> None:
         self.generator = generator

@@ -319,6 +319,7 @@ class TokenizeStage(BatchStage):
     probe, then (`setup`, per worker) the tokenizer and the chat template override."""
 
     name = STAGE
+    reads = ("ingest", "regenerate")  # regenerate's conversations where it ran
     settings: TokenizeSettings = field(default_factory=TokenizeSettings)
     template_probe: Any = None
     tokenizer: Any = field(default=None, init=False)

@@ -252,6 +252,10 @@ class TrainStage(Stage):
 
     name = STAGE
 
+    def upstream(self, ctx: StageContext) -> tuple[str, ...]:
+        """Online, the target computes the states: extract's output is not read."""
+        return ("tokenize",) if ctx.settings.online else ("tokenize", "extract")
+
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TrainSettings = ctx.settings
         rows, files = _load_rows(ctx.run)

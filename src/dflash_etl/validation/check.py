@@ -149,7 +149,8 @@ def _kind(path: Path) -> str | None:
 def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
     """The stages a run directory's manifest records as failed, with their messages, and those
     still `running` (a live process on them, or one that died): their output is missing (or an
-    older one is stale), so the run is not whole even when every published output passes."""
+    older one is stale), and complete stages built on an upstream output since replaced (stale):
+    the run is not whole even when every published output passes."""
     path = run_dir / "manifest.json"
     try:
         stages = json.loads(path.read_text()).get("stages", {}) if path.is_file() else {}
@@ -169,6 +170,13 @@ def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
                "left running by a process that died (SIGKILL, a lost machine): rerun the stage "
                "to resume it")
         failures += [{"stage": name, "error": why, "state": "running"} for name in running]
+    from dflash_etl.core.rundir import stale_stages
+
+    for stale in stale_stages(stages):
+        failures.append({"stage": stale["stage"], "state": "stale", "error": (
+            f"built on the {stale['upstream']} output of its time, which is "
+            f"{stale['why']}: its output no longer follows from the run's; rerun `dflash-etl "
+            f"{stale['stage']} --run {run_dir}`")})
     return failures
 
 
@@ -194,9 +202,10 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
         return {"passed": report["passed"], "stages": [report], "manifest_failures": [],
                 "summary": "\n".join(lines)}
     broken = [] if kind or suite else manifest_failures(path)
+    state_words = {"running": "is not finished", "stale": "is stale"}
     failed_lines = [f"FAIL {f['stage']} (manifest.json): the stage "
-                    f"{'is not finished' if f.get('state') == 'running' else 'failed'}: "
-                    f"{f['error']}" for f in broken]
+                    f"{state_words.get(f.get('state', ''), 'failed')}: {f['error']}"
+                    for f in broken]
     targets = [(path, kind)] if kind else [
         (child, _kind(child)) for child in sorted(path.iterdir())
         if child.is_dir() and not child.name.startswith(".")  # .<stage>.partial: unpublished
