@@ -539,3 +539,120 @@ def test_replies_cut_inside_the_think_block_name_the_fix_with_counts(models, pro
         assert "2 of 3 replies ended inside the think block" in message
         stats = json.loads((run_dir / ".regenerate.partial" / "stats.json").read_text())
         assert stats["total"]["quarantine_reasons"][Q_INSIDE_THINK] == 2
+
+
+def _specforge_on_path() -> None:
+    import sys
+
+    specforge = REPO.parent / "shared" / "fixtures" / "specforge"
+    if not specforge.is_dir():
+        pytest.skip(f"{specforge} is absent (SpecForge's package, from ../shared/fixtures)")
+    if str(specforge) not in sys.path:
+        sys.path.insert(0, str(specforge))
+
+
+def _grid_mask(mask_mod, q_len: int, kv_len: int):
+    """A flex-attention mask_mod evaluated on every (query, key) pair."""
+    import torch
+
+    q = torch.arange(q_len)[:, None].expand(q_len, kv_len)
+    kv = torch.arange(kv_len)[None, :].expand(q_len, kv_len)
+    zero = torch.zeros((), dtype=torch.long)
+    return mask_mod(zero, zero, q, kv)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_every_consumer_rebuilds_the_drafter_we_trained(models, tokenized_copy, tmp_path,
+                                                        kind):
+    """Layers 1,3 with two draft layers (no consumer's default rule gives them), block 4: the
+    drafter SpecForge resolves from its export (its own resolve_draft_config and model class),
+    the one speculators' CLI builds from the printed command (--dry-run: built and saved, not
+    trained) and what vLLM reads all have our layers, depth, block, mask token, vocabulary and
+    attention pattern (each one's own mask builder against ours on a small block), and the
+    target's embedding loads by the key the export names (a VL target's sits under
+    model.language_model)."""
+    import torch
+
+    _specforge_on_path()
+    pytest.importorskip("speculators.train.cli", reason="speculators is not installed: make setup")
+    from safetensors import safe_open
+    from specforge.algorithms.common.dflash_family_model import create_dflash_sdpa_mask
+    from specforge.algorithms.dflash.providers import algorithm_providers
+    from specforge.config.schema import Config
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
+    from specforge.training.model_loading import resolve_draft_config
+    from speculators.models.dflash.attention import create_anchor_block_mask_mod
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    from dflash_etl.handoff.export import export
+    from dflash_etl.models.drafter import block_attention_mask
+    from dflash_etl.models.serving import vllm_command
+    from dflash_etl.stages import train
+
+    target = str(models[kind])
+    run_dir = tokenized_copy(tmp_path)
+    extract.run(None, run_dir, progress=False, model=target, layers="1,3")
+    train.run(None, run_dir, progress=False, target=target, layers="1,3", steps=2,
+              batch_rows=2, anchors_per_row=4, block_size=4, draft_layers=2, eval_prompts=1,
+              eval_new_tokens=4)
+    ours = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
+    layers, block, mask_token = [1, 3], 4, ours["dflash_config"]["mask_token_id"]
+    assert ours["dflash_config"]["target_layer_ids"] == layers
+    assert (ours["num_hidden_layers"], ours["block_size"]) == (2, block)
+    anchors, context = torch.tensor([[1, 5]]), 9
+    mine = block_attention_mask(anchors, torch.ones(1, context, dtype=torch.bool), block)[0]
+
+    # SpecForge
+    sf = export(run_dir, "specforge", tmp_path / "sf", gpus=1)
+    parsed = Config.model_validate(json.loads((tmp_path / "sf" / "specforge_run.json"
+                                               ).read_text()))
+    resolved = resolve_draft_config(parsed, provider=algorithm_providers().model.draft_config)
+    assert resolved.dflash_config["target_layer_ids"] == layers == sf["layers"]
+    assert resolved.num_hidden_layers == 2 and resolved.block_size == block
+    assert resolved.dflash_config["mask_token_id"] == mask_token
+    assert resolved.vocab_size == ours["vocab_size"]
+    model = DFlashDraftModel(resolved)
+    theirs = create_dflash_sdpa_mask(anchors, torch.ones(1, 2, dtype=torch.bool), context,
+                                     block, "cpu", sliding_window=model.sliding_window)
+    assert torch.equal(theirs[0, 0], mine)
+    key = parsed.model.embedding_key
+    assert key == ("model.language_model.embed_tokens.weight" if kind == "vl"
+                   else "model.embed_tokens.weight")
+    parts = TargetEmbeddingsAndHead.from_pretrained(
+        target, embed_key=key, lm_head_key=parsed.model.lm_head_key, device="cpu",
+        dtype=torch.float32)
+    with safe_open(str(models[kind] / "model.safetensors"), "pt") as f:
+        assert torch.equal(parts.embed_tokens.weight, f.get_tensor(key))
+
+    # speculators, from the native extract (no re-extract)
+    sp = export(run_dir, "speculators", tmp_path / "sp")
+    assert sp["aux_hidden_state_layer_ids"] == [2, 4]
+    saved = tmp_path / "sp-drafter"
+    argv = [*shlex.split(sp["command"])[3:], "--save-path", str(saved), "--dry-run",
+            "--draft-attn-impl", "sdpa"]  # CPU: no flex attention kernels
+    cli.main(TrainConfig.resolve(argv))
+    built = json.loads((saved / "config.json").read_text())
+    decoder = built["transformer_layer_config"]
+    assert built["aux_hidden_state_layer_ids"] == [2, 4]
+    assert decoder["num_hidden_layers"] == 2 and built["block_size"] == block
+    assert built["mask_token_id"] == mask_token
+    assert built["draft_vocab_size"] == sp["draft_vocab_size"]
+    for layer_type in decoder["layer_types"]:
+        window = None if layer_type == "full_attention" else decoder["sliding_window"]
+        mask_mod, q_len, kv_len = create_anchor_block_mask_mod(
+            torch.zeros(context, dtype=torch.long), context, anchors[0], block,
+            sliding_window=window,
+            sliding_window_non_causal=built.get("sliding_window_non_causal", False))
+        assert torch.equal(_grid_mask(mask_mod, q_len, kv_len), mine), layer_type
+
+    # vLLM reads the drafter directory itself, and serves in the rows' thinking mode
+    argv = shlex.split(vllm_command(run_dir))
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens"] == block - 1
+    served = json.loads((Path(spec["model"]) / "config.json").read_text())
+    assert served["dflash_config"]["target_layer_ids"] == layers
+    kwargs = json.loads(argv[argv.index("--default-chat-template-kwargs") + 1])
+    assert kwargs == {"enable_thinking": False}

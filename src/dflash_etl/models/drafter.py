@@ -167,6 +167,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor,
+                         block_size: int) -> torch.Tensor:
+    """Which keys each block position attends to, [B, N*S, T + N*S] (True: attends), keys
+    laid out as the context then the blocks: the context strictly before the block's anchor,
+    and every position of its own block (full attention, bidirectional within the block: no
+    sliding window, no causal order), as z-lab's DFlash attends."""
+    b, n = anchors.shape
+    t = context_valid.shape[1]
+    device = anchors.device
+    sees_context = (torch.arange(t, device=device)[None, None] < anchors[..., None])  # B,N,T
+    sees_context = sees_context & context_valid[:, None]
+    block_of = torch.arange(n, device=device).repeat_interleave(block_size)
+    same_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
+    return torch.cat([sees_context.repeat_interleave(block_size, dim=1), same_block], dim=2)
+
+
 class DFlashDrafter(nn.Module):
     """The trainable part of a DFlash drafter (the embedding and LM head are the target's). Its
     layers are built from the config.json it writes, parsed as the remote code parses it."""
@@ -207,11 +223,7 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(s, device=device)
         positions = (anchors[..., None] + offsets).reshape(b, n * s)
         context_positions = torch.arange(t, device=device).expand(b, t)
-        sees_context = (torch.arange(t, device=device)[None, None] < anchors[..., None])  # B,N,T
-        sees_context = sees_context & context_valid[:, None]
-        block_of = torch.arange(n, device=device).repeat_interleave(s)
-        same_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
-        mask = torch.cat([sees_context.repeat_interleave(s, dim=1), same_block], dim=2)
+        mask = block_attention_mask(anchors, context_valid, s)
         x = block_embeds.reshape(b, n * s, h)
         for layer in self.layers:
             x = layer(x, context, positions, context_positions, mask)
