@@ -84,9 +84,13 @@ def test_missing_mode_answers_prompts_with_real_generations(tiny_model, ingested
 def test_truncated_replies_are_filtered_and_counted(tiny_model, ingested):
     # greedy decoding of random weights repeats one token and never reaches the end of turn:
     # with mode=all every turn is cut at max_new_tokens, so every conversation is filtered
-    with pytest.raises(StageError, match=r"kept no conversations of 4.*truncated_response"):
+    with pytest.raises(StageError, match=r"kept no conversations of 4.*truncated_response"
+                       ) as failed:
         regenerate.run(None, ingested, progress=False, model=str(tiny_model), mode="all",
                        max_new_tokens=3)
+    # advice for the reason that occurred, none for those that did not
+    assert "'truncated_response': raise --max-new-tokens" in str(failed.value)
+    assert "dummy_reply" not in str(failed.value) and "think" not in str(failed.value)
     assert not (ingested / "regenerate").exists()  # a failed stage publishes nothing
     manifest = json.loads((ingested / "manifest.json").read_text())
     assert manifest["stages"]["regenerate"]["status"] == "failed"
@@ -378,3 +382,37 @@ def test_thinking_mode_of_a_reply_with_the_templates_default():
     assert thinking_mode(Reply(" <think>a</think>b", "stop", 1), "keep") == "on"
     assert thinking_mode(Reply("b", "stop", 1, reasoning="a"), "keep") == "on"
     assert thinking_mode(Reply("b", "stop", 1, think_open=False), "keep") == "off"
+
+
+def test_tokenize_refuses_a_regenerate_made_from_an_older_ingest(tiny_model, ingested, tmp_path,
+                                                                 capsys):
+    """ingest rerun on changed sources after regenerate (mode all): tokenize used to read
+    ingest's original replies in silence, and check passed. Now it stops naming both stages and
+    the rerun, check fails regenerate as stale, and `--stale-regenerate read_ingest` reads
+    ingest's conversations on purpose, warned."""
+    from dflash_etl.stages import ingest, tokenize
+    from dflash_etl.validation.check import check_path
+
+    kw = {"progress": False, "model": str(tiny_model), "max_new_tokens": 12,
+          "temperature": 1.0, "keep_truncated": True, "dummy_min_repeats": 99, "mode": "all"}
+    regenerate.run(None, ingested, **kw)
+    source = tmp_path / "rows.jsonl"
+    source.write_text(source.read_text() + json.dumps(
+        {"id": "p4", "prompt": "One more question?"}) + "\n")
+    ingest.run(load_config(tmp_path / "pipeline.toml"), ingested, progress=False, workers=1)
+    with pytest.raises(StageError) as refused:
+        tokenize.run(None, ingested, progress=False, model=str(tiny_model))
+    message = str(refused.value)
+    assert "regenerate's output was made from an older ingest output" in message
+    assert f"dflash-etl regenerate --run {ingested}" in message
+    assert "--stale-regenerate read_ingest" in message
+    summary = check_path(ingested, suites=False)["summary"]
+    assert "FAIL regenerate (manifest.json): the stage is stale: built on the ingest output" \
+        in summary
+
+    capsys.readouterr()
+    doc = tokenize.run(None, ingested, progress=False, model=str(tiny_model),
+                       stale_regenerate="read_ingest")
+    assert "WARNING: regenerate's output was made from an older ingest output" in \
+        capsys.readouterr().err
+    assert doc["total"]["rows_in"] == 5  # ingest's five conversations, not regenerate's four

@@ -50,8 +50,11 @@ from dflash_etl.models.generation.conversations import (
 from dflash_etl.models.generation.fleet import OpenAIBackend
 from dflash_etl.models.generation.local import TransformersBackend, VLLMBackend
 from dflash_etl.models.generation.replies import (
+    F_TRUNCATED,
     NGRAM_MIN_WORDS,
     NGRAM_N,
+    Q_DUMMY_REPLY,
+    Q_EMPTY_RESPONSE,
     Q_GENERATION_FAILED,
     Q_INSIDE_THINK,
     Backend,
@@ -72,6 +75,16 @@ GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
 TRANSPORT_SETTINGS = ("endpoint", "endpoints", "concurrency", "timeout_s", "retries",
                       "cooldown_s", "request_deadline_s", "retry_failed",
                       "device_map", "max_memory")  # and where the transformers backend runs
+
+
+# what to do about a reason, said only for the reasons that occurred
+REASON_HINTS = {
+    F_TRUNCATED: "raise --max-new-tokens or pass --keep-truncated",
+    Q_INSIDE_THINK: "raise --max-new-tokens or pass --thinking off",
+    Q_DUMMY_REPLY: "the model gives one short reply to everything (check {model})",
+    Q_EMPTY_RESPONSE: "the model returned empty replies (check {model} and its chat template)",
+    Q_GENERATION_FAILED: "the template or the server failed: the quarantine rows say how",
+}
 
 
 @dataclass(frozen=True)
@@ -275,11 +288,10 @@ class RegenerateStage(Stage):
                 doc["total"]["rows_filtered"])
             raise StageError(
                 f"regenerate kept no conversations of {doc['total']['rows_in']}; most common "
-                f"reasons: {dict(reasons.most_common(4))}. 'truncated_response': raise "
-                f"--max-new-tokens or pass --keep-truncated; '{Q_INSIDE_THINK}': raise "
-                "--max-new-tokens or pass --thinking off; 'dummy_reply': the model gives one "
-                f"short reply to everything (check {settings.model}). See "
-                f"{partial / 'quarantine.parquet'}.")
+                f"reasons: {dict(reasons.most_common(4))}. "
+                + "".join(f"'{r}': {REASON_HINTS[r].format(model=settings.model)}; "
+                          for r, _ in reasons.most_common() if r in REASON_HINTS)
+                + f"See {partial / 'quarantine.parquet'}.")
         needed = {c["id"] for c in conversations if c.get("needs_response")}
         unanswered = [c["id"] for c in kept
                       if c["id"] in needed and c["messages"][-1]["role"] != "assistant"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -82,6 +83,10 @@ class TokenizeSettings:
         help="a conversation whose text holds a special token's string (<|im_end|>...): "
              "quarantine it (special_token_in_content), or keep it, the string then becoming "
              "the real token")
+    stale_regenerate: str = setting(
+        "error", choices=("error", "read_ingest"),
+        help="regenerate ran but its output is not current (ingest rerun since, or regenerate "
+             "failed): stop with the rerun to do, or read ingest's conversations, warned")
     cross_check: float = setting(
         0.01, min=0, max=1, help="share of conversations (chosen by id) also tokenized without "
         "the shortcuts the probe allowed (one render for {% generation %} templates, N+1 "
@@ -278,16 +283,33 @@ def vocab_map_names(size: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- shell
-def _conversations(run: RunDir) -> list[Path]:
+def _conversations(run: RunDir, stale_regenerate: str = "error") -> list[Path]:
     """The regenerated conversations when regenerate completed on the current ingest output,
-    else ingest's."""
+    ingest's when regenerate never ran; a regenerate that ran and is not current (ingest rerun
+    since, or it failed) is an error, or with `stale_regenerate = "read_ingest"` a warning,
+    never a silent fallback to ingest's replies."""
     stages = run.manifest().get("stages", {})
-    regen = stages.get("regenerate", {})
+    regen = stages.get("regenerate")
     directory = run.stage_dir("ingest") / "conversations"
-    if (regen.get("status") == "complete"
-            and regen.get("input_fingerprint") == stages.get("ingest", {}).get("fingerprint")
-            and (run.stage_dir("regenerate") / "conversations").is_dir()):
-        directory = run.stage_dir("regenerate") / "conversations"
+    if regen:
+        current = (regen.get("status") == "complete"
+                   and regen.get("input_fingerprint") == stages.get("ingest", {}).get(
+                       "fingerprint")
+                   and (run.stage_dir("regenerate") / "conversations").is_dir())
+        if current:
+            directory = run.stage_dir("regenerate") / "conversations"
+        else:
+            why = ("was made from an older ingest output (ingest was rerun since)"
+                   if regen.get("status") == "complete" else
+                   f"is {regen.get('status', 'not complete')}, not complete")
+            message = (f"regenerate's output {why}: tokenize would read ingest's conversations "
+                       "and their original replies instead of the target's")
+            if stale_regenerate == "error":
+                raise StageError(f"{message}. Rerun `dflash-etl regenerate --run {run.root}` "
+                                 "first, or tokenize ingest's on purpose with "
+                                 "--stale-regenerate read_ingest")
+            print(f"tokenize: WARNING: {message} (stale_regenerate = read_ingest)",
+                  file=sys.stderr, flush=True)
     files = sorted(directory.glob("*.parquet"))
     if not files:
         raise StageError(f"no conversations in {directory}: run `dflash-etl ingest` for this run "
@@ -327,7 +349,7 @@ class TokenizeStage(BatchStage):
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings: TokenizeSettings = ctx.settings
-        files = _conversations(ctx.run)
+        files = _conversations(ctx.run, settings.stale_regenerate)
         tokenizer = load_tokenizer(settings.model)
         template_probe = probe(settings, tokenizer)
         probe_doc = template_probe.to_dict()
