@@ -684,3 +684,33 @@ def test_training_over_the_draft_vocabulary_converges_and_counts_what_it_leaves_
     assert counted["labels_outside"] == sum(r["outside_draft_vocab"] for r in log) > 0
     share = 1 - counts[draft].sum() / counts.sum()
     assert abs(counted["share_outside"] - share) < 0.1
+
+
+def test_corrupt_inputs_are_named_before_they_crash_a_run(extracted, untied_target, tmp_path,
+                                                          copy_run):
+    """A tokenized row whose loss_mask is shorter than its input_ids, and a shard of another
+    hidden size: each is an error naming the row (and the file), not an internal error when
+    the row is first sampled."""
+    import pyarrow as pa
+    from safetensors.torch import load_file, save_file
+
+    run_dir = copy_run(extracted, tmp_path / "mask", "*train*", "docs")
+    path = next((run_dir / "tokenize" / "dataset").glob("*.arrow"))
+    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all()
+    rows = table.to_pylist()
+    rows[3]["loss_mask"] = rows[3]["loss_mask"][:-1]
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(pa.Table.from_pylist(rows, schema=table.schema))
+    with pytest.raises(StageError, match=rf"tokenized row '{rows[3]['id']}' \(row 3 .*loss_mask "
+                       rf"has {len(rows[3]['input_ids']) - 1} entries for "
+                       rf"{len(rows[3]['input_ids'])} input_ids"):
+        train.run(None, run_dir, progress=False, target=str(untied_target), **SMALL)
+
+    run_dir = copy_run(extracted, tmp_path / "shard", "*train*", "docs")
+    shard = sorted((run_dir / "extract" / "hidden_states").glob("*.safetensors"))[0]
+    data = load_file(str(shard))
+    data["hidden_states"] = data["hidden_states"][..., :32].contiguous()
+    save_file(data, str(shard))
+    with pytest.raises(StageError, match=rf"{shard.name}: the hidden states of row \d+ .* are "
+                       r"\[\d+, \d+, 32\], expected \[\d+, >= 1, 64\]"):
+        train.run(None, run_dir, progress=False, target=str(untied_target), **SMALL)

@@ -183,6 +183,13 @@ def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
     rows = table.to_pylist()
     for position, row in enumerate(rows):
         row["row"] = position
+        if len(row["loss_mask"]) != len(row["input_ids"]):  # would crash mid-run when sampled
+            raise StageError(
+                f"tokenized row {row['id']!r} (row {position} of the dataset in "
+                f"{files[0].parent}): loss_mask has {len(row['loss_mask'])} entries for "
+                f"{len(row['input_ids'])} input_ids; the tokenized output is corrupt: `dflash-etl "
+                f"check --run {run.root}` shows it, `dflash-etl tokenize --run {run.root} "
+                "--force` remakes it")
     return rows, files
 
 
@@ -268,8 +275,16 @@ class TrainStage(Stage):
         index: list[dict[str, Any]] = []
         if extracted is not None:
             index = _read_index(extracted.index_file)
-            indexed = {e["row"] for e in index}
-            rows = [r for r in rows if r["row"] in indexed]  # extract quarantined the others
+            lengths = {e["row"]: e["length"] for e in index}
+            rows = [r for r in rows if r["row"] in lengths]  # extract quarantined the others
+            for r in rows:
+                if lengths[r["row"]] != len(r["input_ids"]):
+                    raise StageError(
+                        f"extract's index gives row {r['row']} ({r['id']!r}) "
+                        f"{lengths[r['row']]} tokens, tokenize {len(r['input_ids'])}: the "
+                        "hidden states are of other rows than the tokenized ones (tokenize "
+                        f"was redone since?); rerun `dflash-etl extract --run {ctx.run.root} "
+                        "--force`")
         layers, layers_from = target_layers(ctx, settings, extracted)
         ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
                          layers_from=layers_from, t2d=t2d)
@@ -290,8 +305,8 @@ class TrainStage(Stage):
             raise StageError("train has no evaluation prompts: no held-out row has a prompt "
                              "before its first supervised token; raise --eval-prompts (now "
                              f"{settings.eval_prompts}) or check the tokenize stage's masks")
-        states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), ctx.state["index"])
-                  if extracted else None)
+        states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), ctx.state["index"],
+                                  hidden_size=extracted.hidden_size) if extracted else None)
         trainer = Trainer(settings, train_rows, states, ctx.state["layers"], ctx.partial,
                           ctx.rank, ctx.world, draft_vocab=ctx.state["t2d"],
                           mask_token=resolve_mask_token)

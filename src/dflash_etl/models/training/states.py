@@ -7,16 +7,20 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from dflash_etl.core.errors import StageError
+
 
 class ExtractedStates:
     """Hidden states the extract stage wrote (either format), per tokenized row."""
 
-    def __init__(self, extract_dir: Path, n_layers: int, index: list[dict[str, Any]]) -> None:
+    def __init__(self, extract_dir: Path, n_layers: int, index: list[dict[str, Any]],
+                 hidden_size: int | None = None) -> None:
         from safetensors import safe_open
 
         self.dir = extract_dir / "hidden_states"
         self.where = {e["row"]: e for e in index}
         self.n_layers = n_layers
+        self.hidden_size = hidden_size
         self._open = safe_open
         self.handles: dict[str, Any] = {}
         self.files = contextlib.ExitStack()
@@ -30,8 +34,22 @@ class ExtractedStates:
                     self._open(str(self.dir / entry["shard"]), "pt"))
             a = entry["offset"]
             states = self.handles[entry["shard"]].get_slice("hidden_states")[a:a + entry["length"]]
+            self._check(row, entry, tuple(states.shape))
             out.append(states[:, :self.n_layers])  # speculators' files append the last layer
         return out
+
+    def _check(self, row: dict[str, Any], entry: dict[str, Any], shape: tuple[int, ...]) -> None:
+        """The row's states are [its tokens, >= the chosen layers, the hidden size], or the
+        error names the row and the file (a corrupt or foreign shard, not a crash mid-run)."""
+        want_hidden = self.hidden_size if self.hidden_size is not None else shape[-1]
+        if (len(shape) != 3 or shape[0] != len(row["input_ids"]) or shape[1] < self.n_layers
+                or shape[2] != want_hidden):
+            raise StageError(
+                f"{self.dir / entry['shard']}: the hidden states of row {row['row']} "
+                f"({row.get('id')!r}) are {list(shape)}, expected [{len(row['input_ids'])}, "
+                f">= {self.n_layers}, {want_hidden}] (its tokens, the chosen layers, extract's "
+                "hidden size): the extract output is corrupt or not this run's; `dflash-etl "
+                "check` shows it, `dflash-etl extract --force` remakes it")
 
     def close(self) -> None:
         self.files.close()
