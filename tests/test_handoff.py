@@ -510,3 +510,39 @@ def test_a_rerun_with_other_settings_says_what_differs_and_check_reports_train_s
               block_size=4, steps=2, batch_rows=2, eval_prompts=1, eval_new_tokens=4,
               save_every=100)
     assert check_path(run, suites=False)["passed"]
+
+
+def test_an_export_that_cannot_fit_is_refused_first_and_a_full_disk_leaves_no_partial(
+        native_run, tmp_path, monkeypatch):
+    """Free space is checked before anything is written (the figure in the right unit), and a
+    disk that fills up anyway is "disk full" with the partial export removed, not a torch
+    internal error with its partial left on the full disk."""
+    import errno
+    import os
+
+    import dflash_etl.handoff.export as export_module
+
+    _specforge()
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(export_module.shutil, "disk_usage",
+                        lambda p: real_usage(p)._replace(free=1000))
+    with pytest.raises(StageError, match=r"the export needs ~[\d.]+ [KM]i?B but .* has "
+                       r"1000 B free.*nothing was written"):
+        export(native_run, "specforge", tmp_path / "sf")
+    assert not (tmp_path / "sf").exists() and not (tmp_path / ".sf.partial").exists()
+    monkeypatch.setattr(export_module.shutil, "disk_usage", real_usage)
+
+    written = []
+
+    def full(obj, path, *a, **k):
+        written.append(path)
+        if len(written) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, path, *a, **k)
+
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(StageError, match="filled up while the export was written.*partial "
+                       "export was removed"):
+        export(native_run, "specforge", tmp_path / "sf")
+    assert not (tmp_path / ".sf.partial").exists() and not (tmp_path / "sf").exists()

@@ -40,5 +40,10 @@ def progress_bar(label: str, total: int, enabled: bool | None = None) -> Iterato
 
 
 def size_text(n: float) -> str:
-    """Bytes as a person reads them: GiB from 128 MiB up, else MiB."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+    """Bytes as a person reads them: GiB from 128 MiB up, MiB from 1 MiB, KiB, then bytes (a
+    small figure is never rounded to 0.0)."""
+    if n >= 2**27:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{int(n)} B"

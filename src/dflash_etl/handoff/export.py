@@ -59,17 +59,53 @@ def export(run_dir: str | Path, to: str, out: str | Path | None = None, link: st
                              "): give another --out, or remove it yourself")
         partial = final.with_name(f".{final.name}.partial")
         remove_tree(partial)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _check_space(final.parent, _bytes_needed(inputs, to, link))
         partial.mkdir(parents=True)
         writer = _speculators if to == "speculators" else _specforge
-        doc = writer(inputs, partial, final, link, progress)
+        try:
+            doc = writer(inputs, partial, final, link, progress)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            remove_tree(partial)  # the space it took goes back
+            raise StageError(f"the disk of {final.parent} filled up while the export was "
+                             f"written ({exc}); the partial export was removed: free space or "
+                             "give --out on another disk") from exc
         doc.update({"to": to, "run": str(run.root.resolve()), "created_at": now()})
         _account(doc)
         write_json_atomic(partial / RECORD, doc)
-        final.parent.mkdir(parents=True, exist_ok=True)
         old = final.with_name(f".{final.name}.old")
         swap_in(partial, final, old)  # the run's own publish: never no export in place
         remove_tree(old)
     return doc
+
+
+def _bytes_needed(inputs: dict[str, Any], to: str, link: str) -> int:
+    """What the export writes, from extract's file sizes: SpecForge's records hold the chosen
+    layers (not the last one extract keeps too) plus ids, mask and a header per row; speculators'
+    files are links to a speculators-format extract's, or (native, or --link copy) its bytes."""
+    import pyarrow.parquet as pq
+
+    states: HiddenStatesOutput = inputs["states"]
+    size = sum(p.stat().st_size for p in (states.stage_dir / "hidden_states").iterdir()
+               if p.is_file())
+    if to == "specforge":
+        lengths = pq.read_table(states.index_file, columns=["length"]).column("length")
+        return (int(size * len(states.layers) / len(states.stored_layers))
+                + 16 * int(sum(lengths.to_pylist())) + 2048 * len(lengths))
+    linked = states.format == "speculators" and link != "copy"
+    return 0 if linked else size
+
+
+def _check_space(directory: Path, need: int) -> None:
+    from dflash_etl.core.progress import size_text
+
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise StageError(f"the export needs ~{size_text(need)} but {directory} has "
+                         f"{size_text(free)} free: free space, or give --out on a disk with "
+                         "room (nothing was written)")
 
 
 # ---------------------------------------------------------------- the run's outputs
