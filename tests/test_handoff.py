@@ -542,7 +542,7 @@ def test_an_export_that_cannot_fit_is_refused_first_and_a_full_disk_leaves_no_pa
 
     real_save = torch.save
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(StageError, match="filled up while the export was written.*partial "
-                       "export was removed"):
+    with pytest.raises(StageError, match=r"filled up while the export was written.*partial "
+                       r"export was removed"):
         export(native_run, "specforge", tmp_path / "sf")
     assert not (tmp_path / ".sf.partial").exists() and not (tmp_path / "sf").exists()

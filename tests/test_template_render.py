@@ -42,12 +42,12 @@ def _one_clock(monkeypatch):
 
     from transformers.utils import chat_template_utils
 
-    from dflash_etl.templates.render import RENDER_CLOCK
+    from dflash_etl.templates.render import RenderLimits, render_time
 
     class Frozen(datetime.datetime):
         @classmethod
         def now(cls, tz=None):
-            return RENDER_CLOCK
+            return render_time(RenderLimits().clock)
 
     monkeypatch.setattr(chat_template_utils, "datetime", Frozen)
 
@@ -130,10 +130,11 @@ def test_caching_sandbox_refuses_what_transformers_refuses(name):
 
 def test_every_render_reads_one_clock():
     """A template that prints the time renders a conversation's prompt and its full text alike
-    (else the render-diff finds the prompt is not a prefix whenever the clock ticks between)."""
+    (else the render-diff finds the prompt is not a prefix whenever the clock ticks between),
+    and reads a fixed time unless told "now": a rerun on another day gives the same rows."""
     import time
 
-    from dflash_etl.templates.render import RENDER_CLOCK
+    from dflash_etl.templates.render import PROCESS_START, RenderLimits, render_limits
 
     require_fixtures()
     tok = qwen_tokenizer()
@@ -142,4 +143,9 @@ def test_every_render_reads_one_clock():
     first = render(tok, messages, chat_template=template)
     time.sleep(0.01)
     assert render(tok, messages, chat_template=template) == first
-    assert first.startswith(RENDER_CLOCK.strftime("%Y-%m-%d %H:%M:%S"))
+    assert first.startswith("2025-01-01 00:00:00")
+    with render_limits(RenderLimits(clock="2031-05-06T07:08:09")):
+        assert render(tok, messages, chat_template=template).startswith("2031-05-06 07:08:09")
+    with render_limits(RenderLimits(clock="now")):
+        assert render(tok, messages, chat_template=template).startswith(
+            PROCESS_START.strftime("%Y-%m-%d %H:%M:%S"))

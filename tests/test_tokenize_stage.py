@@ -426,3 +426,39 @@ print(len(list(out.glob("*.rows.parquet"))), "pandas" in sys.modules)
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["1", "False"]
+
+
+def test_a_template_that_prints_the_date_renders_a_fixed_one(ingest_rows, tmp_path,
+                                                             fixtures_dir):
+    """Llama 3.2's real template prints today's date (strftime_now) into every system header:
+    the rows used to change from day to day, found by nobody. The probe names it, every render
+    reads [tokenize] template_clock, and another clock is another fingerprint (a redo)."""
+    import datetime
+
+    import datasets
+
+    template = fixtures_dir / "templates" / "meta-llama-Llama-3.2-3B-Instruct.jinja"
+    run_dir = ingest_rows([{"id": "a", "messages": [
+        {"role": "user", "content": "What day is it?"},
+        {"role": "assistant", "content": "A good one."}]}], "dated")
+    model = str(REPO / "data" / "tokenizer")
+    tok = load_tokenizer(model)
+
+    def text() -> str:
+        ids = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"][0]
+        return tok.decode(ids)
+
+    doc = tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template))
+    assert "Today Date: 01 Jan 2025" in text()
+    assert datetime.date.today().strftime("%d %b %Y") not in text()
+    probe = json.loads((run_dir / "tokenize" / "probe.json").read_text())
+    assert any("strftime_now" in n and "fixed time 2025-01-01T00:00:00" in n
+               for n in probe["notes"])
+    again = tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template))
+    assert again.get("skipped") and doc["total"] == again["total"]
+    tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template),
+                 template_clock="2031-05-06T00:00:00")
+    assert "Today Date: 06 May 2031" in text()
+    with pytest.raises(StageError, match="template_clock='tomorrow': give an ISO 8601"):
+        tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template),
+                     template_clock="tomorrow")

@@ -91,6 +91,11 @@ class TokenizeSettings:
         0.01, min=0, max=1, help="share of conversations (chosen by id) also tokenized without "
         "the shortcuts the probe allowed (one render for {% generation %} templates, N+1 "
         "renders for N replies) and quarantined if the rows differ")
+    template_clock: str = setting(
+        "2025-01-01T00:00:00", metavar="ISO|now",
+        help="the date and time a template that prints the current time (strftime_now: Llama "
+             "3.x, Granite, Hunyuan) renders: fixed, so a rerun gives the same rows; 'now' for "
+             "the wall clock (rows then change from run to run)")
     render_timeout_s: float = setting(10.0, above=0, help="seconds one render of a conversation "
                                       "may take (template_render_timeout)")
     render_size_factor: float = setting(10.0, min=0, help="a render may make render_size_factor "
@@ -107,6 +112,14 @@ class TokenizeSettings:
                                   ("model", "chat_template"), "model", "a tokenizer")
         if settings.truncation not in ("right", "drop"):
             raise StageError(f"truncation={settings.truncation!r}: use 'right' or 'drop'")
+        if settings.template_clock != "now":
+            import datetime
+
+            try:
+                datetime.datetime.fromisoformat(settings.template_clock)
+            except ValueError as exc:
+                raise StageError(f"template_clock={settings.template_clock!r}: give an ISO 8601 "
+                                 "date and time (2025-01-01T00:00:00) or 'now'") from exc
         return settings
 
 
@@ -115,7 +128,7 @@ class TokenizeSettings:
         from dflash_etl.templates.render import RenderLimits
 
         return RenderLimits(timeout_s=self.render_timeout_s, size_factor=self.render_size_factor,
-                            size_extra=self.render_size_extra)
+                            size_extra=self.render_size_extra, clock=self.template_clock)
 
 
 register_section("tokenize", TokenizeSettings)

@@ -30,6 +30,7 @@ from dflash_etl.templates.render import (
     common_prefix_len,
     guarded_call,
     inline_reasoning,
+    render_clock,
     try_render,
 )
 
@@ -157,6 +158,13 @@ def probe_template(
     kwargs: dict[str, Any] = dict(render_kwargs or {})
     supplied = _supply_special_tokens(tokenizer, source, gen_cfg, kwargs)
     notes: list[str] = []
+    if "strftime_now" in source:
+        clock = render_clock()
+        notes.append(
+            "the template prints the current time (strftime_now): every render reads "
+            + ("this process's start time, so each run gives other rows" if clock == "now"
+               else f"the fixed time {clock}, so reruns give the same rows")
+            + " ([tokenize] template_clock)")
     tools_required = _needs_tools_list(tokenizer, source, kwargs, notes)
     r = _renderer(tokenizer, source, kwargs, tools_required)
     roles = _probe_role_orders(r)

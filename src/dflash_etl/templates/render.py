@@ -109,6 +109,9 @@ class RenderLimits:
     timeout_s: float = 10.0
     size_factor: float = 10.0
     size_extra: int = 1_000_000
+    # the time a template that prints the current time (strftime_now) reads: fixed, so a rerun
+    # renders the same text; "now" is this process's start (reruns then differ)
+    clock: str = "2025-01-01T00:00:00"
 
     def max_chars(self, conversation_chars: int) -> int:
         return int(self.size_factor * conversation_chars) + self.size_extra
@@ -378,14 +381,24 @@ def _direct_renderer(tokenizer: Any, chat_template: str | None, has_tools: bool)
     return _CompiledRenderer(compiled, variables, _alias_reasoning_fields)
 
 
-# Templates that print the current time (Hunyuan: to the second) would render a conversation's
-# prompt and its full text a second apart, and the render-diff would find the prompt is no prefix.
-# Every render of this process reads this one time instead.
-RENDER_CLOCK = datetime.datetime.now()
+# Templates that print the current time (Llama 3.x the date, Hunyuan to the second) would give
+# other rows on every rerun, and render a conversation's prompt and its full text a second apart
+# (the render-diff would find the prompt is no prefix). Every render reads the limits' clock.
+PROCESS_START = datetime.datetime.now()
+
+
+def render_time(clock: str) -> datetime.datetime:
+    """The time a render reads: `clock` (ISO 8601), or the process's start for "now"."""
+    return PROCESS_START if clock == "now" else datetime.datetime.fromisoformat(clock)
+
+
+def render_clock() -> str:
+    """The clock setting renders in this process read (see RenderLimits.clock)."""
+    return _LIMITS[0].clock
 
 
 def _strftime_render_clock(spec: str) -> str:
-    return RENDER_CLOCK.strftime(spec)
+    return render_time(_LIMITS[0].clock).strftime(spec)
 
 
 class _CompiledRenderer:
@@ -401,7 +414,7 @@ class _CompiledRenderer:
         self.variables = variables
         self.alias = alias
         self.globals = dict(compiled.globals)
-        if "strftime_now" in self.globals:  # one clock for every render: see RENDER_CLOCK
+        if "strftime_now" in self.globals:  # one clock for every render: PROCESS_START
             self.globals["strftime_now"] = _strftime_render_clock
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
