@@ -124,6 +124,8 @@ def test_a_section_of_the_wrong_kind(tmp_path):
     (SOURCE + "[train]\nblock_size = 100000000\n",
      "[train] block_size = 100000000: must be an integer in [2, 256]"),
     ('[[sources]]\npath = "a"\nweight = inf\n', "weight must be a positive number, and finite"),
+    ('[[sources]]\npath = "a"\nmax_rows = 0\n',  # was read, then "set format=" when empty
+     "max_rows = 0: give a whole number of rows, 1 or more"),
     ('[[sources]]\npath = 5\n', "[[sources]] #1 path = 5: must be a string"),
     ('[[sources]]\npath = "a"\nfields = { messages = 1 }\n',
      "[[sources]] #1 fields = { messages = 1 }: must be a table of strings"),
@@ -156,8 +158,8 @@ def test_what_is_allowed_is_accepted(tmp_path):
 
 def test_the_existing_messages_still_hold(tmp_path):
     assert "format='csv'" in _refused(tmp_path, SOURCE + 'format = "csv"\n')
-    assert "max_rows must be a non-negative integer" in _refused(tmp_path,
-                                                                 SOURCE + "max_rows = -1\n")
+    assert "max_rows = -1: give a whole number of rows, 1 or more" in _refused(
+        tmp_path, SOURCE + "max_rows = -1\n")
     assert "weight must be a positive number" in _refused(tmp_path, SOURCE + "weight = 0\n")
     assert "'path' is required" in _refused(tmp_path, '[[sources]]\nname = "a"\n')
     assert "repeated: ['a']" in _refused(tmp_path, SOURCE + SOURCE)

@@ -282,3 +282,15 @@ def test_a_source_with_no_rows_is_a_warning_or_with_strict_sources_an_error(
     err = capsys.readouterr().err
     assert "source 'empty'" in err and "source 'blank'" in err and "strict_sources" in err
     assert "'half'" not in err  # a source with rows but one empty file is only a warning
+
+
+def test_a_source_its_filters_emptied_gets_the_hint_of_those_filters(tmp_path):
+    """Rows read without error and all filtered: the hint says which filter took them, not
+    "set format=" (which was said for every empty source)."""
+    (tmp_path / "blank.jsonl").write_text("\n\n  \n")
+    (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "blank"\npath = "blank.jsonl"\n')
+    with pytest.raises(StageError) as failed:
+        ingest.run(load_config(tmp_path / "pipeline.toml"), tmp_path / "run", progress=False,
+                   workers=1)
+    assert "its lines are blank" in str(failed.value)
+    assert "set format=" not in str(failed.value)

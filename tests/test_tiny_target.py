@@ -5,6 +5,9 @@ otherwise runs every reply to max_new_tokens, whatever the setting)."""
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from dflash_etl.core.config import DEFAULT_CONFIG, load_config
 
@@ -27,3 +30,27 @@ def test_the_default_target_ends_its_replies_at_varied_lengths(default_cli_run):
                (run / "regenerate" / "generations.jsonl").read_text().splitlines()]
     lengths = {reply["new_tokens"] for reply in replies}
     assert min(lengths) > penalty[0] and max(lengths) < max_new_tokens and len(lengths) >= 5
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"layers": 0}, "layers = 0: give a whole number from 1 to 64"),
+    ({"hidden_size": -8}, "hidden_size = -8: give a whole number from 1 to 4096"),
+    ({"hidden_size": 1_000_000}, "hidden_size = 1000000"),
+    ({"heads": 3}, "hidden_size 64 must be a multiple of heads 3"),
+    ({"seed": "x"}, "seed = 'x': give a whole number"),
+])
+def test_a_tiny_spec_torch_cannot_build_is_refused_naming_the_key(tmp_path, spec, expected):
+    """A zero-layer or negative-width tiny target failed inside torch as an internal error."""
+    from dflash_etl.core.errors import StageError
+    from dflash_etl.models.tiny_model import configured_target
+
+    (tmp_path / "pipeline.toml").write_text(
+        '[[sources]]\npath = "a.jsonl"\n[target]\ntiny = ' + _toml(spec) + "\n")
+    (tmp_path / "a.jsonl").write_text("")
+    with pytest.raises(StageError, match=re.escape(expected)):
+        configured_target(load_config(tmp_path / "pipeline.toml"), tmp_path / "run")
+    assert not (tmp_path / "run" / "target").exists()
+
+
+def _toml(spec: dict) -> str:
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in spec.items()) + " }"

@@ -376,8 +376,10 @@ def _source(entry: dict[str, Any], index: int) -> SourceConfig:
     max_rows = entry.get("max_rows")
     weight = entry.get("weight")
     if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool)
-                                 or max_rows < 0):
-        raise ConfigError(f"{where} ({name!r}): max_rows must be a non-negative integer")
+                                 or max_rows < 1):
+        raise ConfigError(f"{where} ({name!r}): max_rows = {max_rows!r}: give a whole number of "
+                          "rows, 1 or more (max_rows = 0 would keep none of the source: remove "
+                          "the source instead)")
     if weight is not None and (not isinstance(weight, int | float) or isinstance(weight, bool)
                                or not math.isfinite(weight) or weight <= 0):
         raise ConfigError(f"{where} ({name!r}): weight must be a positive number, and finite")

@@ -182,6 +182,14 @@ def _inputs(config: PipelineConfig) -> list[tuple[SourceConfig, readers.Resolved
     return found
 
 
+FILTER_HINTS = {  # a source read without error whose rows the filters took
+    S.F_DUPLICATE: "every row repeats an earlier one (dedup = true)",
+    S.F_MAX_ROWS: "its max_rows sample took the rest",
+    S.F_MIX_WEIGHT: "its weight in the mix leaves it no rows: raise its weight",
+    S.F_BLANK_LINE: "its lines are blank",
+}
+
+
 def _empty_output_message(per_source: dict[str, Stats], problem: list[str]) -> str:
     lines = []
     for name in problem:
@@ -191,6 +199,8 @@ def _empty_output_message(per_source: dict[str, Stats], problem: list[str]) -> s
         hint = "set format= or [sources.fields]"
         if any(code == S.Q_FORMAT_MISMATCH for code, _ in reasons):
             hint = "the rows are in another format than the configured one: set format='auto'"
+        elif stats.rows_filtered and not reasons:  # read fine, then filtered away
+            hint = "; ".join(FILTER_HINTS.get(code, code) for code in stats.rows_filtered)
         lines.append(
             f"0 of {stats.rows_in} rows of source {name!r} were kept "
             f"(quarantined: {dict(reasons)}; filtered: {dict(stats.rows_filtered)}); "
