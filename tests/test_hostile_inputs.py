@@ -209,6 +209,19 @@ def test_an_unreadable_file_is_one_quarantined_row(tmp_path, name, data):
     assert "cannot" in record.error[1] and "(" in record.error[1]  # the reader's own message
 
 
+def test_a_parquet_row_over_max_line_bytes_is_counted_not_read_into_python(tmp_path):
+    """max_line_bytes held for JSON lines only: a Parquet row with a 4 MB message passed ingest
+    and aborted the tokenizer. Now it is `line_too_long` in its place, its neighbours kept."""
+    huge = {"messages": [{"role": "user", "content": "q" * (4 * MB)},
+                         {"role": "assistant", "content": "a"}]}
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.Table.from_pylist([CHAT, huge, CHAT, CHAT]), path)
+    records = list(read_unit(Unit(str(path)), MB))
+    assert summary(records) == [(1, "ok"), (2, "line_too_long"), (3, "ok"), (4, "ok")]
+    assert "row is" in records[1].error[1] and "max_line_bytes" in records[1].error[1]
+    assert records[0].value == CHAT and records[2].value == CHAT
+
+
 def test_a_file_that_vanished_is_one_quarantined_row(tmp_path):
     (record,) = list(read_unit(Unit(str(tmp_path / "gone.jsonl")), MB))
     assert record.error[0] == "unreadable_file" and "No such file" in record.error[1]

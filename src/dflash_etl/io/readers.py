@@ -471,7 +471,7 @@ def read_unit(unit: Unit, max_bytes: int,
     `unreadable_file` record (after the rows read before the problem)."""
     path = unit.path
     if path.endswith(".parquet"):
-        yield from _parquet(path)
+        yield from _parquet(path, max_bytes)
         return
     try:
         fh: Any = open(path, "rb")  # noqa: SIM115 (closed by the with below; open may fail)
@@ -490,15 +490,28 @@ def read_unit(unit: Unit, max_bytes: int,
             yield from _lines(stream, unit.first_line, max_bytes)
 
 
-def _parquet(path: str) -> Iterator[Record]:
+def _parquet(path: str, max_bytes: int) -> Iterator[Record]:
+    """Parquet rows as records; a row over `max_bytes` (its Arrow size: the limit JSON lines
+    have, for the same reason: a 200 MB message would reach the tokenizer) is a
+    `line_too_long` record, never turned into Python objects."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     line = 1
     try:
         parquet = pq.ParquetFile(path)
-        for batch in parquet.iter_batches(batch_size=8192):
-            for row in batch.to_pylist():
+        for batch in parquet.iter_batches(batch_size=1024):
+            rows = batch.to_pylist() if batch.nbytes <= max_bytes else None
+            for i in range(batch.num_rows):
+                if rows is None:  # some row may be over the limit: sized one by one
+                    one = batch.slice(i, 1)
+                    if one.nbytes > max_bytes:
+                        yield _too_long(line, b"", one.nbytes, max_bytes, "row")
+                        line += 1
+                        continue
+                    row = one.to_pylist()[0]
+                else:
+                    row = rows[i]
                 yield Record(line, value=row, raw=b"")
                 line += 1
     except (pa.ArrowException, OSError) as exc:
