@@ -546,3 +546,29 @@ def test_an_export_that_cannot_fit_is_refused_first_and_a_full_disk_leaves_no_pa
                        r"export was removed"):
         export(native_run, "specforge", tmp_path / "sf")
     assert not (tmp_path / ".sf.partial").exists() and not (tmp_path / "sf").exists()
+
+
+def test_a_read_only_run_exports_to_an_out_elsewhere(native_run, tmp_path, monkeypatch, capsys):
+    """An archived run on a read-only disk could not be exported at all (the run lock is a file
+    in it). Now it is read unlocked into --out elsewhere; into itself it is refused, clearly.
+    (The tests run as root, whom permissions do not stop: the disk's refusal is simulated at
+    the lock file, where a read-only mount refuses.)"""
+    import errno
+
+    import dflash_etl.core.lock as lock_module
+
+    _specforge()
+    real_open = lock_module.os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(lock_module.os, "open", read_only)
+    doc = export(native_run, "specforge", tmp_path / "sf")
+    assert doc["rows_out"] > 0 and (tmp_path / "sf" / "export.json").is_file()
+    assert "is read-only (Read-only file system): reading it without the run lock" in \
+        capsys.readouterr().err
+    with pytest.raises(StageError, match=r"is read-only .*give the export an --out directory"):
+        export(native_run, "specforge")

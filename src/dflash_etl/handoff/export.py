@@ -16,11 +16,13 @@ into place; `<out>/export.json` records what was exported and the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ def export(run_dir: str | Path, to: str, out: str | Path | None = None, link: st
         raise StageError(f"{run.root} is not a run directory (no manifest.json): give the --run "
                          "directory a `dflash-etl run` or stage wrote")
     final = Path(out) if out else run.root / "export" / to
-    with run_lock(run.root, f"export {to}"):
+    with _run_lock_unless_read_only(run.root, final, to):
         inputs = _inputs(run, to)
         inputs["gpus"] = gpus
         if final.exists() and not (final / RECORD).is_file():
@@ -106,6 +108,25 @@ def _check_space(directory: Path, need: int) -> None:
         raise StageError(f"the export needs ~{size_text(need)} but {directory} has "
                          f"{size_text(free)} free: free space, or give --out on a disk with "
                          "room (nothing was written)")
+
+
+@contextlib.contextmanager
+def _run_lock_unless_read_only(root: Path, final: Path, to: str) -> Iterator[None]:
+    """The run lock; a run on a read-only disk (an archived run) cannot take it, and needs none
+    (nothing can write there either): the export then reads it unlocked, into an --out
+    elsewhere."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(run_lock(root, f"export {to}"))
+        except OSError as exc:  # taking the lock; the export's own errors are not caught here
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            if final.resolve().is_relative_to(root.resolve()):
+                raise StageError(f"{root} is read-only ({exc.strerror}): give the export an "
+                                 "--out directory on a writable disk") from exc
+            print(f"export: {root} is read-only ({exc.strerror}): reading it without the run "
+                  "lock", file=sys.stderr, flush=True)
+        yield
 
 
 # ---------------------------------------------------------------- the run's outputs
