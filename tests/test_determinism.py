@@ -37,6 +37,17 @@ def test_two_runs_of_the_default_give_byte_identical_data_files(default_run_dir,
     stage = json.loads((second / "manifest.json").read_text())["stages"]["train"]
     assert stage["steps_per_s"] > 0 and "steps_per_s" not in stage["counts"]
 
+    # moved (its tiny target inside it): every stage is still complete, none is redone (the
+    # target's path was in the fingerprints of regenerate, extract and train)
+    moved = tmp_path / "moved" / "run"
+    moved.parent.mkdir()
+    second.rename(moved)
+    again = subprocess.run([sys.executable, "-m", "dflash_etl", "run", "--run", str(moved)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for name in ("ingest", "regenerate", "tokenize", "extract", "train"):
+        assert f"{name} already complete, skipped" in again.stdout + again.stderr, name
+
 
 def test_save_plain_dict_writes_the_same_bytes_and_torch_loads_them(tmp_path, monkeypatch):
     import time

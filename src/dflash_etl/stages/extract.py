@@ -135,7 +135,8 @@ def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
     launch's nor the layers' placement (it does not change the states: tested) are among them,
     so changing them redoes no finished extract."""
     return {k: v for k, v in asdict(settings).items()
-            if k not in PLAN_ONLY and k not in LAUNCH_SETTINGS and k not in PLACEMENT}
+            if k not in PLAN_ONLY and k not in LAUNCH_SETTINGS and k not in PLACEMENT
+            and k != "model"}  # the model's identity is fingerprinted, not its path
 
 
 # ---------------------------------------------------------------- pure core

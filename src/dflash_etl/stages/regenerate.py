@@ -224,8 +224,9 @@ class RegenerateStage(Stage):
         backend = self.generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
             settings.backend, TransformersBackend)(settings)
         ctx.state.update(files=files, backend=backend)
+        # the model's identity, not its path (a moved run is not redone)
         return {"settings": {k: v for k, v in asdict(settings).items()
-                             if k not in TRANSPORT_SETTINGS},
+                             if k not in TRANSPORT_SETTINGS and k != "model"},
                 "model": backend.model_id,
                 "inputs": [sha256_file(f) for f in files]}
 

@@ -368,7 +368,9 @@ class TokenizeStage(BatchStage):
         probe_doc = template_probe.to_dict()
         ctx.state.update(files=files, tokenizer=tokenizer, probe=template_probe,
                          probe_doc=probe_doc)
-        return {"settings": asdict(settings), "inputs": [sha256_file(f) for f in files],
+        # the tokenizer's and template's identities, not their paths (a moved run is not redone)
+        kept = {k: v for k, v in asdict(settings).items() if k not in ("model", "chat_template")}
+        return {"settings": kept, "inputs": [sha256_file(f) for f in files],
                 "tokenizer": tokenizer_identity(settings.model),
                 "template": probe_doc["template_sha256"]}
 

@@ -214,9 +214,10 @@ def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
     return HiddenStatesOutput.read(out), info.get("fingerprint")
 
 
-# settings that do not change the trained drafter: a resumed run may change them
+# settings that do not change the trained drafter: a resumed run may change them; and the
+# target's path, whose identity (its files) is fingerprinted: a moved run is not redone
 NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints",
-                     "launcher", "nproc_per_node", "dist_timeout_s")
+                     "launcher", "nproc_per_node", "dist_timeout_s", "target")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
