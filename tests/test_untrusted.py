@@ -318,3 +318,45 @@ def test_model_identity_covers_every_weight_config_and_tokenizer_file(tmp_path):
     for name in NOT_IDENTIFYING:
         (tmp_path / name).write_bytes(b"edited")
     assert model_identity(tmp_path) == before and tokenizer_identity(tmp_path) == tok_before
+
+
+def test_a_conversation_spends_the_render_limit_once_not_per_render(project_tok):
+    """The render-diff renders a conversation several times; each render had the whole limit,
+    so one spinning row cost 3-4 x render_timeout_s (18 rows: 389 s). Now they share it."""
+    from dflash_etl.templates import MaskRefused, probe_template, tokenize_conversations
+
+    template = TRAP
+    probe = probe_template(project_tok, template)
+    conv = {"id": "x", "source": "s", "tools": None, "messages": [
+        {"role": "user", "content": "long " * 80},
+        {"role": "assistant", "content": "A fine answer."},
+        {"role": "user", "content": "And again?"},
+        {"role": "assistant", "content": "Again."},
+        {"role": "user", "content": "Once more?"},
+        {"role": "assistant", "content": "Once more."}]}
+    with render_limits(RenderLimits(timeout_s=1.0)):
+        start = time.monotonic()
+        (result,) = tokenize_conversations([conv], project_tok, probe, chat_template=template)
+        elapsed = time.monotonic() - start
+    assert isinstance(result, MaskRefused) and result.code == "template_render_timeout"
+    assert elapsed < 2.0, elapsed  # one limit (1 s) and some overhead, not one per render
+
+
+def test_a_template_that_spins_on_many_rows_stops_the_stage_naming_it(tmp_path):
+    """A template that times out on many rows is broken as a whole: the stage stops after a
+    few timeouts (max_render_timeout_share), naming the template and the limit, instead of
+    spending render_timeout_s on every row (10k such rows: hours)."""
+    rows = [_conversation(("long " * 80 + str(k)) if k % 2 else f"Question {k}?")
+            for k in range(40)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "trap.jinja").write_text(TRAP)
+    config = parse_config({"run": {"workers": 1},
+                           "sources": [{"name": "mini", "path": "rows.jsonl"}]}, tmp_path)
+    ingest.run(config, tmp_path / "run")
+    start = time.monotonic()
+    with pytest.raises(StageError, match=r"trap.jinja: the template ran over the render time "
+                       r"limit on 3 of the 6 conversations seen .*render_timeout_s \(now 0.5\)"):
+        tokenize.run(config, tmp_path / "run", workers=1, model=str(TOKENIZER),
+                     chat_template=str(tmp_path / "trap.jinja"), render_timeout_s=0.5,
+                     draft_vocab_size=64)
+    assert time.monotonic() - start < 60  # 3 timeouts, not 20

@@ -96,8 +96,11 @@ class TokenizeSettings:
         help="the date and time a template that prints the current time (strftime_now: Llama "
              "3.x, Granite, Hunyuan) renders: fixed, so a rerun gives the same rows; 'now' for "
              "the wall clock (rows then change from run to run)")
-    render_timeout_s: float = setting(10.0, above=0, help="seconds one render of a conversation "
-                                      "may take (template_render_timeout)")
+    render_timeout_s: float = setting(10.0, above=0, help="seconds the renders of one "
+                                      "conversation may take (template_render_timeout)")
+    max_render_timeout_share: float = setting(
+        0.05, min=0, max=1, help="share of the conversations the template may time out on "
+        "(and 3 or more) before the stage stops: a template that spins on many rows is broken")
     render_size_factor: float = setting(10.0, min=0, help="a render may make render_size_factor "
                                         "x the conversation's characters + render_size_extra "
                                         "(template_output_too_large)")
@@ -169,6 +172,7 @@ def _mask_policy(settings: TokenizeSettings) -> Any:
         seq_length=settings.seq_length, truncation=settings.truncation,
         min_supervised_tokens=settings.min_supervised_tokens,
         special_tokens_in_content=settings.special_tokens_in_content,
+        max_render_timeout_share=settings.max_render_timeout_share,
     )
 
 
@@ -188,7 +192,7 @@ def tokenize_rows(
     """Conversations -> training rows (a table with the ROWS schema), quarantine rows and
     accounting per source (the supervised-token counts are taken from the rows as the dataset
     is joined: `_save_dataset`)."""
-    from dflash_etl.templates import MaskRefused, tokenize_conversations
+    from dflash_etl.templates import MaskRefused, TemplateTimingOut, tokenize_conversations
 
     quarantine: list[dict[str, Any]] = []
     per_source: dict[str, Stats] = {}
@@ -198,10 +202,18 @@ def tokenize_rows(
     ids_col: list[str] = []
     source_col: list[str] = []
     turn_col: list[int] = []
-    results = tokenize_conversations(conversations, tokenizer, template_probe,
-                                     _mask_policy(settings),
-                                     chat_template=chat_template,
-                                     cross_check=settings.cross_check)
+    try:
+        results = tokenize_conversations(conversations, tokenizer, template_probe,
+                                         _mask_policy(settings),
+                                         chat_template=chat_template,
+                                         cross_check=settings.cross_check)
+    except TemplateTimingOut as exc:
+        name = settings.chat_template or f"the chat template of {settings.model}"
+        raise StageError(
+            f"{name}: {exc}: the template spins on this data, it is not the rows; fix or replace "
+            "it (--chat-template FILE), or if its renders are merely slow raise "
+            f"render_timeout_s (now {settings.render_timeout_s:g}) or max_render_timeout_share "
+            f"(now {settings.max_render_timeout_share:g})") from exc
     for conv, made in zip(conversations, results, strict=True):
         stats = per_source.get(conv["source"])
         if stats is None:

@@ -141,6 +141,9 @@ class _Budget:
         self.limits = limits
         self.timeout_s = limits.timeout_s
         self.deadline = time.monotonic() + limits.timeout_s
+        shared = getattr(_STATE, "conversation_deadline", None)
+        if shared is not None:  # the renders of one conversation share one budget
+            self.deadline = min(self.deadline, shared)
         self.floor = limits.size_extra  # below it no size is over: the conversation is not sized
         self._inputs = inputs
         self._max_chars: int | None = None
@@ -170,6 +173,19 @@ class _Budget:
 
 
 _STATE = threading.local()  # .budget: the render in progress in this thread, if any
+
+
+@contextlib.contextmanager
+def conversation_budget() -> Iterator[None]:
+    """Every render in the block (one conversation's: the render-diff renders it several times)
+    shares one render_timeout_s, so a template that spins costs a conversation the limit once,
+    not once per render."""
+    outer = getattr(_STATE, "conversation_deadline", None)
+    _STATE.conversation_deadline = time.monotonic() + _LIMITS[0].timeout_s
+    try:
+        yield
+    finally:
+        _STATE.conversation_deadline = outer
 
 
 def _budget() -> _Budget | None:
@@ -233,7 +249,8 @@ class _guarded:  # lower case: used as a function, `with _guarded(messages, tool
         if self.alarm and threading.current_thread() is threading.main_thread():
             if _signal.getsignal(signal.SIGALRM) is not _on_alarm:
                 _DISPLACED[0] = signal.signal(signal.SIGALRM, _on_alarm)
-            previous = signal.setitimer(signal.ITIMER_REAL, max(budget.timeout_s, 1e-3))
+            left = budget.deadline - time.monotonic()
+            previous = signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
             if previous[0]:  # someone else's timer: theirs stands, the loops' checks are ours
                 signal.setitimer(signal.ITIMER_REAL, *previous)
                 self.alarm = False

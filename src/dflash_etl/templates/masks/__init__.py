@@ -53,6 +53,7 @@ from dflash_etl.templates.masks.policy import (
     QUARANTINE_CODES,
     MaskPolicy,
     MaskRefused,
+    TemplateTimingOut,
     TokenizedRow,
 )
 from dflash_etl.templates.masks.verify import verify_row
@@ -62,6 +63,7 @@ __all__ = [
     "QUARANTINE_CODES",
     "MaskPolicy",
     "MaskRefused",
+    "TemplateTimingOut",
     "TokenizedRow",
     "tokenize_conversation",
     "tokenize_conversations",

@@ -11,15 +11,21 @@ from dflash_etl.templates.masks.policy import (
     LIMIT_CODES,
     R_MASK_VERIFICATION_FAILED,
     R_RENDER_ERROR,
+    R_RENDER_TIMEOUT,
     R_SPECIAL_TOKEN_IN_CONTENT,
     MaskPolicy,
     MaskRefused,
+    TemplateTimingOut,
     TokenizedRow,
 )
 from dflash_etl.templates.masks.prepare import _prepare, _Prepared
 from dflash_etl.templates.masks.renders import _classify_render_error, _render_prefix
 from dflash_etl.templates.probe_record import TemplateProbe
-from dflash_etl.templates.render import RenderError, RenderLimitExceeded
+from dflash_etl.templates.render import (
+    RenderError,
+    RenderLimitExceeded,
+    conversation_budget,
+)
 
 
 def tokenize_conversation(
@@ -61,14 +67,21 @@ def tokenize_conversations(
     planned: list[_Planned | MaskRefused] = []
     specials = special_strings(tokenizer) if policy.special_tokens_in_content == "quarantine" \
         else ()
-    for conv in convs:
+    timeouts = 0
+    for seen, conv in enumerate(convs, 1):
         prep = None
-        try:
-            refuse_special_token_text(conv, specials)
-            prep = _prepare(conv, probe, policy)
-            planned.append(_plan(prep, tokenizer, probe, policy, chat_template, fast))
-        except (MaskRefused, RenderError) as exc:
-            planned.append(_refusal(exc, prep, tokenizer, probe, chat_template))
+        with conversation_budget():
+            try:
+                refuse_special_token_text(conv, specials)
+                prep = _prepare(conv, probe, policy)
+                planned.append(_plan(prep, tokenizer, probe, policy, chat_template, fast))
+            except (MaskRefused, RenderError) as exc:
+                planned.append(_refusal(exc, prep, tokenizer, probe, chat_template))
+        last = planned[-1]
+        if isinstance(last, MaskRefused) and last.code == R_RENDER_TIMEOUT:
+            timeouts += 1
+            if timeouts >= 3 and timeouts > policy.max_render_timeout_share * seen:
+                raise TemplateTimingOut(timeouts, seen, last.message)
     pieces = [piece for item in planned if isinstance(item, _Planned)
               for plan in item.rows for piece in plan.pieces()]
     encodings = iter(_encode_many(tokenizer, pieces))

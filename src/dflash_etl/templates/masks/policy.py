@@ -110,6 +110,18 @@ class MaskPolicy:
     # "quarantine": a conversation whose text holds a special token's string is refused
     # (R_SPECIAL_TOKEN_IN_CONTENT); "keep": it is tokenized as it is (the string becomes the token)
     special_tokens_in_content: Literal["quarantine", "keep"] = "quarantine"
+    # a template that times out on more than this share of the conversations seen (and on 3 or
+    # more) is broken as a whole: tokenizing stops instead of spending the limit on every row
+    max_render_timeout_share: float = 0.05
+
+
+class TemplateTimingOut(Exception):
+    """The template ran over render_timeout_s on too many of the conversations seen."""
+
+    def __init__(self, timeouts: int, seen: int, detail: str) -> None:
+        super().__init__(f"the template ran over the render time limit on {timeouts} of the "
+                         f"{seen} conversations seen ({detail})")
+        self.timeouts, self.seen = timeouts, seen
 
 
 @dataclass
