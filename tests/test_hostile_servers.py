@@ -281,6 +281,28 @@ def test_slow_loris_and_endless_replies_are_cut_and_retried(hostile, stream):
     assert hostile.seen["mode=slow_loris"] == hostile.seen["mode=endless"] == 2  # retried once
 
 
+@pytest.mark.parametrize("mode", ["slow_loris", "status_503"])
+def test_a_server_that_fails_every_request_is_out_after_a_few(hostile, mode):
+    """One server that trickles (or 503s) every reply: each of 33 rows waited out its retries x
+    request_deadline_s, concurrency at a time (100 min at the defaults). Now after BREAK_AFTER
+    failed requests with none answered the server is out for the rest of the stage: the rows
+    left fail at once, each saying why, and the server sees about one wave of requests."""
+    from dflash_etl.models.generation.fleet import BREAK_AFTER
+
+    backend = OpenAIBackend(_settings(hostile, concurrency=4))
+    prompts = [f"Question {k}. mode={mode}" for k in range(33)]
+    replies = _generate(backend, prompts, budget_s=20)
+    assert all(r.error for r in replies)
+    attempts = FAST["retries"] + 1
+    sent = sum(hostile.seen.values())  # requests x their attempts
+    # about one wave in flight (concurrency 4, and those that took freed slots before the
+    # breaker's third failure), not 33 rows x attempts
+    assert BREAK_AFTER * attempts <= sent <= (4 + BREAK_AFTER) * attempts
+    broken = [r for r in replies if "out for the rest of the stage" in r.error]
+    assert len(broken) >= 33 - sent // attempts
+    assert "failed its first 3 requests and answered none" in broken[-1].error
+
+
 def test_an_endless_stream_is_capped_from_max_new_tokens(hostile):
     """Without a deadline in reach, the cap on streamed chunks and bytes ends it."""
     backend = OpenAIBackend(_settings(hostile, stream=True, request_deadline_s=60.0,
@@ -417,10 +439,16 @@ def test_a_rerun_retries_only_the_rows_that_failed(hostile, hostile_run):
     with pytest.raises(StageError, match="generation_failed"):
         regenerate.run(config, run_dir, **_stage_kw(hostile, retries=0))
     assert not (run_dir / ".regenerate.partial" / "generations.jsonl").read_text().strip()
+    sent_broken = sum(hostile.seen.values())
+    assert sent_broken < n_in  # a server answering nothing is out after a few (the breaker)
+    # a once- mode misbehaves on its first request: those the broken run never sent fail now
+    unsent_once = sum(1 for m in HOSTILE_MODES
+                      if m.startswith("once-") and not hostile.seen[f"Please answer. mode={m}"])
     hostile.broken = False
     doc = regenerate.run(config, run_dir, **_stage_kw(hostile, retries=0))
-    assert sum(hostile.seen.values()) == 2 * n_in  # every row failed once, then sent again
-    failing = 7  # slow_loris endless invalid_json html no_choices empty_choices broken_sse
+    assert sum(hostile.seen.values()) - sent_broken == n_in  # every row sent again
+    always = 7  # slow_loris endless invalid_json html no_choices empty_choices broken_sse
+    failing = always + unsent_once
     assert doc["total"]["quarantine_reasons"] == {"generation_failed": failing,
                                                   "degenerate_repetition": 2,
                                                   "invalid_unicode_reply": 1}
@@ -433,7 +461,7 @@ def test_a_rerun_retries_only_the_rows_that_failed(hostile, hostile_run):
     doc = regenerate.run(config, run_dir, **_stage_kw(hostile, retries=0))
     assert not doc.get("skipped")
     assert sum(hostile.seen.values()) - before == failing
-    assert doc["total"]["quarantine_reasons"]["generation_failed"] == failing - 1
+    assert doc["total"]["quarantine_reasons"]["generation_failed"] == always - 1
     assert doc["total"]["rows_out"] == N_OK + 3
 
     # --force regenerates every row

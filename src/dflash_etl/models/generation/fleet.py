@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from dflash_etl.models.generation.completions import (
 from dflash_etl.models.generation.replies import Reply, Request
 from dflash_etl.models.generation.settings import GenerationSettings
 
+BREAK_AFTER = 3  # failed requests, with none served, that take a server out for the stage
+
 
 class _Server:
     """One server of the openai backend's fleet, and what the dispatcher knows of it."""
@@ -41,6 +44,9 @@ class _Server:
         self.retry_at = 0.0  # time.monotonic() of its next probe, while it is out
         self.problem = ""  # why it was taken out
         self.probe_problem = ""  # why its last probe failed
+        self.failed = 0  # requests it failed in a row in one way (failure_kind), after retries
+        self.failure_kind = ""
+        self.broken = False  # out for the rest of the stage (the breaker: see _count_failure)
 
     def why(self) -> str:
         return f"{self.url}: {self.problem}" + (
@@ -186,7 +192,7 @@ class OpenAIBackend:
                 return Reply("", "", 0, error=self._no_server(tried))
             k, server = picked
             try:
-                reply, problem = await self._request(client, server.url, body)
+                reply, problem, kind = await self._request(client, server.url, body)
             finally:
                 async with changed:
                     server.in_flight -= 1
@@ -194,6 +200,9 @@ class OpenAIBackend:
             if reply is not None:
                 server.served += 1
                 return reply
+            async with changed:
+                self._count_failure(server, problem, kind)
+                changed.notify_all()
             if not self.fleet:
                 return Reply("", "", 0, error=problem)
             tried[k] = problem
@@ -202,8 +211,26 @@ class OpenAIBackend:
                 changed.notify_all()
             self.failovers += 1
 
+    def _count_failure(self, server: _Server, problem: str, kind: str | None) -> None:
+        """The breaker: a server that has failed BREAK_AFTER requests in the same way and served
+        none (a slow-loris or endless stream past its deadline, a 503 for everything, a refused
+        connection) is out for the rest of the stage, one server or a fleet: the requests left
+        fail at once instead of each waiting out its retries x request_deadline_s (33 rows took
+        100 min). A malformed reply (kind None) is that reply's problem, not the server's."""
+        if kind is None:
+            return
+        server.failed = server.failed + 1 if kind == server.failure_kind else 1
+        server.failure_kind = kind
+        if not server.broken and server.served == 0 and server.failed >= BREAK_AFTER:
+            server.broken, server.healthy = True, False
+            server.problem = (f"failed its first {server.failed} requests and answered none, so "
+                              f"it is out for the rest of the stage; the last: {problem}")
+
     def _no_server(self, tried: dict[int, str]) -> str:
         n = len(self.servers)
+        if all(s.broken for s in self.servers):
+            return (f"every server of the {n} --endpoints is out: "
+                    + " | ".join(s.why() for s in self.servers))
         if len(tried) == n:
             return f"failed on every one of the {n} --endpoints: " + " | ".join(tried.values())
         down = " | ".join(s.why() for k, s in enumerate(self.servers) if k not in tried)
@@ -221,7 +248,7 @@ class OpenAIBackend:
         n, cap, deadline = len(self.servers), self.settings.concurrency, None
         async with changed:
             while True:
-                left = [k for k in range(n) if k not in tried]
+                left = [k for k in range(n) if k not in tried and not self.servers[k].broken]
                 if not left:
                     return None
                 free = [k for k in left
@@ -263,7 +290,8 @@ class OpenAIBackend:
 
         now = time.monotonic()
         for server in self.servers:
-            if not server.healthy and not server.probing and server.retry_at <= now:
+            if (not server.healthy and not server.broken and not server.probing
+                    and server.retry_at <= now):
                 server.probing = True
                 task = asyncio.create_task(self._probe(client, changed, server))
                 probes.add(task)
@@ -306,9 +334,10 @@ class OpenAIBackend:
             changed.notify_all()
 
     async def _request(self, client: Any, base: str,
-                       body: dict[str, Any]) -> tuple[Reply | None, str]:
-        """(reply, "") — a reply, or the request's own error (HTTP 4xx: no other server would
-        take it) — or (None, problem) when the server failed it after its retries: timeouts,
+                       body: dict[str, Any]) -> tuple[Reply | None, str, str | None]:
+        """(reply, "", None) — a reply, or the request's own error (HTTP 4xx: no other server
+        would take it) — or (None, problem, kind) when the server failed it after its retries
+        (kind: how, for the breaker; None for a malformed reply): timeouts,
         connection errors, 429 and 5xx, a reply past `request_deadline_s` or past the size
         derived from max_new_tokens, and malformed replies (not JSON, no choices, a broken
         stream). In a fleet a refused connection fails over at once: nothing listens there."""
@@ -316,27 +345,30 @@ class OpenAIBackend:
 
         url = f"{base}/chat/completions"
         deadline = self.settings.request_deadline_s
-        problem = ""
+        problem, kind = "", None
         for attempt in range(self.settings.retries + 1):
             if attempt:
                 self.retried += 1
                 await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
             try:
                 async with asyncio.timeout(deadline):
-                    return await self._attempt(client, url, body), ""
+                    return await self._attempt(client, url, body), "", None
             except Retry as exc:
                 problem = str(exc)
+                status = re.match(r"HTTP (\d+)", problem)
+                kind = f"HTTP {status.group(1)}" if status else None
             except TimeoutError:
                 problem = (f"no complete reply within request_deadline_s={deadline:g} s "
                            "(connect, first byte and the whole reply)")
+                kind = "deadline"
             except (self.httpx.TimeoutException, self.httpx.TransportError) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+                problem, kind = f"{type(exc).__name__}: {exc}", type(exc).__name__
                 if self.fleet and isinstance(exc, self.httpx.ConnectError):
-                    return None, f"{url}: {problem}"
+                    return None, f"{url}: {problem}", kind
             except self.httpx.HTTPError as exc:  # decoding, protocol: the reply is unusable
-                problem = f"{type(exc).__name__}: {exc}"
+                problem, kind = f"{type(exc).__name__}: {exc}", None
         return None, (f"{url} failed after {self.settings.retries + 1} attempts; "
-                      f"last: {problem}")
+                      f"last: {problem}"), kind
 
     async def _attempt(self, client: Any, url: str, body: dict[str, Any]) -> Reply:
         """One request; raises Retry for a failure worth retrying."""
