@@ -462,3 +462,38 @@ def test_a_template_that_prints_the_date_renders_a_fixed_one(ingest_rows, tmp_pa
     with pytest.raises(StageError, match="template_clock='tomorrow': give an ISO 8601"):
         tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template),
                      template_clock="tomorrow")
+
+
+def test_template_kwargs_reach_every_render_and_a_missing_variable_is_named(ingest_rows,
+                                                                            tmp_path):
+    """A template that needs a variable no render gave it (FireFunction's `functions`) was
+    refused outright; `[tokenize] template_kwargs` / `--template-kwarg KEY=JSON` now reaches the
+    probe and every row's render, is in the fingerprint, and the refusal names the variable."""
+    import datasets
+
+    from dflash_etl.cli.main import main as cli_main
+
+    base = (REPO / "data" / "tokenizer" / "chat_template.jinja").read_text()
+    template = tmp_path / "functions.jinja"
+    template.write_text("{{- '<|im_start|>system\\nFunctions: ' + functions[0].name + "
+                        "'<|im_end|>\\n' -}}" + base)
+    run_dir = ingest_rows([{"id": "a", "messages": [
+        {"role": "user", "content": "Call it."},
+        {"role": "assistant", "content": "Done."}]}], "fn")
+    model = str(REPO / "data" / "tokenizer")
+    with pytest.raises(StageError, match=r"reads a variable 'functions' no render gives it: "
+                       r"pass it with \[tokenize\] template_kwargs"):
+        tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template))
+    assert cli_main(["tokenize", "--run", str(run_dir), "--model", model, "--chat-template",
+                     str(template), "--template-kwarg", 'functions=[{"name": "get_time"}]',
+                     "--template-kwarg", "unused=yes"]) == 0
+    ids = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"][0]
+    assert "Functions: get_time" in load_tokenizer(model).decode(ids)
+    probe = json.loads((run_dir / "tokenize" / "probe.json").read_text())
+    assert probe["render_kwargs"]["functions"] == [{"name": "get_time"}]
+    assert probe["render_kwargs"]["unused"] == "yes"  # not JSON: the string as given
+    again = tokenize.run(None, run_dir, progress=False, model=model, chat_template=str(template),
+                         template_kwargs={"functions": [{"name": "other"}]})
+    assert not again.get("skipped")  # other kwargs, other rows: redone
+    ids = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"][0]
+    assert "Functions: other" in load_tokenizer(model).decode(ids)

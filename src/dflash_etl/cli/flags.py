@@ -1,7 +1,8 @@
 """A stage's CLI flags, generated from its settings dataclass: one flag per field.
 
 `--field-name` (plus the field's `flags` aliases), its type from the annotation (int, float, str;
-a bool is `--flag/--no-flag`; a tuple takes a comma-separated list), `choices` and the help text
+a bool is `--flag/--no-flag`; a tuple takes a comma-separated list; a dict `KEY=JSON`, repeated),
+`choices` and the help text
 from the field's metadata (`core.config.setting`), the dataclass default shown in the help. Every
 flag defaults to None: a flag that is not given leaves the setting to the config.
 """
@@ -33,6 +34,27 @@ def _comma_list(metavar: str) -> Callable[[str], tuple[str, ...]]:
         return items
 
     return comma_list
+
+
+class KeyJson(argparse.Action):
+    """`--flag KEY=JSON`, repeatable, into one dict (a dict setting: template kwargs); a value
+    that is not JSON is taken as the string it is (`--template-kwarg tone=brief`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        import json
+
+        key, sep, text = str(values).partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentError(self, f"{values!r}: give KEY=VALUE (VALUE as JSON: "
+                                         "true, 3, \"text\", [1, 2], {\"a\": 1})")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        merged = dict(getattr(namespace, self.dest) or {})
+        merged[key.strip()] = value
+        setattr(namespace, self.dest, merged)
 
 
 def _default(spec: dataclasses.Field[Any]) -> Any:
@@ -90,7 +112,11 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings: type, section:
         elif typing.get_origin(tp) is tuple:
             kwargs["type"] = _comma_list(meta.get("metavar", "A,B"))
             kwargs.setdefault("metavar", "A,B")
+        elif typing.get_origin(tp) is dict:
+            kwargs["action"] = KeyJson
+            kwargs.setdefault("metavar", "KEY=JSON")
         else:
             raise TypeError(f"{settings.__name__}.{spec.name}: no CLI flag for a {tp} setting; "
-                            "give it a type the CLI knows (int, float, str, bool, tuple[str])")
+                            "give it a type the CLI knows (int, float, str, bool, tuple[str], "
+                            "dict)")
         group.add_argument(*flag_names(spec), **kwargs)

@@ -208,11 +208,9 @@ def _link(source: Path, dest: Path, how: str) -> str:
 # ---------------------------------------------------------------- speculators
 def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
                  progress: bool | None) -> dict[str, Any]:
-    from safetensors import safe_open
-
     tokenized: TokenizedOutput = inputs["tokenized"]
     states: HiddenStatesOutput = inputs["states"]
-    tok, ext = tokenized.stage_dir, states.stage_dir
+    tok = tokenized.stage_dir
     d2t, t2d = tokenized.d2t_file.name, tokenized.t2d_file.name
     if not tokenized.d2t_file.is_file():
         raise StageError(f"{tokenized.d2t_file} is missing: rerun `dflash-etl tokenize --run "
@@ -225,61 +223,69 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         used.add(_link(tok / name, partial / name, link))
     t2d_note = _t2d_for_target(tokenized.t2d_file, partial / t2d, inputs["target"], link, used)
     (partial / "hidden_states").mkdir()
-    table = _dataset(tokenized)
-    n_rows = table.num_rows
-    input_ids = table.column("input_ids")
-    layers, stored, hidden = states.layers, states.stored_layers, states.hidden_size
-    missing, problems = n_rows, []
-
-    def check(row: int, shape: list[int]) -> None:
-        seq = len(input_ids[row])
-        if list(shape) != [seq, len(stored), hidden] and len(problems) < 5:
-            problems.append(f"hs_{row}.safetensors: shape {list(shape)}, expected "
-                            f"[{seq}, {len(stored)}, {hidden}]")
-
+    input_ids = _dataset(tokenized).column("input_ids")
+    n_rows = len(input_ids)
     with progress_bar("export speculators", n_rows, progress) as bar:
-        if states.format == "speculators":  # already one file per row: linked, not copied
-            for row in range(n_rows):
-                source = ext / "hidden_states" / f"hs_{row}.safetensors"
-                bar.advance()
-                if source.is_file():
-                    with safe_open(str(source), framework="pt") as f:
-                        check(row, f.get_slice("hidden_states").get_shape())
-                    used.add(_link(source, partial / "hidden_states" / source.name, link))
-                    missing -= 1
-        else:  # native shards: each row's slice written to its own file, a shard at a time
-            from safetensors.torch import save_file
-
-            for row, hidden_states, token_ids in _states_by_row(states, stored=True):
-                bar.advance()
-                check(row, list(hidden_states.shape))
-                if token_ids.tolist() != input_ids[row].as_py() and len(problems) < 5:
-                    problems.append(f"row {row}: extract's token ids are not tokenize's")
-                save_file({"hidden_states": hidden_states.contiguous(),
-                           "token_ids": token_ids.contiguous()},
-                          str(partial / "hidden_states" / f"hs_{row}.safetensors"))
-                missing -= 1
-            used.add("written from extract's native shards")
+        written, problems = _speculators_states(states, input_ids, partial / "hidden_states",
+                                                link, used, bar)
     if problems:
         raise ContractError("the speculators export breaks its contract: " + "; ".join(problems))
+    missing = n_rows - written
     drafter: DrafterOutput | None = inputs["drafter"]
     draft_layers, block_size = _drafter_shape(inputs)
     training = speculators.SpeculatorsTraining(
         target=inputs["target"], data_path=str(final.resolve()),
-        save_path=str((final.parent / "speculators-drafter").resolve()), layers=layers,
+        save_path=str((final.parent / "speculators-drafter").resolve()), layers=states.layers,
         draft_vocab_size=tokenized.draft_vocab_size, draft_layers=draft_layers,
         block_size=block_size, seq_length=tokenized.seq_length,
         mask_token_id=drafter.mask_token_id if drafter else None,
         rows_without_states=missing, states_dtype=states.dtype)
     return {
-        "rows_in": n_rows, "rows_out": n_rows - missing,
+        "rows_in": n_rows, "rows_out": written,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
         "rows_filtered": {},
-        "layers": layers, "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
-        "stored_layers": stored, "hidden_size": hidden,
+        "layers": states.layers,
+        "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(states.layers),
+        "stored_layers": states.stored_layers, "hidden_size": states.hidden_size,
         "draft_vocab_size": tokenized.draft_vocab_size, "t2d": t2d_note, "links": sorted(used),
         "command": training.command(), "argv": training.argv(),
     }
+
+
+def _speculators_states(states: HiddenStatesOutput, input_ids: Any, out: Path, link: str,
+                        used: set[str], bar: Any) -> tuple[int, list[str]]:
+    """A file per row into `out`: links to a speculators-format extract's files, or each row's
+    slice of a native shard written alone, a shard at a time; (rows written, problems)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    want = [len(states.stored_layers), states.hidden_size]
+    written, problems = 0, []
+
+    def check(row: int, shape: list[int], same_ids: bool = True) -> None:
+        expected = [len(input_ids[row]), *want]
+        if (list(shape) != expected or not same_ids) and len(problems) < 5:
+            problems.append(f"hs_{row}.safetensors: shape {list(shape)}, expected {expected}"
+                            + ("" if same_ids else "; its token ids are not tokenize's"))
+
+    if states.format == "speculators":  # already one file per row: linked, not copied
+        for row in range(len(input_ids)):
+            source = states.stage_dir / "hidden_states" / f"hs_{row}.safetensors"
+            bar.advance()
+            if source.is_file():
+                with safe_open(str(source), framework="pt") as f:
+                    check(row, f.get_slice("hidden_states").get_shape())
+                used.add(_link(source, out / source.name, link))
+                written += 1
+        return written, problems
+    for row, hidden_states, token_ids in _states_by_row(states, stored=True):
+        bar.advance()
+        check(row, list(hidden_states.shape), token_ids.tolist() == input_ids[row].as_py())
+        save_file({"hidden_states": hidden_states.contiguous(),
+                   "token_ids": token_ids.contiguous()}, str(out / f"hs_{row}.safetensors"))
+        written += 1
+    used.add("written from extract's native shards")
+    return written, problems
 
 
 def _t2d_for_target(source: Path, dest: Path, target: str, link: str, used: set[str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import sys
 from collections import Counter
@@ -83,6 +84,10 @@ class TokenizeSettings:
         help="a conversation whose text holds a special token's string (<|im_end|>...): "
              "quarantine it (special_token_in_content), or keep it, the string then becoming "
              "the real token")
+    template_kwargs: dict[str, Any] = setting(  # noqa: RUF009 (setting() returns a field)
+        default_factory=dict, flags=("--template-kwarg",), metavar="KEY=JSON",
+        help="variables every render of the template gets (repeat the flag): those a template "
+             "needs to render at all (functions, datetime) or switches (preserve_thinking)")
     stale_regenerate: str = setting(
         "error", choices=("error", "read_ingest"),
         help="regenerate ran but its output is not current (ingest rerun since, or regenerate "
@@ -148,9 +153,14 @@ def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
     try:
         with render_limits(settings.render_limits):
             return probe_template(tokenizer, read_template(settings.chat_template),
+                                  render_kwargs=dict(settings.template_kwargs),
                                   model_dir=settings.model)
     except TemplateUnusable as exc:
-        raise StageError(f"the chat template cannot be used: {exc}") from exc
+        undefined = re.search(r"'(\w+)' is undefined", str(exc))
+        hint = (f"; the template reads a variable {undefined.group(1)!r} no render gives it: pass "
+                f"it with [tokenize] template_kwargs = {{ {undefined.group(1)} = ... }} or "
+                f"--template-kwarg {undefined.group(1)}=JSON" if undefined else "")
+        raise StageError(f"the chat template cannot be used: {exc}{hint}") from exc
     except RenderLimitExceeded as exc:
         name = (settings.chat_template if settings.chat_template
                 else f"the chat template of {settings.model}")
@@ -185,6 +195,25 @@ def _source_stats() -> Stats:
         "generation_prompt_kwargs": Counter()})
 
 
+def _tokenized(conversations: list[dict[str, Any]], tokenizer: Any, template_probe: Any,
+               settings: TokenizeSettings, chat_template: str | None) -> list[Any]:
+    """tokenize_conversations under the settings; a template that times out on too many rows
+    stops the stage naming it and the limits."""
+    from dflash_etl.templates import TemplateTimingOut, tokenize_conversations
+
+    try:
+        return tokenize_conversations(conversations, tokenizer, template_probe,
+                                      _mask_policy(settings), chat_template=chat_template,
+                                      cross_check=settings.cross_check)
+    except TemplateTimingOut as exc:
+        name = settings.chat_template or f"the chat template of {settings.model}"
+        raise StageError(
+            f"{name}: {exc}: the template spins on this data, it is not the rows; fix or replace "
+            "it (--chat-template FILE), or if its renders are merely slow raise "
+            f"render_timeout_s (now {settings.render_timeout_s:g}) or max_render_timeout_share "
+            f"(now {settings.max_render_timeout_share:g})") from exc
+
+
 def tokenize_rows(
     conversations: list[dict[str, Any]], tokenizer: Any, template_probe: Any,
     settings: TokenizeSettings, chat_template: str | None,
@@ -192,7 +221,7 @@ def tokenize_rows(
     """Conversations -> training rows (a table with the ROWS schema), quarantine rows and
     accounting per source (the supervised-token counts are taken from the rows as the dataset
     is joined: `_save_dataset`)."""
-    from dflash_etl.templates import MaskRefused, TemplateTimingOut, tokenize_conversations
+    from dflash_etl.templates import MaskRefused
 
     quarantine: list[dict[str, Any]] = []
     per_source: dict[str, Stats] = {}
@@ -202,18 +231,7 @@ def tokenize_rows(
     ids_col: list[str] = []
     source_col: list[str] = []
     turn_col: list[int] = []
-    try:
-        results = tokenize_conversations(conversations, tokenizer, template_probe,
-                                         _mask_policy(settings),
-                                         chat_template=chat_template,
-                                         cross_check=settings.cross_check)
-    except TemplateTimingOut as exc:
-        name = settings.chat_template or f"the chat template of {settings.model}"
-        raise StageError(
-            f"{name}: {exc}: the template spins on this data, it is not the rows; fix or replace "
-            "it (--chat-template FILE), or if its renders are merely slow raise "
-            f"render_timeout_s (now {settings.render_timeout_s:g}) or max_render_timeout_share "
-            f"(now {settings.max_render_timeout_share:g})") from exc
+    results = _tokenized(conversations, tokenizer, template_probe, settings, chat_template)
     for conv, made in zip(conversations, results, strict=True):
         stats = per_source.get(conv["source"])
         if stats is None:

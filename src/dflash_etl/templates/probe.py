@@ -157,14 +157,7 @@ def probe_template(
     gen_cfg = _load_generation_config(tokenizer, model_dir)
     kwargs: dict[str, Any] = dict(render_kwargs or {})
     supplied = _supply_special_tokens(tokenizer, source, gen_cfg, kwargs)
-    notes: list[str] = []
-    if "strftime_now" in source:
-        clock = render_clock()
-        notes.append(
-            "the template prints the current time (strftime_now): every render reads "
-            + ("this process's start time, so each run gives other rows" if clock == "now"
-               else f"the fixed time {clock}, so reruns give the same rows")
-            + " ([tokenize] template_clock)")
+    notes: list[str] = _clock_notes(source)
     tools_required = _needs_tools_list(tokenizer, source, kwargs, notes)
     r = _renderer(tokenizer, source, kwargs, tools_required)
     roles = _probe_role_orders(r)
@@ -197,6 +190,17 @@ def probe_template(
     )
     probe.fast_paths = fast_paths_for(tokenizer, probe, chat_template)
     return probe
+
+
+def _clock_notes(source: str) -> list[str]:
+    """A template that prints the current time (strftime_now), and the time its renders read."""
+    if "strftime_now" not in source:
+        return []
+    clock = render_clock()
+    return ["the template prints the current time (strftime_now): every render reads "
+            + ("this process's start time, so each run gives other rows" if clock == "now"
+               else f"the fixed time {clock}, so reruns give the same rows")
+            + " ([tokenize] template_clock)"]
 
 
 # A probe render: messages, add_generation_prompt, tools, extra kwargs -> (text, error).
