@@ -318,6 +318,6 @@ def test_the_disk_check_counts_the_shards_written_before(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**9, 0, need - 100_000))
     assert extract._check_disk(tmp_path, 1000, 2, 16, "fp32") == need
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**9, 0, need - 100_001))
-    with pytest.raises(StageError, match=r"~0\.1 MiB .*0\.1 MiB of it written before.* "
-                                         r"0\.0 MiB free"):
+    with pytest.raises(StageError, match=r"~132\.8 KiB .*97\.7 KiB of it written before.* "
+                                         r"35\.2 KiB free"):  # not "0.0 MiB": the unit fits
         extract._check_disk(tmp_path, 1000, 2, 16, "fp32")

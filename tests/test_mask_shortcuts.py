@@ -177,3 +177,33 @@ def test_cross_check_fraction_is_deterministic_by_id(tok):
     assert 5 <= sum(runs[0]) <= 40  # ~10% of 200
     none = tokenize_conversations(convs, tok, probe, chat_template=CHATML)
     assert not any(r[0].cross_checked for r in none)
+
+
+# Llama 3's turn markers with {% generation %} tags, as text to the Qwen3.6 tokenizer: one BPE
+# token (".<") runs across the end of a tag block into the next header
+LLAMA_TAGGED = (
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|eot_id|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def test_a_token_across_a_tag_end_gets_the_per_turn_rows_not_a_quarantine(tok):
+    """The tag path quarantined such a conversation (mask_verification_failed) where the
+    render-diff path falls back to per-turn rows; now both do, under "auto", and the rows are
+    those of --strategy per_turn. Asked for the tags by name, it is refused as before."""
+    probe = probe_template(tok, LLAMA_TAGGED)
+    assert probe.strategy == "generation"
+    conv = _conv(("user", "Hi"), ("assistant", "Hello there."), ("user", "More?"),
+                 ("assistant", "Yes, more."))
+    (auto,) = tokenize_conversations([conv], tok, probe, chat_template=LLAMA_TAGGED)
+    (per_turn,) = tokenize_conversations([conv], tok, probe, MaskPolicy(strategy="per_turn"),
+                                         chat_template=LLAMA_TAGGED)
+    assert not isinstance(auto, MaskRefused), auto
+    assert [(r.input_ids, r.loss_mask, r.turn) for r in auto] == \
+        [(r.input_ids, r.loss_mask, r.turn) for r in per_turn]
+    assert {r.strategy for r in auto} == {"per_turn"}
+    assert "mask_verification_failed" in auto[0].normalizations[-1]
+    (named,) = tokenize_conversations([conv], tok, probe, MaskPolicy(strategy="generation"),
+                                      chat_template=LLAMA_TAGGED)
+    assert isinstance(named, MaskRefused) and named.code == "mask_verification_failed"

@@ -76,20 +76,29 @@ def _plan(
     rendered as in the render diff's definition (what the cross-check compares with)."""
     strategy = _strategy(probe, policy)
     planner = _Planner(prep, tokenizer, probe, policy, template, fast)
+    # "auto" (also where it took the probe's tags): a conversation one row cannot hold exactly,
+    # e.g. a BPE token across a tag's end, gets per-turn rows, verified as every row is
+    auto = policy.strategy == "auto"
     if strategy == STRATEGY_GENERATION and fast and probe.fast_paths.get(FAST_GENERATION):
         row = _generation_row(tokenizer, probe, prep, policy, template, planner.targets,
                               planner.ordinals)
         if row is not None:
-            return _Planned(prep, [row], lambda _why: _plan(
+            return _Planned(prep, [row], planner.per_turn if auto else lambda _why: _plan(
                 prep, tokenizer, probe, policy, template, fast=False).rows)
     single, single_failure = planner.single_row(strategy)
     if single is not None:
-        return _Planned(prep, [single], planner.per_turn if strategy == "auto" else None)
-    if strategy in (STRATEGY_RENDER_DIFF, STRATEGY_GENERATION) and len(planner.targets) > 1:
+        return _Planned(prep, [single], planner.per_turn if auto else None)
+    if (strategy in (STRATEGY_RENDER_DIFF, STRATEGY_GENERATION) and len(planner.targets) > 1
+            and not auto):
         raise MaskRefused(R_NOT_PREFIX_STABLE, single_failure)
-    if strategy == STRATEGY_GENERATION:  # one turn: still cross-check HF's mask
-        row_or_why = _single_row(tokenizer, probe, prep, planner.turns_for({}), {}, policy,
-                                 template, strategy)
+    if strategy == STRATEGY_GENERATION and len(planner.targets) == 1:  # cross-check HF's mask
+        try:
+            row_or_why = _single_row(tokenizer, probe, prep, planner.turns_for({}), {}, policy,
+                                     template, strategy)
+        except MaskRefused as exc:
+            if not auto or exc.code in FILTER_CODES or exc.code in LIMIT_CODES:
+                raise
+            return _Planned(prep, planner.per_turn(f"{exc.code}: {exc.message}"))
         if isinstance(row_or_why, str):
             raise MaskRefused(R_GENERATION_PROMPT_MISMATCH, row_or_why)
         return _Planned(prep, [row_or_why])
@@ -191,7 +200,8 @@ class _Planner:
                 row_or_why = _single_row(self.tokenizer, probe, self.prep, self.turns_for(base),
                                          base, self.policy, self.template, strategy)
             except MaskRefused as exc:
-                if exc.code in FILTER_CODES or exc.code in LIMIT_CODES or strategy != "auto":
+                if (exc.code in FILTER_CODES or exc.code in LIMIT_CODES
+                        or self.policy.strategy != "auto"):
                     raise
                 row_or_why = f"{exc.code}: {exc.message}"
             if isinstance(row_or_why, _RowPlan):
