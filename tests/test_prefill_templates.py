@@ -260,9 +260,20 @@ GUARD_SHAPED = (
 )
 
 
-def test_a_classifier_template_that_quotes_the_turns_is_refused_whole(tok):
+# Llama Guard 3 8B's wording: the task names the last message's role, so the text after an
+# assistant turn ("...the LAST Agent message") is not the generation prompt's ("...User...")
+GUARD_3_SHAPED = GUARD_SHAPED.replace(
+    "{% endfor %}<END CONVERSATION>\n\nProvide your safety assessment:",
+    "{% endfor %}<END CONVERSATION>\n\nProvide your safety assessment for ONLY THE LAST "
+    "{{ 'User' if messages[-1]['role'] == 'user' else 'Agent' }} message:")
+
+
+@pytest.mark.parametrize("template", [GUARD_SHAPED, GUARD_3_SHAPED], ids=["guard", "guard-3"])
+def test_a_classifier_template_that_quotes_the_turns_is_refused_whole(tok, template):
+    """Whatever words the task uses for the roles (Llama Guard 3 names the last one): one clear
+    reason, not generation_prompt_mismatch on every row."""
     with pytest.raises(TemplateUnusable) as e:
-        probe_template(tok, GUARD_SHAPED)
+        probe_template(tok, template)
     assert "quotes the conversation inside its prompt" in e.value.reason
     assert "<END CONVERSATION>" in e.value.reason  # the text that gave it away
 

@@ -615,9 +615,15 @@ def _quotes_turns(ua: str, gen_text: str | None) -> bool:
         return False
     after_answer = ua[ua.rfind(_A1) + len(_A1) :]
     after_question = gen_text[gen_text.rfind(_U1) + len(_U1) :]
-    return after_answer == after_question and LEADING_MARKER_RE.match(after_answer) is None and (
+    # the task text may name the last message's role ("...the LAST Agent message" after an
+    # assistant turn, "...the LAST User message" in the generation prompt: Llama Guard 3)
+    same = _ROLE_WORDS.sub("<role>", after_answer) == _ROLE_WORDS.sub("<role>", after_question)
+    return same and LEADING_MARKER_RE.match(after_answer) is None and (
         len(after_answer.strip()) > 0
     )
+
+
+_ROLE_WORDS = re.compile(r"\b(?:user|assistant|agent|human|ai|model|bot|gpt)\b", re.IGNORECASE)
 
 
 def _mid_tail(text: str | None) -> str:
