@@ -37,6 +37,7 @@ from dflash_etl.core.rundir import sha256_file
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
+from dflash_etl.mix.contamination import MIN_WORDS
 from dflash_etl.stages.shell import stage_runner
 from dflash_etl.validation import suites
 
@@ -57,6 +58,12 @@ class IngestSettings:
              "quarantined as decompressed_too_large (a gzip bomb stops here)")
     strict_sources: bool = setting(
         False, help="a source (file or glob) that yields no rows is an error, not a warning")
+    decontaminate: tuple[str, ...] = setting(
+        (), metavar="FILE,FILE",
+        help="benchmark files (MT-Bench, GSM8K, HumanEval, messages/prompt JSONL; relative to "
+             "the config) whose items are kept out of the mix: a conversation sharing a run of "
+             "decontaminate_ngram words with one is filtered benchmark_contamination")
+    decontaminate_ngram: int = setting(13, min=MIN_WORDS, help="words in a shared run")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -229,8 +236,11 @@ class IngestStage(BatchStage):
             ctx.run.update_manifest(config=config.to_dict(), config_hash=config.digest(),
                                     inputs=inputs)
         ctx.state["sources"] = sources
+        benchmarks = _benchmark_files(config, ctx.settings)
         return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
-                "settings": dataclasses.asdict(ctx.settings)}
+                "settings": {k: v for k, v in dataclasses.asdict(ctx.settings).items()
+                             if k != "decontaminate"},  # the files' contents, not their paths
+                "benchmarks": [sha256_file(b) for b in benchmarks]}
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         units = [(source, unit) for source, resolved in ctx.state["sources"]
@@ -335,6 +345,9 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     index = pl.concat(
         [pl.read_parquet(f, columns=["id", "source", "_unit", "_line"]) for f in row_files]
     ) if row_files else pl.DataFrame()
+    benchmarks = _benchmark_files(config, settings)
+    if benchmarks and index.height:
+        index = _decontaminate(index, row_files, benchmarks, settings, partial, per_source)
     kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
     for name, counts in filtered.items():
         stats = per_source[name]
@@ -358,6 +371,51 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     doc["total"]["shards"] = len(list((partial / "conversations").glob("*.parquet")))
     doc["warnings"] = warnings
     return doc
+
+
+def _benchmark_files(config: PipelineConfig, settings: IngestSettings) -> list[Path]:
+    files = [(config.base_dir / f).resolve() for f in settings.decontaminate]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise StageError(f"[ingest] decontaminate: no benchmark file at {', '.join(missing)} "
+                         f"(paths are relative to the config, {config.base_dir})")
+    return files
+
+
+def _decontaminate(index: pl.DataFrame, row_files: list[str], benchmarks: list[Path],
+                   settings: IngestSettings, partial: Path,
+                   per_source: dict[str, Stats]) -> pl.DataFrame:
+    """The index less the conversations that hold a benchmark item, each filtered
+    benchmark_contamination and listed in contamination.parquet with the item it holds."""
+    from dflash_etl.io.benchmarks import read_benchmark
+    from dflash_etl.mix.contamination import ContaminationIndex
+
+    grams = ContaminationIndex.build(
+        (item for path in benchmarks for item in read_benchmark(path)),
+        settings.decontaminate_ngram)
+    hits = []
+    for path in row_files:
+        frame = pl.read_parquet(path, columns=["id", "source", "file", "line", "messages",
+                                               "_unit", "_line"])
+        for row in frame.iter_rows(named=True):
+            found = grams.match(m["content"] or "" for m in row["messages"])
+            if found is not None:
+                hits.append({"id": row["id"], "source": row["source"], "file": row["file"],
+                             "line": row["line"], "benchmark": found[0], "item": found[1],
+                             "shared": found[2][:300], "_unit": row["_unit"],
+                             "_line": row["_line"]})
+    found_frame = pl.DataFrame(hits, schema={
+        "id": pl.String, "source": pl.String, "file": pl.String, "line": pl.Int64,
+        "benchmark": pl.String, "item": pl.String, "shared": pl.String, "_unit": pl.Int32,
+        "_line": pl.Int64})
+    found_frame.drop("_unit", "_line").write_parquet(partial / "contamination.parquet")
+    for name, n in found_frame.group_by("source").len().iter_rows():
+        per_source[name].filter(S.F_CONTAMINATED, n)
+        per_source[name].rows_out -= n
+    for name, stats in per_source.items():
+        mine = found_frame.filter(pl.col("source") == name)
+        stats.extra["contamination"] = dict(Counter(mine["benchmark"].to_list()))
+    return index.join(found_frame.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
 
 
 def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_rows: int) -> None:

@@ -1,0 +1,1 @@
+"""What the training mix keeps out, beyond exact duplicates: benchmark items (contamination)."""
