@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "and the command that trains on it")
     export.add_arguments(p).set_defaults(func=export.run_from_args)
 
+    from dflash_etl import evaluate
+
+    p = sub.add_parser("eval", help="the drafter's acceptance length (tau) per benchmark "
+                       "(MT-Bench, GSM8K, HumanEval, ...)")
+    evaluate.add_arguments(p).set_defaults(func=evaluate.run_from_args)
+
     p = sub.add_parser("docs", help="rebuild a run's HTML report (runs/<name>/docs/index.html)")
     p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
     p.set_defaults(func=cmd_docs)

@@ -25,7 +25,14 @@ MAX_ITEMS = 1_000_000  # a bound on one benchmark file's rows
 class BenchmarkItem:
     benchmark: str  # the file's stem (gsm8k_test, mt_bench_question, humaneval)
     item: str  # its id in the benchmark (question_id, task_id, or the line)
-    texts: tuple[str, ...]  # the prompt(s), and the reference answer where the file has one
+    turns: tuple[str, ...]  # the user turns, in order (MT-Bench has two)
+    references: tuple[str, ...] = ()  # the reference answer where the file has one
+    category: str = ""  # MT-Bench's
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """Every text of the item: what decontamination looks for."""
+        return self.turns + self.references
 
 
 def read_benchmark(path: str | Path) -> list[BenchmarkItem]:
@@ -45,25 +52,29 @@ def read_benchmark(path: str | Path) -> list[BenchmarkItem]:
             raise StageError(f"{path}:{line_no}: not a JSON line ({exc})") from exc
         if not isinstance(row, dict):
             raise StageError(f"{path}:{line_no}: a JSON object per line is expected")
-        items.append(BenchmarkItem(path.stem, *_texts(row, path, line_no)))
+        items.append(_item(path.stem, row, path, line_no))
     return items
 
 
-def _texts(row: dict[str, Any], path: Path, line: int) -> tuple[str, tuple[str, ...]]:
+def _item(name: str, row: dict[str, Any], path: Path, line: int) -> BenchmarkItem:
     def strings(*values: Any) -> tuple[str, ...]:
         return tuple(v for v in values if isinstance(v, str) and v.strip())
 
     if isinstance(row.get("turns"), list):
-        return str(row.get("question_id", line)), strings(*row["turns"])
+        return BenchmarkItem(name, str(row.get("question_id", line)), strings(*row["turns"]),
+                             category=str(row.get("category") or ""))
     if "question" in row:
         answer = CALCULATOR_NOTE.sub("", row.get("answer") or "")
-        return str(row.get("id", line)), strings(row["question"], answer)
+        return BenchmarkItem(name, str(row.get("id", line)), strings(row["question"]),
+                             strings(answer))
     if "prompt" in row:
-        return str(row.get("task_id", row.get("id", line))), strings(
-            row["prompt"], row.get("canonical_solution"))
+        return BenchmarkItem(name, str(row.get("task_id", row.get("id", line))),
+                             strings(row["prompt"]), strings(row.get("canonical_solution")))
     if isinstance(row.get("messages"), list):
-        return str(row.get("id", line)), strings(
-            *(m.get("content") for m in row["messages"] if isinstance(m, dict)))
+        messages = [m for m in row["messages"] if isinstance(m, dict)]
+        return BenchmarkItem(name, str(row.get("id", line)), strings(
+            *(m.get("content") for m in messages if m.get("role") == "user")), strings(
+            *(m.get("content") for m in messages if m.get("role") == "assistant")))
     raise StageError(f"{path}:{line}: no benchmark layout in keys {sorted(row)[:12]}: give "
                      "MT-Bench (turns), GSM8K (question, answer), HumanEval (prompt), or "
                      "messages / prompt JSONL")

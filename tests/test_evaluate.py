@@ -1,0 +1,107 @@
+"""`dflash-etl eval`: the embedded default's drafter measured on the real benchmark files
+(../shared/fixtures/evalsets), with the same simulator as train's tau: exact at its ends (a
+proposer that is always right gives the block size per step, one that is always wrong gives 1),
+MT-Bench's second turn after the target's own first reply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_etl.core.errors import StageError
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # the session's default run (its trained drafter)
+
+REPO = Path(__file__).resolve().parents[1]
+EVALSETS = REPO.parent / "shared" / "fixtures" / "evalsets"
+BENCHES = [str(EVALSETS / n) for n in ("mt_bench_question.jsonl", "gsm8k_test.jsonl",
+                                       "humaneval.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def run(default_run_dir) -> Path:
+    if not (EVALSETS / "gsm8k_test.jsonl").is_file():
+        pytest.skip(f"{EVALSETS} is absent (the benchmark prompt sets, ../shared/fixtures)")
+    return default_run_dir
+
+
+def test_tau_per_benchmark_with_the_untrained_baseline(run, tmp_path, monkeypatch):
+    from dflash_etl import evaluate
+
+    seen: list[list[dict]] = []
+    real = evaluate.Evaluator.prompt_ids
+
+    def recording(self, messages):
+        seen.append([dict(m) for m in messages])
+        return real(self, messages)
+
+    monkeypatch.setattr(evaluate.Evaluator, "prompt_ids", recording)
+    results = evaluate.evaluate(BENCHES, run=run, out=tmp_path, limit=2, max_new_tokens=16,
+                                baseline=True)
+    assert set(results) == {"mt_bench_question", "gsm8k_test", "humaneval"}
+    block = json.loads((run / "train" / "drafter" / "config.json").read_text())["block_size"]
+    for name, doc in results.items():
+        saved = json.loads((tmp_path / f"{name}.json").read_text())
+        assert saved["tau"] == doc["tau"] and 1.0 <= doc["tau"] <= block
+        assert doc["prompts"] == 2 and doc["baseline"] >= 1.0
+        steps = {int(k): v for k, v in doc["accepted_per_step"].items()}
+        assert sum(steps.values()) == doc["verify_steps"]
+        assert sum(k * v for k, v in steps.items()) == doc["tokens"]
+        assert doc["target"]["identity"] and doc["settings"]["temperature"] == 0.0
+    mt = results["mt_bench_question"]
+    assert [p["turns"] for p in mt["per_prompt"]] == [2, 2]
+    assert set(mt["tau_by_category"]) <= {"writing", "roleplay", "reasoning", "math", "coding",
+                                         "extraction", "stem", "humanities"}
+    # the second turn's prompt holds the target's own first reply, then the second question
+    second = [m for m in seen if len(m) == 3]
+    assert second and all(m[1]["role"] == "assistant" and m[1]["content"] for m in second)
+    # the thinking mode the run's rows were rendered in (the default's template has none)
+    assert mt["settings"]["template_kwargs"] == {}
+
+
+def _oracle(target):
+    """Drafts the target's own greedy tokens: every draft is accepted."""
+    def propose(context, seq, room):
+        drafts, text = [], list(seq)
+        for _ in range(min(15, room)):
+            logits, _ = target.forward([text], logits=True, logits_keep=1)
+            drafts.append(int(logits[0][-1].argmax()))
+            text.append(drafts[-1])
+        return drafts
+    return propose
+
+
+def test_the_simulator_is_exact_at_both_ends(run, tmp_path):
+    from dflash_etl import evaluate
+    from dflash_etl.io.benchmarks import read_benchmark
+
+    evaluator = evaluate.Evaluator(run / "train" / "drafter",
+                                   str(run / "target"), {}, max_new_tokens=40)
+    item = read_benchmark(EVALSETS / "gsm8k_test.jsonl")[0]
+    oracle, vocab = _oracle(evaluator.target), evaluator.target.model.config.vocab_size
+    # never the target's token: its own greedy one, plus one
+    evaluator.propose = lambda context, seq, room: [(t + 1) % vocab
+                                                    for t in oracle(context, seq, room)]
+    wrong = evaluator.item(item)
+    assert wrong["tau"] == 1.0 and set(wrong["accepted"]) == {1}
+    evaluator.propose = oracle
+    right = evaluator.item(item)
+    # every step adds the whole block (16), but the last: the room left or the end of turn
+    assert set(right["accepted"][:-1]) == {16}, right["accepted"]
+    assert sum(right["accepted"]) == sum(wrong["accepted"])  # the same greedy text
+
+
+def test_errors_say_what_to_give(run, tmp_path):
+    from dflash_etl import evaluate
+
+    with pytest.raises(StageError, match="has no complete train stage"):
+        evaluate.evaluate(BENCHES[:1], run=tmp_path)
+    with pytest.raises(StageError, match="give --run R, or --drafter DIR and --target DIR"):
+        evaluate.evaluate(BENCHES[:1], out=tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "a question"}) + "\n")
+    with pytest.raises(StageError, match=r"bad.jsonl:1: no benchmark layout in keys \['text'\]"):
+        evaluate.evaluate([str(bad)], run=run, out=tmp_path)
