@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(MT-Bench, GSM8K, HumanEval, ...)")
     evaluate.add_arguments(p).set_defaults(func=evaluate.run_from_args)
 
+    from dflash_etl import lineage
+
+    p = sub.add_parser("show", help="one conversation through every stage: source line, "
+                       "replies, rows with the supervised tokens marked, states, training split")
+    lineage.add_arguments(p).set_defaults(func=lineage.run_from_args)
+
     p = sub.add_parser("docs", help="rebuild a run's HTML report (runs/<name>/docs/index.html)")
     p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
     p.set_defaults(func=cmd_docs)
