@@ -497,3 +497,27 @@ def test_template_kwargs_reach_every_render_and_a_missing_variable_is_named(inge
     assert not again.get("skipped")  # other kwargs, other rows: redone
     ids = datasets.load_from_disk(str(run_dir / "tokenize" / "dataset"))["input_ids"][0]
     assert "Functions: other" in load_tokenizer(model).decode(ids)
+
+
+def test_stats_and_report_show_what_the_drafter_learns_from_per_source(default_tokenized,
+                                                                       tmp_path, copy_run):
+    """Per source: rows, tokens and supervised tokens with their shares (each sums to 1 and
+    matches the dataset), beside the row share a weighted source asked for; in the report."""
+    import datasets
+
+    from dflash_etl.report import build_docs
+
+    run = copy_run(default_tokenized, tmp_path)
+    mix = json.loads((run / "tokenize" / "stats.json").read_text())["learning_mix"]
+    rows = list(datasets.load_from_disk(str(run / "tokenize" / "dataset")).with_format(None))
+    for key in ("rows_written", "tokens", "supervised_tokens"):
+        assert abs(sum(m[f"{key}_share"] for m in mix.values()) - 1) < 1e-3
+    for name, m in mix.items():
+        mine = [r for r in rows if r["source"] == name]
+        assert m["rows_written"] == len(mine)
+        assert m["tokens"] == sum(len(r["input_ids"]) for r in mine)
+        assert m["supervised_tokens"] == sum(sum(r["loss_mask"]) for r in mine)
+    assert mix["orca"]["asked_row_share"] == mix["parts"]["asked_row_share"] == 0.5
+    assert "asked_row_share" not in mix["alpaca"]
+    page = (build_docs(run) / "index.html").read_text()
+    assert "What the drafter learns from, per source" in page

@@ -120,6 +120,16 @@ def tokenize_section(stage: StageInfo) -> str:
     if stage.settings:
         policy = [(k, stage.settings.get(k)) for k in POLICY_KEYS if k in stage.settings]
         html += "<h3>Mask policy (settings)</h3>" + table(["", "value"], policy)
+    mix = (stage.stats or {}).get("learning_mix")
+    if mix:
+        html += ("<h3>What the drafter learns from, per source</h3>" + table(
+            ["source", "rows", "share", "tokens", "share", "supervised tokens", "share",
+             "rows asked"],
+            [(name, m["rows_written"], f"{m['rows_written_share']:.1%}", m["tokens"],
+              f"{m['tokens_share']:.1%}", m["supervised_tokens"],
+              f"{m['supervised_tokens_share']:.1%}",
+              f"{m['asked_row_share']:.1%}" if "asked_row_share" in m else "")
+             for name, m in mix.items()]))
     strategies = (stage.stats or {}).get("total", {}).get("strategies")
     if strategies:
         html += "<h3>Rows per mask strategy</h3>" + table(

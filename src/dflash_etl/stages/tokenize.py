@@ -32,6 +32,7 @@ from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
 from dflash_etl.core.schema import numeric_array, string_array
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
+from dflash_etl.mix.shares import learning_shares
 from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
 from dflash_etl.stages.shell import stage_runner
@@ -513,10 +514,20 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
     write_json_atomic(partial / "settings.json",
                       {**asdict(settings), **_contract_params(vocab_size, settings)})
     doc = stats_document(per_source, "tokenize")
+    doc["learning_mix"] = learning_shares(doc["sources"], _asked_shares(partial.parent))
     doc["total"]["vocab_size"] = vocab_size
     doc["total"]["model_vocab_size"] = model_vocab
     doc["total"]["draft_vocab"] = draft
     return doc
+
+
+def _asked_shares(run_root: Path) -> dict[str, float | None]:
+    """The share of rows each weighted source asked for (ingest's mix), by source."""
+    try:
+        sources = json.loads((run_root / "ingest" / "stats.json").read_text())["sources"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {name: (s.get("mix") or {}).get("target_share") for name, s in sources.items()}
 
 
 # datasets' Features of ROWS, as save_to_disk records them (dataset_info.json and the Arrow
