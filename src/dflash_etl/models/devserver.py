@@ -12,6 +12,9 @@ request hold the server's one generation slot for N ms more (requests queue, as 
 server): a stand-in for a real server's generation time, for fleet benchmarks. Failures can be
 injected (`fail_next`, `delay_next`, `die_after`, `kill()`) to test retries, timeouts and
 failover. `requests` counts the chat-completion requests it received. Not for production serving.
+
+`--extract-hidden-states IDS --states-dir DIR` speaks vLLM's hidden-states protocol instead
+(`StatesEngine`): what `extract --backend server` and speculators' data generation send.
 """
 
 from __future__ import annotations
@@ -46,10 +49,15 @@ class DevServer:
     """The server, started in a background thread; `url` is its /v1 base."""
 
     def __init__(self, model: str | None, host: str = "127.0.0.1", port: int = 0,
-                 instant: bool = False, latency_ms: float = 0.0, name: str | None = None) -> None:
+                 instant: bool = False, latency_ms: float = 0.0, name: str | None = None,
+                 extract_layers: list[int] | None = None, states_dir: str | None = None
+                 ) -> None:
         self.model_name = name or (Path(model).name if model else "instant")
         self.backend: Any = None
-        if not instant:
+        self.states: StatesEngine | None = None
+        if extract_layers is not None:  # vLLM's extract_hidden_states server, not chat
+            self.states = StatesEngine(str(model), extract_layers, Path(states_dir or "."))
+        elif not instant:
             from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
 
             self.backend = TransformersBackend(RegenerateSettings(model=str(model)))
@@ -118,6 +126,55 @@ class DevServer:
         return reply.text, reply.finish_reason, reply.new_tokens
 
 
+class StatesEngine:
+    """vLLM's `extract_hidden_states` method with ExampleHiddenStatesConnector, on a hooked
+    transformers forward: /v1/completions of token ids writes <states_dir>/<request>.safetensors
+    (`hidden_states` [seq, layers, hidden] at vLLM's layer ids, the embedding output being 0,
+    and `token_ids`) and answers with its path in `kv_transfer_params.hidden_states_path`.
+    `fault` makes the next replies wrong as servers have been: "zeros", "nan", "other" (the
+    previous request's file), "short" (a layer missing)."""
+
+    def __init__(self, model: str, layer_ids: list[int], states_dir: Path) -> None:
+        from dflash_etl.models.target import Target, TargetSpec
+
+        self.layer_ids = list(layer_ids)
+        ours = sorted({i - 1 for i in layer_ids if i >= 1})
+        self.target = Target(TargetSpec(model=model, layers=",".join(map(str, ours))))
+        self.columns = [*self.target.layers, self.target.last_layer]
+        self.dir = states_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.count = 0
+        self.last_path: str | None = None
+        self.fault = ""
+
+    def complete(self, ids: list[int]) -> dict[str, Any]:
+        import torch
+        from safetensors.torch import save_file
+
+        _, states = self.target.forward([ids], extra_layers=(self.target.last_layer,))
+        picked = [self.columns.index(i - 1) for i in self.layer_ids]
+        hidden = states[0][:, picked].contiguous()
+        if self.fault == "zeros":
+            hidden = torch.zeros_like(hidden)
+        elif self.fault == "nan":
+            hidden = hidden.clone()
+            hidden[0, 0, 0] = float("nan")
+        elif self.fault == "short":
+            hidden = hidden[:, :-1].contiguous()
+        self.count += 1
+        path = str(self.dir / f"req-{self.count}.safetensors")
+        save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids, dtype=torch.long)},
+                  path)
+        if self.fault == "other" and self.last_path is not None:
+            path, self.last_path = self.last_path, path
+        else:
+            self.last_path = path
+        return {"id": f"cmpl-{self.count}", "object": "text_completion",
+                "choices": [{"index": 0, "text": "", "finish_reason": "length",
+                             "prompt_token_ids": list(ids)}],
+                "kv_transfer_params": {"hidden_states_path": path}}
+
+
 def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:  # quiet
@@ -139,6 +196,15 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_POST(self) -> None:
+            if self.path.rstrip("/") == "/v1/completions" and server.states is not None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                with server.lock:
+                    server.requests += 1
+                    if not isinstance(body.get("prompt"), list):
+                        self._json(400, {"error": {"message": "prompt: token ids expected"}})
+                        return
+                    self._json(200, server.states.complete(body["prompt"]))
+                return
             if self.path.rstrip("/") != "/v1/chat/completions":
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
                 return
@@ -200,11 +266,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="each request holds the server's one generation slot this long")
     parser.add_argument("--name", help="the model name it lists (default: the model directory's "
                                        "name, or 'instant')")
+    parser.add_argument("--extract-hidden-states", metavar="IDS", default=None,
+                        help="serve vLLM's extract_hidden_states protocol instead of chat, "
+                             "capturing these layer ids (vLLM's: embedding = 0), comma-separated")
+    parser.add_argument("--states-dir", default="hidden_states",
+                        help="with --extract-hidden-states: where the files go")
     args = parser.parse_args(argv)
     if not args.instant and not args.model:
         parser.error("--model DIR is required (or --instant)")
+    layer_ids = ([int(x) for x in args.extract_hidden_states.split(",") if x.strip()]
+                 if args.extract_hidden_states else None)
     server = DevServer(args.model, args.host, args.port, instant=args.instant,
-                       latency_ms=args.latency_ms, name=args.name)
+                       latency_ms=args.latency_ms, name=args.name, extract_layers=layer_ids,
+                       states_dir=args.states_dir)
     print(f"serving {server.model_name} at {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.start().thread.join()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,19 @@ class ExtractSettings:
                                      "<run>/extract.plan.json; nothing is published")
     plan_batches: int = setting(4, min=1, help="--plan: length-bucketed batches to measure "
                                                "(spread over the length range)")
+    backend: str = setting("hooks", choices=("hooks", "server"),
+                           help="hooks: the target under transformers here; server: a vLLM "
+                                "server with the extract_hidden_states method (--endpoint)")
+    endpoint: str = setting("", metavar="URL", help="--backend server: the server's /v1 base")
+    served_model: str = setting("", help="--backend server: the model name the server serves "
+                                         "(default: --model)")
+    states_dir: str = setting("", metavar="DIR", help="--backend server: the connector's "
+                              "shared_storage_path; a file named elsewhere is refused")
+    keep_server_files: bool = setting(False, help="--backend server: keep the server's files "
+                                                  "after they are copied")
+    concurrency: int = setting(8, min=1, help="--backend server: requests in flight")
+    request_deadline_s: float = setting(600.0, above=0, help="--backend server: one request")
+    retries: int = setting(2, min=0, help="--backend server: attempts after the first")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -127,7 +141,9 @@ register_section("extract", ExtractSettings)
 
 PLAN_ONLY = ("plan", "plan_batches")  # settings of the dry run, not of the output
 # how the work is launched, not what it makes: a rerun on another number of ranks resumes
-LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s")
+LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s", "endpoint", "served_model",
+                   "states_dir", "keep_server_files", "concurrency", "request_deadline_s",
+                   "retries")
 
 
 def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
@@ -222,7 +238,9 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
             states[k] = s
     quarantine, keep = [], []
     for k, row in enumerate(rows):
-        if not torch.isfinite(states[k].float()).all():
+        if isinstance(states[k], str):  # the server backend: failed, or another row's states
+            quarantine.append({"id": row["id"], "turn": row["turn"], "reason": states[k]})
+        elif not torch.isfinite(states[k].float()).all():
             quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
         else:
             keep.append(k)
@@ -283,7 +301,8 @@ def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str
         batch = max(padded, key=lambda b: max(lengths[k] for k in b) - min(lengths[k] for k in b))
         k = min(batch, key=lambda i: (lengths[i], i))
         _, alone = target.forward([rows[k]["input_ids"]], extra_layers=extra)
-        reference = {"row": rows[k]["row"], **reference_diff(states[k], alone[0])}
+        if not isinstance(alone[0], str):  # a server that failed the re-run: no reference
+            reference = {"row": rows[k]["row"], **reference_diff(states[k], alone[0])}
     problems = shard_problems(layer_stats, reference, HealthLimits.for_dtype(settings.dtype))
     return {"layers": layer_stats, "reference": reference, "problems": problems}
 
@@ -319,6 +338,13 @@ class ExtractStage(BatchStage):
         ctx.run.update_stage(STAGE, settings=asdict(settings), layers=layers,
                              stored_layers=stored, n_layers=n_layers, estimated_bytes=need,
                              ranks=ctx.world)
+        if settings.backend == "server":
+            from dflash_etl.models.states_server import serve_command
+
+            print("extract: the states come from the server at "
+                  f"{settings.endpoint}, which must have been started as:\n  "
+                  + serve_command(settings.served_model or settings.model, layers, n_layers,
+                                  settings.states_dir), file=sys.stderr, flush=True)
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         """One item per shard, its cost the padded tokens of its forward passes."""
@@ -332,6 +358,9 @@ class ExtractStage(BatchStage):
         self.settings: ExtractSettings = ctx.settings
         self.files: list[Path] = ctx.state["files"]
         self.partial: Path = ctx.partial
+        self.layers: list[int] = ctx.state["layers"]
+        self.n_layers: int = ctx.state["n_layers"]
+        self.hidden: int = ctx.state["hidden"]
 
     def resources(self) -> Resources:
         """A worker holds one replica of the target: a GPU where it runs on one (with
@@ -342,7 +371,14 @@ class ExtractStage(BatchStage):
 
     def setup(self) -> None:
         # loaded only where there is work: a big target takes minutes
-        self.target = Target(replace(self.settings, device=device_for_rank(self.settings.device)))
+        if self.settings.backend == "server":
+            from dflash_etl.models.states_server import ServerTarget
+
+            self.target: Any = ServerTarget(self.settings, self.layers, self.n_layers,
+                                            self.hidden)
+        else:
+            self.target = Target(replace(self.settings,
+                                         device=device_for_rank(self.settings.device)))
         self.dataset = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source",
                                                                "turn"]) for f in self.files])
 

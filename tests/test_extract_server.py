@@ -1,0 +1,164 @@
+"""`extract --backend server`: hidden states from a server speaking vLLM's extract_hidden_states
+protocol (the dev server's StatesEngine, a real HTTP server on 127.0.0.1 over the hooked tiny
+target), equal to the hooks backend's; speculators' own client reads the dev server; the faults
+servers have had are caught."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_etl.core.errors import ContractError, StageError
+
+torch = pytest.importorskip("torch")
+LAYERS = [1, 2]  # ours (0-based decoder layers) of the 4-layer tiny target
+
+
+@pytest.fixture()
+def server(tiny_target, tmp_path):
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    states = tmp_path / "server-states"
+    with DevServer(str(tiny_target), extract_layers=vllm_layer_ids(LAYERS, 4),
+                   states_dir=str(states)) as srv:
+        srv.states_dir = states
+        yield srv
+
+
+def _server_kw(server) -> dict:
+    return {"backend": "server", "endpoint": server.url, "states_dir": str(server.states_dir),
+            "concurrency": 2, "request_deadline_s": 60.0, "retries": 0}
+
+
+def test_server_states_equal_the_hooks_states(tiny_target, default_tokenized, copy_run,
+                                              tmp_path, server, capsys):
+    from safetensors.torch import load_file
+
+    from dflash_etl.stages import extract
+
+    hooks = copy_run(default_tokenized, tmp_path / "hooks")
+    served = copy_run(default_tokenized, tmp_path / "served")
+    extract.run(None, hooks, progress=False, model=str(tiny_target), layers="1,2")
+    doc = extract.run(None, served, progress=False, model=str(tiny_target), layers="1,2",
+                      **_server_kw(server))
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 3, 4]' in capsys.readouterr().err
+    assert doc["total"]["rows_out"] == doc["total"]["rows_in"] and not doc["health"]["problems"]
+    a = pq.read_table(hooks / "extract" / "index.parquet")
+    b = pq.read_table(served / "extract" / "index.parquet")
+    assert a.equals(b)
+    for shard in sorted((hooks / "extract" / "hidden_states").glob("*.safetensors")):
+        mine, theirs = load_file(str(shard)), load_file(str(served / "extract" /
+                                                             "hidden_states" / shard.name))
+        assert torch.equal(mine["token_ids"], theirs["token_ids"])
+        torch.testing.assert_close(theirs["hidden_states"], mine["hidden_states"],
+                                   atol=1e-6, rtol=0)
+    assert not list(server.states_dir.glob("*.safetensors"))  # copied, then removed
+
+
+def test_speculators_own_client_reads_the_dev_server(server, default_tokenized):
+    pytest.importorskip("speculators.data_generation.vllm_client",
+                        reason="speculators is not installed: make setup")
+    import datasets
+    import openai
+    from safetensors.torch import load_file
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.data_generation.vllm_client import generate_hidden_states
+
+    dataset = datasets.load_from_disk(str(default_tokenized / "tokenize" / "dataset"))
+    ids = dataset.with_format(None)[0]["input_ids"]
+    client = openai.Client(base_url=server.url, api_key="unused")
+    path, params = generate_hidden_states(client, server.model_name, {"input_ids": ids},
+                                          max_retries=0)
+    data = load_file(path)
+    check_hidden_states(data, ids)  # speculators' own checks
+    assert data["hidden_states"].shape == (len(ids), 3, 64) and params["hidden_states_path"]
+
+
+def _target(server, tiny_target, **extra):
+    from dflash_etl.models.states_server import ServerTarget
+    from dflash_etl.stages.extract import ExtractSettings
+
+    settings = dataclasses.replace(ExtractSettings(model=str(tiny_target)),
+                                   **{**_server_kw(server), **extra})
+    return ServerTarget(settings, LAYERS, 4, 64)
+
+
+def test_a_server_returning_another_requests_states_is_a_counted_mismatch(server, tiny_target):
+    target = _target(server, tiny_target, concurrency=1, keep_server_files=True)
+    server.states.fault = "other"
+    _, states = target.forward([[5, 6, 7, 8], [9, 10, 11, 12]], extra_layers=(3,))
+    assert isinstance(states[0], torch.Tensor) and states[1] == "state_token_mismatch"
+
+
+def test_a_cut_or_missing_file_is_the_rows_counted_reason(server, tiny_target):
+    target = _target(server, tiny_target, concurrency=1)
+    server.states.fault = "other"  # names the first request's file, already copied and removed
+    _, states = target.forward([[5, 6, 7, 8], [9, 10, 11, 12]], extra_layers=(3,))
+    assert states[1] == "state_file_unreadable"
+
+
+def test_a_server_with_other_layers_or_a_foreign_path_is_refused(server, tiny_target,
+                                                                  tmp_path):
+    target = _target(server, tiny_target)
+    server.states.fault = "short"
+    with pytest.raises(StageError, match=r"the server's states are \[4, 2, 64\], expected "
+                       r"\[4, 3, 64\] .*layers \[2, 3, 4\] in vLLM's ids"):
+        target.forward([[5, 6, 7, 8]], extra_layers=(3,))
+    server.states.fault = ""
+    elsewhere = _target(server, tiny_target, states_dir=str(tmp_path / "mine"))
+    with pytest.raises(StageError, match="outside --states-dir"):
+        elsewhere.forward([[5, 6, 7, 8]], extra_layers=(3,))
+
+
+def test_all_zero_states_from_a_server_fail_the_stage_naming_the_layer(
+        tiny_target, default_tokenized, copy_run, tmp_path, server):
+    from dflash_etl.stages import extract
+
+    run = copy_run(default_tokenized, tmp_path / "zeros")
+    server.states.fault = "zeros"
+    with pytest.raises(ContractError, match="exactly zero"):
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_server_kw(server))
+
+
+def test_a_dead_server_quarantines_its_rows_with_the_reason(tiny_target):
+    from dflash_etl.models.states_server import ServerTarget
+    from dflash_etl.stages.extract import ExtractSettings
+
+    settings = ExtractSettings(model=str(tiny_target), backend="server",
+                               endpoint="http://127.0.0.1:9/v1", states_dir="/tmp",
+                               request_deadline_s=2.0, retries=0)
+    _, states = ServerTarget(settings, LAYERS, 4, 64).forward([[1, 2, 3]], extra_layers=(3,))
+    assert states == ["state_request_failed"]
+
+
+def test_the_server_backend_needs_its_endpoint_and_states_dir(tiny_target):
+    from dflash_etl.models.states_server import ServerTarget
+    from dflash_etl.stages.extract import ExtractSettings
+
+    with pytest.raises(StageError, match="needs --endpoint"):
+        ServerTarget(ExtractSettings(model=str(tiny_target), backend="server"), LAYERS, 4, 64)
+    with pytest.raises(StageError, match="needs --states-dir"):
+        ServerTarget(ExtractSettings(model=str(tiny_target), backend="server",
+                                     endpoint="http://x/v1"), LAYERS, 4, 64)
+
+
+def test_the_printed_serve_line_names_vllms_layer_ids():
+    import json
+    import shlex
+
+    from dflash_etl.models.states_server import serve_command
+
+    argv = shlex.split(serve_command("/m", [1, 16, 31], 64, "/states"))
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    # ours + 1 (vLLM counts the embedding output as 0), then the last decoder layer (= L)
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        2, 17, 32, 64]
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_extra_config"]["shared_storage_path"] == "/states"
+    assert Path(argv[2]) == Path("/m")
