@@ -656,3 +656,33 @@ def test_every_consumer_rebuilds_the_drafter_we_trained(models, tokenized_copy, 
     assert served["dflash_config"]["target_layer_ids"] == layers
     kwargs = json.loads(argv[argv.index("--default-chat-template-kwargs") + 1])
     assert kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_server_backed_extract_equals_the_hooks_on_qwen3_5(models, tokenized_copy, tmp_path,
+                                                           kind):
+    """extract --backend server against the dev server's vLLM-protocol engine: the same states
+    (<= 1e-6) and index as the hooks, on a hybrid text and a VL checkpoint."""
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    hooks, served = tokenized_copy(tmp_path / "hooks"), tokenized_copy(tmp_path / "served")
+    target = str(models[kind])
+    extract.run(None, hooks, progress=False, model=target, layers="1,2")
+    states = tmp_path / "server-states"
+    with DevServer(target, extract_layers=vllm_layer_ids([1, 2], LAYERS),
+                   states_dir=str(states)) as server:
+        extract.run(None, served, progress=False, model=target, layers="1,2",
+                    backend="server", endpoint=server.url, states_dir=str(states),
+                    retries=0)
+    assert pq.read_table(hooks / "extract" / "index.parquet").equals(
+        pq.read_table(served / "extract" / "index.parquet"))
+    for shard in sorted((hooks / "extract" / "hidden_states").glob("*.safetensors")):
+        mine = load_file(str(shard))
+        theirs = load_file(str(served / "extract" / "hidden_states" / shard.name))
+        torch.testing.assert_close(theirs["hidden_states"], mine["hidden_states"], atol=1e-6,
+                                   rtol=0)
