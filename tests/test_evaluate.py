@@ -60,6 +60,15 @@ def test_tau_per_benchmark_with_the_untrained_baseline(run, tmp_path, monkeypatc
     assert second and all(m[1]["role"] == "assistant" and m[1]["content"] for m in second)
     # the thinking mode the run's rows were rendered in (the default's template has none)
     assert mt["settings"]["template_kwargs"] == {}
+    # the report's section: the table and a histogram per benchmark
+    from dflash_etl.report.pages import evaluation_section
+
+    (tmp_path / "eval").mkdir()
+    for name in results:
+        (tmp_path / "eval" / f"{name}.json").write_text((tmp_path / f"{name}.json").read_text())
+    html = evaluation_section(tmp_path)
+    assert "Acceptance per benchmark" in html and html.count("<svg") == 3
+    assert all(f"<td>{name}</td>" in html for name in results)
 
 
 def _oracle(target):

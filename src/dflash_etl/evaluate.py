@@ -150,6 +150,10 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / f"{name}.json", doc)
         results[name] = doc
+    if run is not None and out_dir.resolve() == (Path(run) / "eval").resolve():
+        from dflash_etl.report import publish_docs
+
+        publish_docs(run)  # the report's "Acceptance per benchmark" section
     return results
 
 

@@ -306,8 +306,39 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
             + "<h3>Top quarantine reasons</h3>" + quarantine_section(s) + "</section>")
     if not stages:
         body.append("<section><p>No stage output in this run yet.</p></section>")
+    body.append(evaluation_section(run_root))
     title = f"dflash-etl run {run_root.name}"
     return page(title, "".join(body), nav)
+
+
+def evaluation_section(run_root: Path) -> str:
+    """`dflash-etl eval`'s results (<run>/eval/*.json): tau per benchmark beside the untrained
+    drafter's, and what each verify step added."""
+    docs = []
+    for path in sorted((run_root / "eval").glob("*.json")):
+        try:
+            docs.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    docs = [d for d in docs if isinstance(d, dict) and "tau" in d]
+    if not docs:
+        return ""
+    html = ('<section id="evaluation"><h2>Acceptance per benchmark</h2>' + table(
+        ["benchmark", "tau", "untrained", "prompts", "verify steps", "by category"],
+        [(d.get("benchmark"), d["tau"], d.get("baseline", ""), d.get("prompts"),
+          d.get("verify_steps"), ", ".join(f"{c} {t}" for c, t in
+                                           (d.get("tau_by_category") or {}).items()))
+         for d in docs]))
+    for d in docs:
+        steps = {int(k): v for k, v in (d.get("accepted_per_step") or {}).items()}
+        if steps:
+            top = max(steps)
+            html += ("<figure>" + histogram_svg(
+                {"counts": [steps.get(k, 0) for k in range(1, top + 1)],
+                 "edges": [k - 0.5 for k in range(1, top + 2)]},
+                f"{d.get('benchmark')}: tokens added per verify step")
+                + "</figure>")
+    return html + "</section>"
 
 
 def _short(value: Any) -> Any:
