@@ -151,6 +151,7 @@ def test_summary_shows_the_key_numbers_and_loads_nothing_remote(browser, default
     assert _external_references(browser) == []
     shot = _screenshot(browser, shots / "report_summary.png")
     assert shot.stat().st_size > 10_000
+    _rows_as_the_drafter_sees_them(browser, default_run_dir)
 
     browser.find_element(By.LINK_TEXT, "tokenize validation").click()
     assert "tokenize validation — passed" in browser.title
@@ -196,3 +197,26 @@ def test_the_checks_catch_a_remote_or_missing_resource(browser, tmp_path):
     assert any("missing.png" in p for p in problems)
     refs = _external_references(browser)
     assert any("cdn.example.invalid" in r for r in refs) and any("broken img" in r for r in refs)
+
+
+def _rows_as_the_drafter_sees_them(browser, run: Path) -> None:
+    """The tokenize section's sample rows: one span per token, highlighted exactly where the
+    row's loss mask is 1 (read back from the dataset), the highlight visible."""
+    import datasets
+
+    shown = browser.execute_script("""
+        return [...document.querySelectorAll('pre.row')].map(pre => [
+          Number(pre.dataset.row), Number(pre.dataset.supervised),
+          [...pre.querySelectorAll('span.t')].map(t => t.classList.contains('s') ? 1 : 0),
+          [...pre.querySelectorAll('span.t')].map(t => Number(t.title))]);""")
+    assert len(shown) >= 5
+    rows = datasets.load_from_disk(str(run / "tokenize" / "dataset")).with_format(None)
+    for row, supervised, marks, ids in shown:
+        assert ids == rows[row]["input_ids"][:len(ids)]
+        assert marks == rows[row]["loss_mask"][:len(marks)] and sum(marks) == supervised
+    colors = browser.execute_script("""
+        const s = document.querySelector('pre.row span.s'),
+              t = document.querySelector('pre.row span.t:not(.s)');
+        return [getComputedStyle(s).backgroundColor, getComputedStyle(t).backgroundColor];""")
+    assert colors[0] != colors[1]
+

@@ -37,6 +37,9 @@ tr.failed td{background:#fff5f5}
 .charts figure{margin:0}
 figcaption{font-size:12px;color:#4b5563}
 nav a{margin-right:14px}
+pre.row{max-height:260px;overflow:auto}
+pre.row .t:hover{outline:1px solid #9ca3af}
+pre.row .s{background:#d8f3dc;color:#1b5e20}
 """
 
 

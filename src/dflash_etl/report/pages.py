@@ -130,6 +130,7 @@ def tokenize_section(stage: StageInfo) -> str:
               f"{m['supervised_tokens_share']:.1%}",
               f"{m['asked_row_share']:.1%}" if "asked_row_share" in m else "")
              for name, m in mix.items()]))
+    html += _row_views(stage)
     strategies = (stage.stats or {}).get("total", {}).get("strategies")
     if strategies:
         html += "<h3>Rows per mask strategy</h3>" + table(
@@ -154,6 +155,21 @@ def tokenize_section(stage: StageInfo) -> str:
                      + "<figcaption>share of supervised tokens covered by the k most frequent "
                        "tokens</figcaption></figure>")
     return html
+
+
+def _row_views(stage: StageInfo) -> str:
+    """Sample rows decoded with their supervised tokens highlighted (published output only:
+    a failed stage's partial rows may not be whole)."""
+    model = (stage.settings or {}).get("model")
+    if stage.partial or not model or not Path(model).is_dir():
+        return ""
+    from dflash_etl.models.tokenizer import load_tokenizer
+    from dflash_etl.report.rows import row_views, rows_html
+
+    try:
+        return rows_html(row_views(stage.directory, load_tokenizer(model)))
+    except Exception as exc:  # the report never fails a stage
+        return f'<p class="muted">rows not shown: {escape(str(exc)[:200])}</p>'
 
 
 def on_policy_section(policy: dict[str, Any]) -> str:
