@@ -73,6 +73,7 @@ F_BLANK_LINE = "blank_line"
 F_DUPLICATE = "duplicate"
 F_MAX_ROWS = "max_rows"
 F_MIX_WEIGHT = "mix_weight"
+F_NEAR_DUPLICATE = "near_duplicate"  # [ingest] near_dedup: like an earlier row
 F_CONTAMINATED = "benchmark_contamination"  # holds a benchmark item ([ingest] decontaminate)
 
 # Conversations per Parquet row group in the conversations shards: a downstream work item reads

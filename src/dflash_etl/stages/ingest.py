@@ -64,6 +64,13 @@ class IngestSettings:
              "the config) whose items are kept out of the mix: a conversation sharing a run of "
              "decontaminate_ngram words with one is filtered benchmark_contamination")
     decontaminate_ngram: int = setting(13, min=MIN_WORDS, help="words in a shared run")
+    near_dedup: bool = setting(False, help="filter near-duplicate conversations (MinHash LSH): "
+                               "of each cluster the first (source, file, line) is kept")
+    near_dedup_threshold: float = setting(0.8, above=0, max=1,
+                                          help="Jaccard similarity of a near-duplicate")
+    near_dedup_ngram: int = setting(3, min=1, help="words per shingle")
+    near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
+                                    help="compare the user turns, or every message")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -194,6 +201,8 @@ FILTER_HINTS = {  # a source read without error whose rows the filters took
     S.F_MAX_ROWS: "its max_rows sample took the rest",
     S.F_MIX_WEIGHT: "its weight in the mix leaves it no rows: raise its weight",
     S.F_BLANK_LINE: "its lines are blank",
+    S.F_NEAR_DUPLICATE: "every row is a near-duplicate of another source's (near_dedup)",
+    S.F_CONTAMINATED: "its rows hold benchmark items (decontaminate)",
 }
 
 
@@ -348,6 +357,8 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     benchmarks = _benchmark_files(config, settings)
     if benchmarks and index.height:
         index = _decontaminate(index, row_files, benchmarks, settings, partial, per_source)
+    if settings.near_dedup and index.height:
+        index = _near_dedup(index, row_files, settings, partial, per_source)
     kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
     for name, counts in filtered.items():
         stats = per_source[name]
@@ -416,6 +427,42 @@ def _decontaminate(index: pl.DataFrame, row_files: list[str], benchmarks: list[P
         mine = found_frame.filter(pl.col("source") == name)
         stats.extra["contamination"] = dict(Counter(mine["benchmark"].to_list()))
     return index.join(found_frame.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
+
+
+def _near_dedup(index: pl.DataFrame, row_files: list[str], settings: IngestSettings,
+                partial: Path, per_source: dict[str, Stats]) -> pl.DataFrame:
+    """The index less the near-duplicates of earlier rows (source, file, line order), each
+    filtered near_duplicate and listed in near_duplicates.parquet with the row it repeats.
+    Exact duplicates are left to dedup (counted `duplicate`)."""
+    from dflash_etl.mix.near_dedup import NearDedup, text_of
+
+    dedup = NearDedup(settings.near_dedup_threshold, settings.near_dedup_ngram)
+    present = set(zip(index["_unit"].to_list(), index["_line"].to_list(), strict=True))
+    seen_ids: set[str] = set()
+    found = []
+    for path in row_files:
+        frame = pl.read_parquet(path, columns=["id", "source", "file", "line", "messages",
+                                               "_unit", "_line"])
+        for row in frame.iter_rows(named=True):
+            if (row["_unit"], row["_line"]) not in present or row["id"] in seen_ids:
+                continue
+            seen_ids.add(row["id"])
+            key = len(seen_ids)
+            hit = dedup.offer(key, row["id"], text_of(row["messages"],
+                                                      settings.near_dedup_scope))
+            if hit is not None:
+                found.append({"id": row["id"], "source": row["source"], "file": row["file"],
+                              "line": row["line"], "kept_id": hit[0],
+                              "similarity": round(hit[1], 4), "_unit": row["_unit"],
+                              "_line": row["_line"]})
+    frame = pl.DataFrame(found, schema={
+        "id": pl.String, "source": pl.String, "file": pl.String, "line": pl.Int64,
+        "kept_id": pl.String, "similarity": pl.Float64, "_unit": pl.Int32, "_line": pl.Int64})
+    frame.drop("_unit", "_line").write_parquet(partial / "near_duplicates.parquet")
+    for name, n in frame.group_by("source").len().iter_rows():
+        per_source[name].filter(S.F_NEAR_DUPLICATE, n)
+        per_source[name].rows_out -= n
+    return index.join(frame.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
 
 
 def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_rows: int) -> None:

@@ -1,0 +1,106 @@
+"""Near-duplicate removal in ingest ([ingest] near_dedup): a planted set of near-copies is found
+with precision >= 0.99 and recall >= 0.95 against brute-force Jaccard at the default threshold;
+a shared system prompt alone does not make two conversations duplicates; every row accounted."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import polars as pl
+
+from dflash_etl.core.config import load_config
+from dflash_etl.mix.near_dedup import shingles, text_of
+from dflash_etl.stages import ingest
+
+TOPICS = ["rivers", "volcanoes", "bread", "chess", "tides", "glaciers", "bees", "comets",
+          "bridges", "forests", "deserts", "whales", "orchids", "typhoons", "castles", "robots",
+          "spices", "lighthouses", "caves", "violins"]
+SYSTEM = ("You are a meticulous assistant. Always answer in full sentences, cite your "
+          "reasoning, avoid speculation, keep a friendly tone, and prefer concrete examples "
+          "over abstractions whenever the question allows it. ") * 3
+
+
+def _prompt(rng: random.Random, topic: str) -> str:
+    words = [rng.choice(["explain", "describe", "compare", "list", "summarize", "discuss"])]
+    words += [f"{topic}", "in", "detail"]
+    words += [rng.choice(["history", "science", "economics", "culture", "future", "risks",
+                          "benefits", "myths", "records", "tools", "people", "places"])
+              for _ in range(70)]
+    return " ".join(words) + "."
+
+
+def _planted(seed: int = 0) -> list[dict]:
+    """Per topic a distinct prompt and three near-copies of it (case, spacing and punctuation
+    changed; a sentence added; a sentence's worth cut), then a templated family that differs in
+    one number; every row under the same long system prompt."""
+    rng = random.Random(seed)
+    rows = []
+    for topic in TOPICS:
+        base = _prompt(rng, topic)
+        rows.append({"system": SYSTEM, "user": base})
+        rows += [{"system": SYSTEM, "user": text} for text in (
+            "  ".join(base.upper().split()).replace(".", " !"),
+            base + " Please also add one short example sentence for clarity.",
+            " ".join(base.split()[:-6]) + ".")]
+    for n in range(5):
+        rows.append({"system": SYSTEM, "user": "Order number " + str(1000 + n) + " was shipped "
+                     "to the warehouse in the north district with twelve boxes of spare parts "
+                     "and a signed delivery note for the customer service team to review."})
+    return rows
+
+
+def _conv(row: dict) -> dict:
+    return {"messages": [{"role": "system", "content": row["system"]},
+                         {"role": "user", "content": row["user"]},
+                         {"role": "assistant", "content": "A careful answer."}]}
+
+
+def _jaccard(a: str, b: str, n: int = 3) -> float:
+    x, y = set(shingles(a, n)), set(shingles(b, n))
+    return len(x & y) / len(x | y)
+
+
+def test_planted_near_copies_are_found_like_brute_force_jaccard(tmp_path):
+    rows = _planted()
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(_conv(r)) + "\n" for r in rows))
+    (tmp_path / "pipeline.toml").write_text(
+        '[[sources]]\nname = "mix"\npath = "rows.jsonl"\n\n[ingest]\nnear_dedup = true\n')
+    doc = ingest.run(load_config(tmp_path / "pipeline.toml"), tmp_path / "run",
+                     progress=False, workers=1)
+    total = doc["total"]
+    removed = pl.read_parquet(tmp_path / "run" / "ingest" / "near_duplicates.parquet")
+    assert total["rows_in"] == len(rows)
+    assert total["rows_out"] + total["rows_filtered"].get("near_duplicate", 0) == len(rows)
+    # brute force: a row is a near-duplicate when an earlier row is at Jaccard >= 0.8
+    texts = [text_of(_conv(r)["messages"], "prompt") for r in rows]
+    truth = {k for k in range(len(rows))
+             if any(_jaccard(texts[j], texts[k]) >= 0.8 for j in range(k))}
+    found = {line - 1 for line in removed["line"].to_list()}
+    assert len(truth) >= 3 * len(TOPICS)  # the planted copies are near-duplicates indeed
+    precision = len(found & truth) / len(found)
+    recall = len(found & truth) / len(truth)
+    assert precision >= 0.99 and recall >= 0.95, (precision, recall, truth - found)
+    kept = pl.read_parquet(tmp_path / "run" / "ingest" / "conversations" / "*.parquet")
+    assert set(removed["kept_id"].to_list()) <= set(kept["id"].to_list())
+    # distinct prompts that share the long system prompt are all kept
+    bases = [k for k in range(0, 4 * len(TOPICS), 4)]
+    assert all(b + 1 in set(kept["line"].to_list()) for b in bases)
+    assert all(_jaccard(texts[a], texts[b]) < 0.8 for a, b in itertools.combinations(bases, 2))
+
+
+def test_scope_conversation_sees_the_shared_system_prompt(tmp_path):
+    """With every message compared, two short distinct questions under one long system prompt
+    are near-duplicates: why the default scope is the user turns."""
+    system = " ".join(f"rule{k} applies" for k in range(80))  # long, and no two alike
+    rows = [{"system": system, "user": "What is a river?"},
+            {"system": system, "user": "Why do bees dance?"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(_conv(r)) + "\n" for r in rows))
+    for scope, expected in (("prompt", 2), ("conversation", 1)):
+        (tmp_path / "pipeline.toml").write_text(
+            '[[sources]]\nname = "a"\npath = "rows.jsonl"\n\n[ingest]\nnear_dedup = true\n'
+            f'near_dedup_scope = "{scope}"\n')
+        doc = ingest.run(load_config(tmp_path / "pipeline.toml"), tmp_path / f"run-{scope}",
+                         progress=False, workers=1)
+        assert doc["total"]["rows_out"] == expected, scope
