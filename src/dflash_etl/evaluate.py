@@ -16,7 +16,6 @@ verify step, the prompts, the settings and the drafter's and target's identities
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -221,13 +220,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import execute
+    from dflash_etl.cli.stage import module_main
 
-    parser = add_arguments(argparse.ArgumentParser(prog="python -m dflash_etl.evaluate",
-                                                   description=__doc__.splitlines()[0]))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    args.func, args.command = run_from_args, "eval"
-    return execute(args)
+    return module_main(argv, add_arguments, run_from_args, "python -m dflash_etl.evaluate",
+                       __doc__, "eval")
 
 
 if __name__ == "__main__":

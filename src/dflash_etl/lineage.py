@@ -107,7 +107,8 @@ def trace(run_dir: str | Path, key: str, turn: int | None = None) -> dict[str, A
         return {"key": key, "ingest": {"status": "unknown", "message": (
             "no conversation of this run has that id or FILE:LINE (filtered rows — duplicate, "
             "max_rows, mix_weight — are counted in ingest/stats.json, not listed; "
-            "benchmark_contamination ones are in ingest/contamination.parquet)")}}
+            "benchmark_contamination and near_duplicate ones are in ingest/contamination.parquet "
+            "and ingest/near_duplicates.parquet)")}}
     doc: dict[str, Any] = {"key": key, "id": conv_id, "ingest": {
         "status": "kept", "source": row["source"], "file": row["file"], "line": row["line"],
         "format": row["format"], "messages": len(row["messages"]),
@@ -306,13 +307,10 @@ def _tokenizer_dir(run: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import execute
+    from dflash_etl.cli.stage import module_main
 
-    parser = add_arguments(argparse.ArgumentParser(prog="python -m dflash_etl.lineage",
-                                                   description=__doc__.splitlines()[0]))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    args.func, args.command = run_from_args, "show"
-    return execute(args)
+    return module_main(argv, add_arguments, run_from_args, "python -m dflash_etl.lineage",
+                       __doc__, "show")
 
 
 if __name__ == "__main__":

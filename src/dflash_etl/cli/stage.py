@@ -232,6 +232,17 @@ def start_suite_helper(command: str | None, argv: list[str]) -> None:
         suite_helper.start()
 
 
+def module_main(argv: list[str] | None, add_arguments: Any, run_from_args: Any, prog: str,
+                doc: str | None, command: str) -> int:
+    """A `python -m` entry of a command that is not a stage (export, eval, show): its parser,
+    then `execute`."""
+    parser = add_arguments(argparse.ArgumentParser(prog=prog,
+                                                   description=(doc or "").splitlines()[0]))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.func, args.command = run_from_args, command
+    return execute(args)
+
+
 def execute(args: argparse.Namespace) -> int:
     """Run a parsed command: a user error is one line and exit 1, never a traceback."""
     terminate_as_interrupt()

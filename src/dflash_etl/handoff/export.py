@@ -486,13 +486,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import execute
+    from dflash_etl.cli.stage import module_main
 
-    parser = add_arguments(argparse.ArgumentParser(prog="python -m dflash_etl.handoff.export",
-                                                   description=__doc__.splitlines()[0]))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    args.func, args.command = run_from_args, "export"
-    return execute(args)
+    return module_main(argv, add_arguments, run_from_args, "python -m dflash_etl.handoff.export",
+                       __doc__, "export")
 
 
 if __name__ == "__main__":
