@@ -7,7 +7,8 @@ planted near-copies of another (a few words changed, a sentence added or cut); e
 signs every document (word 5-gram shingles, 128 permutations), finds the near-duplicates with
 its LSH, and is scored against brute-force Jaccard on the candidate and the planted pairs:
 seconds, documents per second, precision and recall at the threshold. Results:
-benchmarks/results/near_dedup.md. datasketch is not a dependency: `pip install datasketch` to compare.
+benchmarks/results/near_dedup.md. datasketch is not a dependency: `pip install datasketch` to
+compare.
 """
 
 from __future__ import annotations

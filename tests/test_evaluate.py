@@ -114,3 +114,18 @@ def test_errors_say_what_to_give(run, tmp_path):
     bad.write_text(json.dumps({"text": "a question"}) + "\n")
     with pytest.raises(StageError, match=r"bad.jsonl:1: no benchmark layout in keys \['text'\]"):
         evaluate.evaluate([str(bad)], run=run, out=tmp_path)
+
+
+def test_the_run_target_is_found_from_another_working_directory(tmp_path, monkeypatch):
+    """train records the target as the run was started (a relative path from that directory);
+    eval from elsewhere, or on a moved run, uses the run's own built target."""
+    from dflash_etl.evaluate import _run_target
+
+    run_dir = tmp_path / "moved" / "run"
+    (run_dir / "target").mkdir(parents=True)
+    (run_dir / "target" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert _run_target(run_dir, {"target": "runs/default/target"}) == str(run_dir / "target")
+    (run_dir / "target" / "config.json").unlink()
+    with pytest.raises(StageError, match="runs/default/target is not there any more"):
+        _run_target(run_dir, {"target": "runs/default/target"})

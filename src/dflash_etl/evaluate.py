@@ -156,6 +156,20 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
     return results
 
 
+def _run_target(run: Path, train_settings: dict[str, Any]) -> str | None:
+    """The target train recorded, or the run's own built target when that path is gone: a
+    relative path recorded from another working directory, or a run moved since."""
+    recorded = train_settings.get("target")
+    if recorded and Path(recorded).is_dir():
+        return str(recorded)
+    if (run / "target" / "config.json").is_file():
+        return str(run / "target")
+    if recorded:
+        raise StageError(f"train's target {recorded} is not there any more (moved or deleted): "
+                         "give it with --target DIR")
+    return None
+
+
 def _resolve(run: str | Path | None, drafter: str | None, target: str | None,
              thinking: str) -> tuple[Path, str, dict[str, Any]]:
     """The drafter directory, the target and the template kwargs: the run's (its trained
@@ -170,7 +184,7 @@ def _resolve(run: str | Path | None, drafter: str | None, target: str | None,
             raise StageError(f"{run} has no complete train stage: run `dflash-etl train --run "
                              f"{run}`, or give --drafter DIR --target DIR")
         drafter = drafter or str(Path(run) / "train" / "drafter")
-        target = target or manifest["train"].get("settings", {}).get("target")
+        target = target or _run_target(Path(run), manifest["train"].get("settings", {}))
         if (Path(run) / "tokenize" / "stats.json").is_file():
             kwargs = TokenizedOutput.read(Path(run) / "tokenize").template_kwargs
     if not drafter or not target:

@@ -116,7 +116,7 @@ def configured_target(config: PipelineConfig | None, run_dir: str | Path) -> str
     if section.get("model"):
         return str((config.base_dir / section["model"]).resolve())
     if "tiny" in section:
-        return str(_tiny_target(Path(run_dir) / "target", dict(section["tiny"])))
+        return str(_tiny_target(Path(run_dir).resolve() / "target", dict(section["tiny"])))
     return None
 
 
