@@ -9,6 +9,10 @@ turn. Near the end the block shrinks to the room left. This is z-lab's `dflash_g
 per step, averaged per prompt and then over the prompts that took a step (as z-lab's benchmark
 does). The output is the target's greedy decoding whatever the drafter proposes (tested).
 
+At a temperature above 0 the target's tokens are drawn, and drafts accepted by the standard
+speculative-sampling rule (`verify`), from a seeded generator: the text follows the target's
+sampling distribution whatever the drafter proposes (tested).
+
 The target keeps a KV cache and feeds only each block (rejected drafts are cropped from it);
 targets whose cache cannot be cropped (hybrid recurrent layers) re-read the whole sequence each
 step instead. Both give the same tokens and scores (tested).
@@ -17,7 +21,7 @@ step instead. Both give the same tokens and scores (tested).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ from dflash_etl.models.loading import execution_device
 class Decoded:
     tokens: list[int]  # the new tokens, the target's greedy continuation
     accepted: list[int]  # per step: draft tokens accepted + 1
+    drafted: list[int] = field(default_factory=list)  # per step: the tokens drafted
 
     @property
     def tau(self) -> float | None:
@@ -67,11 +72,14 @@ def drafter_proposer(target: Any, drafter: Any) -> Proposer:
 
 def speculative_decode(target: Any, propose: Proposer,
                        prompt: list[int], max_new_tokens: int, eos_ids: set[int],
-                       use_cache: bool = True) -> Decoded:
+                       use_cache: bool = True, temperature: float = 0.0,
+                       generator: torch.Generator | None = None) -> Decoded:
     """Decode `max_new_tokens` after `prompt`: `propose` drafts each block from the target's
-    states before the anchor, the target verifies it greedily. With a croppable KV cache (any
-    attention-only target) each step feeds only the block and drops the rejected drafts from
-    the cache, as a serving engine does; otherwise the target re-reads the whole sequence."""
+    states before the anchor, the target verifies it (greedily, or at `temperature` by the
+    speculative-sampling rule, drawing from `generator`: see `verify`). With a croppable KV
+    cache (any attention-only target) each step feeds only the block and drops the rejected
+    drafts from the cache, as a serving engine does; otherwise the target re-reads the whole
+    sequence."""
     cache = _croppable_cache(target) if use_cache else None
     if cache is None:
         logits, states = target.forward([prompt], logits=True, logits_keep=1)
@@ -79,8 +87,8 @@ def speculative_decode(target: Any, propose: Proposer,
     else:
         logits, context = target.extend(prompt, cache)
         last = logits[-1]
-    seq = [*prompt, int(last.argmax())]
-    new, accepted = [seq[-1]], []
+    seq = [*prompt, _pick(last, temperature, generator)]
+    new, accepted, drafted = [seq[-1]], [], []
     with torch.no_grad():
         while len(new) < max_new_tokens and new[-1] not in eos_ids:
             anchor = len(seq) - 1
@@ -91,19 +99,17 @@ def speculative_decode(target: Any, propose: Proposer,
                 # of the sequence made the pass ~11x slower on a 248k vocabulary (bench_tau_verify)
                 logits, states = target.forward([seq + draft], logits=True,
                                                 logits_keep=len(draft) + 1)
-                checked = logits[0].argmax(-1).tolist()
+                block_logits = logits[0]
             else:
                 block_logits, block_states = target.extend([seq[-1], *draft], cache)
-                checked = block_logits.argmax(-1).tolist()
-            n = 0
-            while n < len(draft) and draft[n] == checked[n]:
-                n += 1
-            gained = [*draft[:n], checked[n]][:room]
+            n, following = verify(block_logits, draft, temperature, generator)
+            gained = [*draft[:n], following][:room]
             for k, token in enumerate(gained):  # stop at the end of turn, as the target would
                 if token in eos_ids:
                     gained = gained[:k + 1]
                     break
             accepted.append(len(gained))  # what the step added to the text: z-lab's count
+            drafted.append(len(draft))
             seq += gained
             new += gained
             if cache is None:
@@ -113,7 +119,40 @@ def speculative_decode(target: Any, propose: Proposer,
                 if extra:
                     cache.crop(-extra)
                 context = torch.cat([context, block_states[:n + 1]])
-    return Decoded(tokens=new[:max_new_tokens], accepted=accepted)
+    return Decoded(tokens=new[:max_new_tokens], accepted=accepted, drafted=drafted)
+
+
+def verify(logits: Any, draft: list[int], temperature: float = 0.0,
+           generator: torch.Generator | None = None) -> tuple[int, int]:
+    """(drafts accepted, the target's token after them) for one block: `logits` [len(draft)+1,
+    vocab] are the target's at the anchor and at each draft. Greedy: the longest prefix equal
+    to the target's argmax, then its argmax. At a temperature the drafts are deterministic (the
+    drafter's argmax, as vLLM's DFlash proposer drafts), so the speculative-sampling rule for a
+    one-hot draft distribution applies: draft x is accepted with probability p(x); at the first
+    rejection the token is drawn from p with x removed, after all of them from the next p. The
+    text then follows the target's own sampling distribution exactly (tested)."""
+    if temperature <= 0:
+        checked = logits.argmax(-1).tolist()
+        n = 0
+        while n < len(draft) and draft[n] == checked[n]:
+            n += 1
+        return n, checked[n]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    for n, token in enumerate(draft):
+        p = probs[n]
+        if torch.rand((), generator=generator, device=p.device) >= p[token]:
+            rest = p.clone()
+            rest[token] = 0.0
+            return n, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
+    return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=generator))
+
+
+def _pick(logits: Any, temperature: float, generator: torch.Generator | None) -> int:
+    """The target's token from one position's logits: argmax, or a draw at `temperature`."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _croppable_cache(target: Any) -> Any:
