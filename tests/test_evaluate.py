@@ -39,7 +39,8 @@ def test_tau_per_benchmark_with_the_untrained_baseline(run, tmp_path, monkeypatc
         return real(self, messages)
 
     monkeypatch.setattr(evaluate.Evaluator, "prompt_ids", recording)
-    results = evaluate.evaluate(BENCHES, run=run, out=tmp_path, limit=2, max_new_tokens=16,
+    results = evaluate.evaluate(BENCHES, run=run, out=tmp_path, limit=2,
+                                decoding=evaluate.Decoding(16),
                                 baseline=True)
     assert set(results) == {"mt_bench_question", "gsm8k_test", "humaneval"}
     block = json.loads((run / "train" / "drafter" / "config.json").read_text())["block_size"]
@@ -88,7 +89,7 @@ def test_the_simulator_is_exact_at_both_ends(run, tmp_path):
     from dflash_etl.io.benchmarks import read_benchmark
 
     evaluator = evaluate.Evaluator(run / "train" / "drafter",
-                                   str(run / "target"), {}, max_new_tokens=40)
+                                   str(run / "target"), {}, evaluate.Decoding(40))
     item = read_benchmark(EVALSETS / "gsm8k_test.jsonl")[0]
     oracle, vocab = _oracle(evaluator.target), evaluator.target.model.config.vocab_size
     # never the target's token: its own greedy one, plus one
@@ -129,3 +130,67 @@ def test_the_run_target_is_found_from_another_working_directory(tmp_path, monkey
     (run_dir / "target" / "config.json").unlink()
     with pytest.raises(StageError, match="runs/default/target is not there any more"):
         _run_target(run_dir, {"target": "runs/default/target"})
+
+
+def test_served_tau_is_the_servers_own_count_and_equals_the_simulators(run, tmp_path):
+    """eval --server against the dev server serving the run's target with its drafter (real
+    speculative decoding, vLLM's counters on /metrics): the served tau read from the counters
+    equals the simulator's tokens per verify step on the same prompts, every request is
+    counted, no other traffic; a server serving another drafter shows a different figure."""
+    from dflash_etl import evaluate
+    from dflash_etl.models.devserver import DevServer
+
+    target, drafter = run / "target", run / "train" / "drafter"
+    with DevServer(str(target), drafter=str(drafter)) as server:
+        results = evaluate.evaluate(BENCHES[:2], run=run, out=tmp_path, limit=2,
+                                    decoding=evaluate.Decoding(16), server=server.url)
+    for doc in results.values():
+        served = doc["served"]
+        assert served["tau"] == pytest.approx(doc["tokens_per_step"], abs=1e-3)
+        assert served["drafts"] == doc["verify_steps"] and not served["failed"]
+        assert served["requests"] == sum(p["turns"] for p in doc["per_prompt"])
+        assert served["other_traffic_tokens"] == 0
+        assert json.loads((tmp_path / f"{doc['benchmark']}.json").read_text())["served"] == served
+    trained = results["mt_bench_question"]["served"]["tau"]
+    with DevServer(str(target), drafter=str(_untrained_copy(drafter, tmp_path))) as server:
+        other = evaluate.evaluate(BENCHES[:1], out=tmp_path / "other", limit=2,
+                                  decoding=evaluate.Decoding(16), server=server.url)
+    assert "tau" not in other["mt_bench_question"]  # served only: no drafter given here
+    assert other["mt_bench_question"]["served"]["tau"] < trained
+
+
+def _untrained_copy(drafter: Path, tmp_path: Path) -> Path:
+    from dflash_etl.models.drafter import DFlashDrafter
+
+    torch.manual_seed(0)
+    fresh = DFlashDrafter(DFlashDrafter.load(drafter).config)
+    fresh.save(tmp_path / "untrained")
+    return tmp_path / "untrained"
+
+
+def test_a_server_that_does_not_speculate_is_refused(tmp_path):
+    from dflash_etl import evaluate
+    from dflash_etl.models.devserver import DevServer
+
+    with DevServer(None, instant=True) as server, pytest.raises(
+            StageError, match=r"has no vllm:spec_decode_num_drafts counter.*--speculative-config"):
+        evaluate.evaluate(BENCHES[1:2], out=tmp_path, limit=1, server=server.url)
+
+
+def test_sampled_eval_is_seeded(run):
+    """At a temperature the same seed gives the same draws (per item, whatever else is drawn),
+    another seed other ones; the target's own greedy drafts are then only sometimes accepted."""
+    import dataclasses
+
+    from dflash_etl import evaluate
+    from dflash_etl.io.benchmarks import read_benchmark
+
+    evaluator = evaluate.Evaluator(run / "train" / "drafter", str(run / "target"), {},
+                                   evaluate.Decoding(24, 0.05, 3))  # the tiny target is flat
+    evaluator.propose = _oracle(evaluator.target)
+    item = read_benchmark(EVALSETS / "gsm8k_test.jsonl")[0]
+    first, again = evaluator.item(item), evaluator.item(item)
+    evaluator.decoding = dataclasses.replace(evaluator.decoding, seed=4)
+    other = evaluator.item(item)
+    assert first == again and first["accepted"] != other["accepted"]
+    assert 1 < first["tau"] < evaluator.drafter.config.block_size

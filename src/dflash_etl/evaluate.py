@@ -3,6 +3,7 @@ reports it (MT-Bench, GSM8K, HumanEval, or any messages/prompt JSONL; temperatur
 
     dflash-etl eval --run R --bench mt_bench_question.jsonl,gsm8k_test.jsonl [--limit 20]
     dflash-etl eval --drafter DIR --target DIR --bench FILE [--baseline]
+    dflash-etl eval --run R --server http://HOST:8000/v1 --bench FILE   # and on the deployment
     python -m dflash_etl.evaluate ...
 
 Each prompt is rendered with the target's chat template and its generation prompt (in the
@@ -11,12 +12,20 @@ speculative decoding as train's tau (models/acceptance.py: z-lab's count), and M
 turn follows the target's own first reply, as the benchmark is run. Writes
 `<out>/<benchmark>.json` (default out: <run>/eval): tau, per category, the accepted lengths per
 verify step, the prompts, the settings and the drafter's and target's identities.
+
+`--server URL` sends the same prompts to a server that serves the target with the drafter
+(vLLM with the `--speculative-config` the export prints) and reads the acceptance from the
+server's own counters before and after each benchmark (models/spec_metrics.py): `served.tau` is
+the deployment's 1 + accepted / drafts, pooled over verify steps, so it is set beside the
+simulator's `tokens_per_step` (also pooled); where they differ for the same drafter, the
+deployment is not running what was trained.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +58,26 @@ def summarize(name: str, per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
         "tau_by_category": {c: round(sum(v) / len(v), 4) for c, v in sorted(by_category.items())},
         "prompts": len(per_prompt), "prompts_with_a_step": len(stepped),
         "verify_steps": len(steps), "tokens": sum(steps),
+        # pooled over steps, as a server's counters pool them: the figure to set beside its tau
+        "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 1.0,
         "accepted_per_step": {str(k): v for k, v in sorted(Counter(steps).items())},
     }
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How every benchmark prompt is decoded, offline and on a server."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy; above: sampled, the speculative-sampling rule
+    seed: int = 0  # of the item draw and of the sampling (per item: see Evaluator.item)
 
 
 class Evaluator:
     """A drafter and its target, loaded once, and how prompts are rendered for them."""
 
     def __init__(self, drafter_dir: Path, target_dir: str, template_kwargs: dict[str, Any],
-                 max_new_tokens: int, baseline: bool = False, propose: Any = None,
+                 decoding: Decoding, baseline: bool = False, propose: Any = None,
                  shared: Evaluator | None = None) -> None:
         import torch
 
@@ -74,9 +94,10 @@ class Evaluator:
         self.target = shared.target if shared else Target(TargetSpec(model=target_dir,
                                                                      layers=layers))
         self.drafter = drafter.to(self.target.device).eval()
+        self.drafter_dir, self.target_dir = drafter_dir, target_dir
         self.tokenizer = load_tokenizer(target_dir)
         self.kwargs = dict(template_kwargs)
-        self.max_new_tokens = max_new_tokens
+        self.decoding = decoding
         self.eos = eos_token_ids(self.target.model)
         self.propose = propose or drafter_proposer(self.target, self.drafter)
 
@@ -94,14 +115,23 @@ class Evaluator:
     def item(self, item: BenchmarkItem) -> dict[str, Any]:
         """Every turn of the item decoded in order, each after the target's own reply to the
         one before; the turns' verify steps pooled into the item's tau."""
+        import zlib
+
+        import torch
+
         from dflash_etl.models.acceptance import speculative_decode
 
+        d = self.decoding
+        # per item, so an item's draws do not depend on which others were drawn with it
+        generator = torch.Generator(self.target.device).manual_seed(
+            d.seed * 1_000_003 + zlib.crc32(item.item.encode()))
         messages: list[dict[str, str]] = []
         accepted: list[int] = []
         for turn in item.turns:
             messages.append({"role": "user", "content": turn})
             decoded = speculative_decode(self.target, self.propose, self.prompt_ids(messages),
-                                         self.max_new_tokens, self.eos)
+                                         d.max_new_tokens, self.eos, temperature=d.temperature,
+                                         generator=generator)
             accepted += decoded.accepted
             reply = self.tokenizer.decode(decoded.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": reply})
@@ -110,50 +140,137 @@ class Evaluator:
                 "accepted": accepted}
 
 
+class ServedEvaluator:
+    """The benchmark prompts sent to a serving deployment of the target with the drafter (the
+    fleet client regenerate uses: deadlines, retries), MT-Bench's second turn after the
+    server's own first reply; the acceptance read from the server's counters before and
+    after, so the figure is the deployment's, not the simulator's."""
+
+    def __init__(self, url: str, served_model: str | None, template_kwargs: dict[str, Any],
+                 decoding: Decoding, concurrency: int, deadline_s: float) -> None:
+        from dflash_etl.models.generation.fleet import OpenAIBackend
+        from dflash_etl.stages.regenerate import RegenerateSettings
+
+        settings = RegenerateSettings(model=url, backend="openai", endpoint=url,
+                                      served_model=served_model,
+                                      max_new_tokens=decoding.max_new_tokens,
+                                      temperature=decoding.temperature, seed=decoding.seed,
+                                      concurrency=concurrency,
+                                      request_deadline_s=deadline_s,
+                                      timeout_s=min(120.0, deadline_s))
+        kwargs = dict(template_kwargs)
+
+        class Backend(OpenAIBackend):
+            def payload(self, messages: list[dict[str, Any]], tools: Any) -> dict[str, Any]:
+                body = super().payload(messages, tools)
+                if kwargs:  # the thinking mode (and any kwarg) the rows were rendered with
+                    body["chat_template_kwargs"] = kwargs
+                return body
+
+        self.url, self.deadline_s = url.rstrip("/"), deadline_s
+        self.backend = Backend(settings)
+
+    def bench(self, items: list[BenchmarkItem]) -> dict[str, Any]:
+        from dflash_etl.models.spec_metrics import read_counters, served_acceptance
+
+        model = self.backend.served_model
+        before = read_counters(self.url, model, self.deadline_s)
+        chats: list[list[dict[str, str]]] = [[] for _ in items]
+        failed: list[dict[str, Any]] = []
+        tokens = requests = 0
+        for turn in range(max((len(i.turns) for i in items), default=0)):
+            live = [k for k, i in enumerate(items) if len(i.turns) > turn
+                    and not any(f["item"] == i.item for f in failed)]
+            asked = [[*chats[k], {"role": "user", "content": items[k].turns[turn]}]
+                     for k in live]
+            for k, messages, reply in zip(live, asked, self.backend.generate(
+                    [(m, None) for m in asked]), strict=True):
+                requests += 1
+                if reply.error:
+                    failed.append({"item": items[k].item, "turn": turn + 1,
+                                   "error": reply.error})
+                    continue
+                tokens += reply.new_tokens
+                chats[k] = [*messages, {"role": "assistant", "content": reply.text}]
+        if failed and len(failed) == len(items):
+            raise StageError(f"{self.url} answered none of {len(items)} benchmark prompts: "
+                             f"{failed[0]['error']}")
+        doc = served_acceptance(before, read_counters(self.url, model, self.deadline_s), tokens)
+        doc.update({"url": self.url, "model": model, "requests": requests, "failed": failed})
+        return doc
+
+
 def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str | None = None,
              target: str | None = None, out: str | Path | None = None, limit: int | None = None,
-             max_new_tokens: int = 256, thinking: str = "run", seed: int = 0,
-             baseline: bool = False, propose: Any = None) -> dict[str, dict[str, Any]]:
-    """tau per benchmark file; writes <out>/<benchmark>.json and returns them by name."""
-    drafter_dir, target_dir, kwargs = _resolve(run, drafter, target, thinking)
+             decoding: Decoding = Decoding(), thinking: str = "run", baseline: bool = False,
+             propose: Any = None, server: str | None = None,
+             served_model: str | None = None, concurrency: int = 8,
+             request_deadline_s: float = 600.0) -> dict[str, dict[str, Any]]:
+    """tau per benchmark file, by the simulator (given a drafter: --run or --drafter) and on a
+    serving deployment (given --server); writes <out>/<benchmark>.json, returns them by name."""
+    local = server is None or run is not None or drafter is not None
+    if local:
+        drafter_dir, target_dir, kwargs = _resolve(run, drafter, target, thinking)
+    else:
+        drafter_dir, target_dir, kwargs = None, None, _thinking(thinking, {})
     out_dir = Path(out) if out else (Path(run) / "eval" if run else None)
     if out_dir is None:
         raise StageError("give --out DIR for the results (or --run R: they go to R/eval)")
     files = [Path(b) for b in benches]
     if not files:
         raise StageError("give --bench FILE[,FILE...]: the benchmark prompt files")
-    items = {f.stem: sample_items(read_benchmark(f), limit, seed) for f in files}
-    evaluator = Evaluator(drafter_dir, target_dir, kwargs, max_new_tokens, propose=propose)
-    base = (Evaluator(drafter_dir, target_dir, kwargs, max_new_tokens, True, shared=evaluator)
-            if baseline else None)
-    from dflash_etl.models.identity import model_identity
-
+    items = {f.stem: sample_items(read_benchmark(f), limit, decoding.seed) for f in files}
+    evaluator = (Evaluator(drafter_dir, target_dir, kwargs, decoding, propose=propose)
+                 if drafter_dir is not None and target_dir is not None else None)
+    base = (Evaluator(drafter_dir, target_dir, kwargs, decoding, True, shared=evaluator)
+            if baseline and evaluator is not None else None)
+    served = (ServedEvaluator(server, served_model, kwargs, decoding, concurrency,
+                              request_deadline_s) if server else None)
     results = {}
     for f in files:
-        name = f.stem
-        per_prompt = [evaluator.item(i) for i in items[name]]
-        doc = summarize(name, per_prompt)
-        if base is not None:
-            doc["baseline"] = summarize(name, [base.item(i) for i in items[name]])["tau"]
+        doc: dict[str, Any] = {"benchmark": f.stem}
+        if evaluator is not None:
+            doc.update(_offline(evaluator, base, f.stem, items[f.stem]))
+        if served is not None:
+            doc["served"] = served.bench(items[f.stem])
         doc.update({
             "file": str(f.resolve()),
-            "per_prompt": [{k: v for k, v in p.items() if k != "accepted"} for p in per_prompt],
-            "settings": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "limit": limit,
-                         "seed": seed, "block_size": evaluator.drafter.config.block_size,
-                         "template_kwargs": kwargs},
-            "drafter": {"dir": str(Path(drafter_dir).resolve()),
-                        "identity": model_identity(drafter_dir)},
-            "target": {"dir": str(Path(target_dir).resolve()),
-                       "identity": model_identity(target_dir)},
+            "settings": {**asdict(decoding), "limit": limit,
+                         "block_size": evaluator.drafter.config.block_size
+                         if evaluator else None, "template_kwargs": kwargs},
             "created_at": now()})
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out_dir / f"{name}.json", doc)
-        results[name] = doc
+        write_json_atomic(out_dir / f"{f.stem}.json", doc)
+        results[f.stem] = doc
     if run is not None and out_dir.resolve() == (Path(run) / "eval").resolve():
         from dflash_etl.report import publish_docs
 
         publish_docs(run)  # the report's "Acceptance per benchmark" section
     return results
+
+
+def _offline(evaluator: Evaluator, base: Evaluator | None, name: str,
+             items: list[BenchmarkItem]) -> dict[str, Any]:
+    """The simulator's figures for one benchmark: tau, per category and per step, the
+    untrained drafter's beside it, and which drafter and target they are."""
+    from dflash_etl.models.identity import model_identity
+
+    per_prompt = [evaluator.item(i) for i in items]
+    doc = summarize(name, per_prompt)
+    if base is not None:
+        doc["baseline"] = summarize("", [base.item(i) for i in items])["tau"]
+    doc["per_prompt"] = [{k: v for k, v in p.items() if k != "accepted"} for p in per_prompt]
+    doc["drafter"] = {"dir": str(evaluator.drafter_dir.resolve()),
+                      "identity": model_identity(evaluator.drafter_dir)}
+    doc["target"] = {"dir": str(Path(evaluator.target_dir).resolve()),
+                     "identity": model_identity(evaluator.target_dir)}
+    return doc
+
+
+def _thinking(thinking: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if thinking in ("on", "off"):
+        kwargs["enable_thinking"] = thinking == "on"
+    return kwargs
 
 
 def _run_target(run: Path, train_settings: dict[str, Any]) -> str | None:
@@ -192,9 +309,7 @@ def _resolve(run: str | Path | None, drafter: str | None, target: str | None,
     if not (Path(drafter) / "config.json").is_file():
         raise StageError(f"{drafter} holds no drafter (config.json): give train's drafter "
                          "directory")
-    if thinking in ("on", "off"):
-        kwargs["enable_thinking"] = thinking == "on"
-    return Path(drafter), str(target), kwargs
+    return Path(drafter), str(target), _thinking(thinking, kwargs)
 
 
 # ---------------------------------------------------------------- CLI
@@ -209,11 +324,23 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where the <benchmark>.json files go")
     p.add_argument("--limit", type=int, default=None, help="items per benchmark (a seeded draw)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (as the field reports tau); above: sampled, drafts accepted "
+                        "by the speculative-sampling rule, seeded by --seed")
     p.add_argument("--thinking", choices=("run", "on", "off"), default="run",
                    help="the template's thinking switch (default: as the run's rows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", action="store_true",
                    help="also the untrained drafter's tau (same config, initial weights)")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="also (or, without --run/--drafter, only) measure a serving deployment: "
+                        "its /v1 URL; the acceptance is read from its vLLM spec-decode counters")
+    p.add_argument("--served-model", default=None,
+                   help="with --server: the model name (default: the first it lists)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="with --server: requests in flight")
+    p.add_argument("--request-deadline-s", type=float, default=600.0,
+                   help="with --server: seconds one request (or one /metrics read) may take")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
 
@@ -223,14 +350,38 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise StageError(f"--limit {args.limit}: give 1 or more items per benchmark")
     if args.max_new_tokens < 1:
         raise StageError(f"--max-new-tokens {args.max_new_tokens}: give 1 or more")
+    if args.temperature < 0:
+        raise StageError(f"--temperature {args.temperature}: give 0 (greedy) or more")
+    if args.concurrency < 1 or args.request_deadline_s <= 0:
+        raise StageError("--concurrency must be 1 or more and --request-deadline-s above 0")
     results = evaluate(args.bench, run=args.run, drafter=args.drafter, target=args.target,
-                       out=args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                       thinking=args.thinking, seed=args.seed, baseline=args.baseline)
+                       out=args.out, limit=args.limit, thinking=args.thinking,
+                       decoding=Decoding(args.max_new_tokens, args.temperature, args.seed),
+                       baseline=args.baseline,
+                       server=args.server, served_model=args.served_model,
+                       concurrency=args.concurrency,
+                       request_deadline_s=args.request_deadline_s)
     for name, doc in results.items():
-        base = f" (untrained {doc['baseline']:.3f})" if "baseline" in doc else ""
-        print(f"eval {name}: tau {doc['tau']:.3f}{base} on {doc['prompts']} prompts, "
-              f"{doc['verify_steps']} verify steps", flush=True)
+        print(f"eval {name}: " + "; ".join(_summary_parts(doc)), flush=True)
     return 0
+
+
+def _summary_parts(doc: dict[str, Any]) -> list[str]:
+    parts = []
+    if "tau" in doc:
+        base = f" (untrained {doc['baseline']:.3f})" if "baseline" in doc else ""
+        parts.append(f"tau {doc['tau']:.3f}{base} on {doc['prompts']} prompts, "
+                     f"{doc['verify_steps']} verify steps ({doc['tokens_per_step']:.3f} "
+                     "tokens per step)")
+    if "served" in doc:
+        served = doc["served"]
+        parts.append(f"served tau {served['tau']:.3f} over {served['drafts']} drafts at "
+                     f"{served['url']}" + (f", {len(served['failed'])} requests failed"
+                                          if served["failed"] else ""))
+        if served.get("other_traffic_tokens"):
+            parts.append(f"note: the server generated {served['other_traffic_tokens']} tokens "
+                         "for other clients meanwhile, and its counters include them")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

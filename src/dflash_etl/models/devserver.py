@@ -15,6 +15,11 @@ failover. `requests` counts the chat-completion requests it received. Not for pr
 
 `--extract-hidden-states IDS --states-dir DIR` speaks vLLM's hidden-states protocol instead
 (`StatesEngine`): what `extract --backend server` and speculators' data generation send.
+
+`--drafter DIR` serves the target with a DFlash drafter by speculative decoding (`SpecEngine`:
+the eval simulator's decoding) and exports vLLM's spec-decode counters on /metrics under
+vLLM's names: what `dflash-etl eval --server` reads. Every mode exports
+`vllm:generation_tokens_total` there.
 """
 
 from __future__ import annotations
@@ -50,13 +55,17 @@ class DevServer:
 
     def __init__(self, model: str | None, host: str = "127.0.0.1", port: int = 0,
                  instant: bool = False, latency_ms: float = 0.0, name: str | None = None,
-                 extract_layers: list[int] | None = None, states_dir: str | None = None
-                 ) -> None:
+                 extract_layers: list[int] | None = None, states_dir: str | None = None,
+                 drafter: str | None = None) -> None:
         self.model_name = name or (Path(model).name if model else "instant")
         self.backend: Any = None
         self.states: StatesEngine | None = None
+        self.spec: SpecEngine | None = None
+        self.generated = 0  # completion tokens answered: vllm:generation_tokens
         if extract_layers is not None:  # vLLM's extract_hidden_states server, not chat
             self.states = StatesEngine(str(model), extract_layers, Path(states_dir or "."))
+        elif drafter is not None:
+            self.spec = SpecEngine(str(model), drafter)
         elif not instant:
             from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
 
@@ -108,6 +117,8 @@ class DevServer:
         if self.latency_s:
             with self.slot:
                 time.sleep(self.latency_s)
+        if self.spec is not None:
+            return self.spec.complete(body)
         if self.backend is None:
             digest = hashlib.sha256(json.dumps(body.get("messages"), sort_keys=True)
                                     .encode()).hexdigest()[:8]
@@ -124,6 +135,78 @@ class DevServer:
         if reply.error:
             raise ValueError(reply.error)
         return reply.text, reply.finish_reason, reply.new_tokens
+
+
+class SpecEngine:
+    """The target served with a DFlash drafter: each chat completion decoded by the eval
+    simulator's speculative decoding (models/acceptance.py: greedy, or at the request's
+    temperature and seed), its steps counted as vLLM counts them. A step's accepted tokens are
+    what it added to the text less the bonus token, so the served tau (1 + accepted / drafts)
+    equals the simulator's tokens per verify step on the same prompts: any difference on a
+    real server is the deployment's."""
+
+    def __init__(self, model: str, drafter_dir: str) -> None:
+        from dflash_etl.models.acceptance import drafter_proposer, eos_token_ids
+        from dflash_etl.models.drafter import DFlashDrafter
+        from dflash_etl.models.target import Target, TargetSpec
+        from dflash_etl.models.tokenizer import load_tokenizer
+
+        drafter = DFlashDrafter.load(Path(drafter_dir))
+        layers = ",".join(map(str, drafter.config.target_layer_ids))
+        self.target = Target(TargetSpec(model=model, layers=layers))
+        self.drafter = drafter.to(self.target.device).eval()
+        self.tokenizer = load_tokenizer(model)
+        self.eos = eos_token_ids(self.target.model)
+        self.propose = drafter_proposer(self.target, self.drafter)
+        self.spec_tokens = drafter.config.block_size - 1
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.per_position = [0] * self.spec_tokens
+        self.lock = threading.Lock()  # one generation at a time; counters read between them
+
+    def complete(self, body: dict[str, Any]) -> tuple[str, str, int]:
+        with self.lock:
+            return self._complete(body)
+
+    def _complete(self, body: dict[str, Any]) -> tuple[str, str, int]:
+        from dflash_etl.models.acceptance import speculative_decode
+        from dflash_etl.templates.render import RenderError, render
+
+        try:
+            text = render(self.tokenizer, body["messages"], chat_template=None,
+                          add_generation_prompt=True,
+                          kwargs=dict(body.get("chat_template_kwargs") or {}))
+        except RenderError as exc:
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+        import torch
+
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        generator = torch.Generator(self.target.device).manual_seed(int(body.get("seed") or 0))
+        decoded = speculative_decode(self.target, self.propose, ids,
+                                     int(body.get("max_tokens") or 256), self.eos,
+                                     temperature=float(body.get("temperature") or 0.0),
+                                     generator=generator)
+        for added, drafted in zip(decoded.accepted, decoded.drafted, strict=True):
+            if drafted:  # a step without a draft is plain decoding, not counted by vLLM
+                self.drafts += 1
+                self.draft_tokens += drafted
+                self.accepted += added - 1
+                for k in range(added - 1):
+                    self.per_position[k] += 1
+        finish = "stop" if decoded.tokens and decoded.tokens[-1] in self.eos else "length"
+        return (self.tokenizer.decode(decoded.tokens, skip_special_tokens=True), finish,
+                len(decoded.tokens))
+
+    def metrics(self, model: str) -> list[str]:
+        labels = f'engine="0",model_name="{model}"'
+        lines: list[str] = []
+        for name, value in (("drafts", self.drafts), ("draft_tokens", self.draft_tokens),
+                            ("accepted_tokens", self.accepted)):
+            lines += [f"# TYPE vllm:spec_decode_num_{name} counter",
+                      f"vllm:spec_decode_num_{name}_total{{{labels}}} {float(value)}"]
+        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{k}"}}'
+                  f" {float(v)}" for k, v in enumerate(self.per_position)]
+        return lines
 
 
 class StatesEngine:
@@ -189,11 +272,28 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(blob)
 
         def do_GET(self) -> None:
-            if self.path.rstrip("/") == "/v1/models":
+            if self.path.rstrip("/") == "/metrics":
+                self._metrics()
+            elif self.path.rstrip("/") == "/v1/models":
                 self._json(200, {"object": "list", "data": [
                     {"id": server.model_name, "object": "model"}]})
             else:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
+
+        def _metrics(self) -> None:
+            """Prometheus text, vLLM's names: what a metrics scraper (and eval) reads."""
+            with server.spec.lock if server.spec else contextlib.nullcontext():
+                lines = ["# TYPE vllm:generation_tokens counter",
+                         f'vllm:generation_tokens_total{{engine="0",model_name='
+                         f'"{server.model_name}"}} {float(server.generated)}']
+                if server.spec is not None:
+                    lines += server.spec.metrics(server.model_name)
+            blob = ("\n".join(lines) + "\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(blob)))
+            self.end_headers()
+            self.wfile.write(blob)
 
         def do_POST(self) -> None:
             if self.path.rstrip("/") == "/v1/completions" and server.states is not None:
@@ -230,6 +330,8 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
             if server.dead:  # died while generating
                 self.close_connection = True
                 return
+            with server.lock:
+                server.generated += tokens
             if body.get("stream"):
                 self._stream(text, finish)
                 return
@@ -269,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extract-hidden-states", metavar="IDS", default=None,
                         help="serve vLLM's extract_hidden_states protocol instead of chat, "
                              "capturing these layer ids (vLLM's: embedding = 0), comma-separated")
+    parser.add_argument("--drafter", default=None,
+                        help="serve the target with this DFlash drafter (speculative decoding) "
+                             "and export vLLM's spec-decode counters on /metrics")
     parser.add_argument("--states-dir", default="hidden_states",
                         help="with --extract-hidden-states: where the files go")
     args = parser.parse_args(argv)
@@ -278,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                  if args.extract_hidden_states else None)
     server = DevServer(args.model, args.host, args.port, instant=args.instant,
                        latency_ms=args.latency_ms, name=args.name, extract_layers=layer_ids,
-                       states_dir=args.states_dir)
+                       states_dir=args.states_dir, drafter=args.drafter)
     print(f"serving {server.model_name} at {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.start().thread.join()

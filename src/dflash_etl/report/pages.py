@@ -336,12 +336,18 @@ def evaluation_section(run_root: Path) -> str:
             docs.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    docs = [d for d in docs if isinstance(d, dict) and "tau" in d]
+    docs = [d for d in docs if isinstance(d, dict) and ("tau" in d or "served" in d)]
     if not docs:
         return ""
-    html = ('<section id="evaluation"><h2>Acceptance per benchmark</h2>' + table(
-        ["benchmark", "tau", "untrained", "prompts", "verify steps", "by category"],
-        [(d.get("benchmark"), d["tau"], d.get("baseline", ""), d.get("prompts"),
+    html = ('<section id="evaluation"><h2>Acceptance per benchmark</h2><p>tau: the simulator\'s '
+            'mean per prompt; tokens per step: the same steps pooled, as a server\'s counters '
+            'pool them; served: the deployment\'s own 1 + accepted / drafts '
+            '(<code>dflash-etl eval --server</code>). Served and pooled differ for the same '
+            'drafter when the deployment does not run what was trained.</p>' + table(
+        ["benchmark", "tau", "untrained", "tokens per step", "served tau", "prompts",
+         "verify steps", "by category"],
+        [(d.get("benchmark"), d.get("tau", ""), d.get("baseline", ""),
+          d.get("tokens_per_step", ""), (d.get("served") or {}).get("tau", ""), d.get("prompts"),
           d.get("verify_steps"), ", ".join(f"{c} {t}" for c, t in
                                            (d.get("tau_by_category") or {}).items()))
          for d in docs]))
