@@ -113,8 +113,23 @@ def test_a_two_node_cluster_gives_the_local_result(tmp_path):
         assert_same_output(tmp_path / "local", tmp_path / "ray", stage)
 
 
+def near_copies(tmp_path: Path) -> Path:
+    """Generated rows plus a file of templated near-copies (one number differs) across two
+    sources, with [ingest] near_dedup on: which copy is kept must not depend on the executor."""
+    tmp_path.mkdir()
+    config = generated_rows(tmp_path, n_files=2, rows=400)
+    words = " ".join(f"word{k}" for k in range(40))
+    (tmp_path / "near.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Summarise this: {words} item {n}."},
+        {"role": "assistant", "content": f"A summary {n}."}]}) + "\n" for n in range(300)))
+    with config.open("a") as fh:
+        fh.write('[[sources]]\nname = "near"\npath = "near.jsonl"\n'
+                 '[ingest]\nnear_dedup = true\n')
+    return config
+
+
 def test_ray_equals_local_on_the_default_and_on_generated_rows(tmp_path, local_ray):
-    for config_path in (DEFAULT_CONFIG, generated_rows(tmp_path)):
+    for config_path in (DEFAULT_CONFIG, generated_rows(tmp_path), near_copies(tmp_path / "nd")):
         config = load_config(config_path)
         name = config_path.parent.name
         runs = {e: tmp_path / f"{name}-{e}" for e in ("local", "ray")}
@@ -124,6 +139,9 @@ def test_ray_equals_local_on_the_default_and_on_generated_rows(tmp_path, local_r
                               tokenize.run(config, run, executor=executor, **TOKENIZE))
         assert docs["ray"] == docs["local"]
         assert docs["ray"][1]["total"]["rows_written"] > 300
+        if config.section("ingest").get("near_dedup"):
+            filtered = docs["ray"][0]["total"]["rows_filtered"]
+            assert filtered.get("near_duplicate", 0) >= 290, filtered
         for stage in ("ingest", "tokenize"):
             assert_same_output(runs["local"], runs["ray"], stage)
         manifest = json.loads((runs["ray"] / "manifest.json").read_text())
