@@ -416,3 +416,37 @@ def test_tokenize_refuses_a_regenerate_made_from_an_older_ingest(tiny_model, ing
     assert "WARNING: regenerate's output was made from an older ingest output" in \
         capsys.readouterr().err
     assert doc["total"]["rows_in"] == 5  # ingest's five conversations, not regenerate's four
+
+
+def test_tokenize_template_kwargs_reach_regenerates_renders(tiny_model, ingested, tmp_path):
+    """[tokenize] template_kwargs are regenerate's too (replies follow the prompt the rows are
+    rendered with): a template that needs `functions` renders in the local backend and through
+    the openai backend's chat_template_kwargs; an enable_thinking there is the thinking
+    setting, and one that contradicts --thinking is an error."""
+    from dflash_etl.core.config import parse_config
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.stages.shell import settings_of
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    template = model / "chat_template.jinja"
+    template.write_text("{{- '<|im_start|>system\\nFunctions: ' + functions[0].name + "
+                        "'<|im_end|>\\n' -}}" + template.read_text())
+    kwargs = {"functions": [{"name": "get_time"}], "enable_thinking": False}
+    config = parse_config({"sources": [{"path": "unread.jsonl"}],  # ingest ran already
+                           "regenerate": {"model": str(model), "max_new_tokens": 6,
+                                          "temperature": 1.0,
+                                          "keep_truncated": True, "dummy_min_repeats": 99},
+                           "tokenize": {"model": str(model), "template_kwargs": kwargs}},
+                          tmp_path)
+    settings = settings_of("regenerate", config, ingested, {})
+    assert settings.template_kwargs == {"functions": [{"name": "get_time"}]}
+    assert settings.thinking == "off"
+    with pytest.raises(StageError, match="enable_thinking = false contradicts --thinking on"):
+        settings_of("regenerate", config, ingested, {"thinking": "on"})
+    local = regenerate.run(config, ingested, progress=False)["total"]
+    assert local["rows_quarantined"] == 0 and local["generated_turns"] == 3, local
+    with DevServer(str(model)) as server:
+        served = regenerate.run(config, ingested, progress=False, force=True, backend="openai",
+                                endpoint=server.url)["total"]
+    assert served["rows_quarantined"] == 0 and served["generated_turns"] == 3, served

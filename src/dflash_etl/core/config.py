@@ -51,8 +51,9 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             "choices": tuple(choices) if choices is not None else None,
             "help": help, "flags": tuple(flags) or None, "metavar": metavar}
     meta = {k: v for k, v in meta.items() if v is not None}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=meta)
+    if default_factory is not dataclasses.MISSING:  # a dict or list: out of the hash, as
+        # a frozen settings object stays hashable (equality still compares it)
+        return field(default_factory=default_factory, metadata=meta, hash=False)
     return field(default=default, metadata=meta)
 
 

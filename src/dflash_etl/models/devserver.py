@@ -124,12 +124,13 @@ class DevServer:
                                     .encode()).hexdigest()[:8]
             text = f"{INSTANT_REPLY} [{digest}]"
             return text, "stop", len(text.split())
-        thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking")
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        thinking = kwargs.pop("enable_thinking", None)
         with self.lock:
             self.backend.settings = dataclasses.replace(
                 self.backend.settings, max_new_tokens=int(body.get("max_tokens") or 256),
                 temperature=float(body.get("temperature") or 0.0),
-                seed=int(body.get("seed") or 0),
+                seed=int(body.get("seed") or 0), template_kwargs=kwargs,
                 thinking="keep" if thinking is None else ("on" if thinking else "off"))
             reply = self.backend.generate([(body["messages"], body.get("tools"))])[0]
         if reply.error:

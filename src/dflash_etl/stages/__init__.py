@@ -40,6 +40,9 @@ class StageSpec:
     requires: str | None = None
     target_fallback: bool = False
     after: tuple[str, ...] = ()
+    # (setting, section): a setting taken from another stage's section when neither the stage's
+    # own section nor its flag gives it (one value for the run, set where users look for it)
+    inherits: tuple[tuple[str, str], ...] = ()
 
     def module(self) -> ModuleType:
         return importlib.import_module(self.module_path)
@@ -97,6 +100,8 @@ STAGES = StageRegistry(
         section="regenerate", help="the target model writes the assistant turns",
         contract="conversations", output="conversations", suite="conversations",
         requires="model", target_fallback=True,
+        # replies generated behind the prompt the rows are rendered with
+        inherits=(("template_kwargs", "tokenize"),),
     ),
     StageSpec(
         name="tokenize", module_path="dflash_etl.stages.tokenize",

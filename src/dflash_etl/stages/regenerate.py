@@ -16,6 +16,7 @@ OpenAI-compatible server, async with bounded concurrency, timeouts and retries) 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from collections import Counter
@@ -102,6 +103,12 @@ class RegenerateSettings:
     batch_size: int = setting(8, min=1, help="prompts per generate call")
     thinking: str = setting("keep", choices=("on", "off", "keep"),
                             help="the template's enable_thinking (keep: as the template does)")
+    template_kwargs: dict[str, Any] = setting(  # noqa: RUF009 (setting() returns a field)
+        default_factory=dict, flags=("--template-kwarg",), metavar="KEY=JSON",
+        help="variables every render of the target's template gets (the local backends render "
+             "with them, the openai backend sends them as chat_template_kwargs); default: "
+             "[tokenize] template_kwargs, so replies follow the prompt the rows are rendered "
+             "with. An enable_thinking here is --thinking")
     keep_truncated: bool = setting(False, help="keep replies cut at --max-new-tokens "
                                                "(else they are filtered)")
     # thinking-on replies run long: most cut at max_new_tokens is a setting problem, not data
@@ -185,6 +192,7 @@ class RegenerateSettings:
             raise StageError("dummy_min_repeats must be >= 2: a reply given once is not a dummy")
         if settings.thinking not in ("on", "off", "keep"):
             raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
+        settings = _thinking_from_kwargs(settings)
         if settings.concurrency < 1:
             raise StageError("--concurrency must be >= 1 (requests in flight per server)")
         if not 0 < settings.cooldown_s <= 600:
@@ -195,6 +203,23 @@ class RegenerateSettings:
         if settings.backend == "transformers":
             placement(settings.device_map, settings.max_memory)  # fails before any work
         return settings
+
+
+def _thinking_from_kwargs(settings: RegenerateSettings) -> RegenerateSettings:
+    """An enable_thinking among the template kwargs is the thinking setting (so the reply
+    checks, the cache keys and the on-policy check all see it); one that contradicts
+    --thinking is an error, not a silent choice."""
+    switch = settings.template_kwargs.get("enable_thinking")
+    if switch is None:
+        return settings
+    if not isinstance(switch, bool):
+        raise StageError(f"template_kwargs enable_thinking = {switch!r}: give true or false")
+    wanted = "on" if switch else "off"
+    if settings.thinking not in ("keep", wanted):
+        raise StageError(f"template_kwargs enable_thinking = {str(switch).lower()} contradicts "
+                         f"--thinking {settings.thinking}: give one of them")
+    kwargs = {k: v for k, v in settings.template_kwargs.items() if k != "enable_thinking"}
+    return dataclasses.replace(settings, thinking=wanted, template_kwargs=kwargs)
 
 
 register_section("regenerate", RegenerateSettings)

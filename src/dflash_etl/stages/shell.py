@@ -36,6 +36,10 @@ def settings_of(stage: str, config: PipelineConfig | None, run_dir: Path,
     section = config.section(spec.section or spec.name) if config else {}
     if spec.target_fallback and spec.requires:  # its model, unless given: the [target]'s
         overrides = with_target(config, run_dir, section, overrides, spec.requires)
+    for key, other in spec.inherits:
+        if config and key not in section and not overrides.get(key) \
+                and config.section(other).get(key) is not None:
+            section = {**section, key: config.section(other)[key]}
     return spec.settings_class.from_sources(section, overrides,
                                             config.base_dir if config else None)
 

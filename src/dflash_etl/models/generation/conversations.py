@@ -50,6 +50,8 @@ def cache_key(messages: list[dict[str, Any]], tools: str | None, settings: Gener
               model_id: str) -> str:
     sampling = {k: getattr(settings, k) for k in ("max_new_tokens", "temperature", "seed",
                                                    "thinking")}
+    if settings.template_kwargs:  # only then: the keys of earlier runs stay valid
+        sampling["template_kwargs"] = settings.template_kwargs
     blob = json.dumps([messages, tools, sampling, model_id], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -143,8 +143,11 @@ class OpenAIBackend:
             "stream": self.settings.stream}
         if tools:
             body["tools"] = tools
-        if self.settings.thinking != "keep":  # vLLM / SGLang pass these to the template
-            body["chat_template_kwargs"] = {"enable_thinking": self.settings.thinking == "on"}
+        kwargs = dict(self.settings.template_kwargs)
+        if self.settings.thinking != "keep":
+            kwargs["enable_thinking"] = self.settings.thinking == "on"
+        if kwargs:  # vLLM / SGLang pass these to the template
+            body["chat_template_kwargs"] = kwargs
         return body
 
     def generate(self, requests: list[Request]) -> list[Reply]:

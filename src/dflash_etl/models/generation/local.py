@@ -26,8 +26,9 @@ class _LocalTemplate:
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
         from dflash_etl.templates.render import render
 
-        kwargs = {} if self.settings.thinking == "keep" else {
-            "enable_thinking": self.settings.thinking == "on"}
+        kwargs = dict(self.settings.template_kwargs)
+        if self.settings.thinking != "keep":
+            kwargs["enable_thinking"] = self.settings.thinking == "on"
         return render(self.tokenizer, messages, chat_template=None, tools=tools,
                       add_generation_prompt=True, kwargs=kwargs)
 

@@ -5,7 +5,7 @@ the code here must not import the stage it serves."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class GenerationSettings(Protocol):
@@ -18,6 +18,7 @@ class GenerationSettings(Protocol):
     seed: int
     batch_size: int
     thinking: str
+    template_kwargs: dict[str, Any]  # every render's variables (enable_thinking is `thinking`)
     keep_truncated: bool
     dummy_min_repeats: int
     served_model: str | None
