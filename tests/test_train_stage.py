@@ -339,6 +339,48 @@ def test_online_and_speculators_format_states_train_like_native_ones(extracted, 
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), other.parent.name
 
 
+def test_online_training_with_states_from_a_server_trains_the_offline_drafter(
+        extracted, untied_target, tmp_path, copy_run, capsys):
+    """train --online --states-from server: each batch's states from a server speaking vLLM's
+    extract_hidden_states protocol (the dev server), the next batch asked for while a step
+    trains; the drafter equals offline training on extracted states. A dead server stops the
+    run with the row and the rerun to do."""
+    from safetensors.torch import load_file
+
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    settings = {**SMALL, "steps": 3, "eval_prompts": 2, "eval_new_tokens": 4}
+    offline = copy_run(extracted, tmp_path / "offline", "*train*", "docs")
+    train.run(None, offline, progress=False, target=str(untied_target), **settings)
+    served = copy_run(extracted, tmp_path / "served", "*train*", "docs")
+    shutil.rmtree(served / "extract")
+    states = tmp_path / "server-states"
+    with DevServer(str(untied_target), extract_layers=vllm_layer_ids([2], 4),
+                   states_dir=str(states)) as server:
+        doc = train.run(None, served, progress=False, target=str(untied_target), online=True,
+                        layers="2", states_from="server", states_endpoint=server.url,
+                        states_dir=str(states), **settings)
+        asked = server.requests
+    assert doc["total"]["online"] is True and asked >= 3 * SMALL["batch_rows"]
+    assert '"eagle_aux_hidden_state_layer_ids": [3, 4]' in capsys.readouterr().err
+    a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
+    b = load_file(str(served / "train" / "drafter" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert not list(states.glob("*.safetensors"))  # each file removed once read
+    dead = copy_run(extracted, tmp_path / "dead", "*train*", "docs")
+    with DevServer(str(untied_target), extract_layers=vllm_layer_ids([2], 4),
+                   states_dir=str(states)) as server:
+        url = server.url
+    with pytest.raises(StageError, match="the states server gave no states for row"):
+        train.run(None, dead, progress=False, target=str(untied_target), online=True,
+                  layers="2", states_from="server", states_endpoint=url,
+                  states_dir=str(states), **settings)
+    with pytest.raises(StageError, match="--states-from server needs --online"):
+        train.run(None, dead, progress=False, target=str(untied_target),
+                  states_from="server", **settings)
+
+
 def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
         extracted, untied_target, tmp_path, capsys, copy_run):
     """Before: no model code and no auto_map (AutoModel with remote code gave a plain

@@ -84,6 +84,14 @@ class TrainSettings:
                                                   "mask token, a spare embedding row, or pad)")
     online: bool = setting(False, help="compute the hidden states from the target (no extract "
                                        "output needed)")
+    states_from: str = setting("target", choices=("target", "server"),
+                               help="--online: the states from the target loaded here, or from "
+                                    "a hidden-states server (vLLM extract_hidden_states, as "
+                                    "extract --backend server): --states-endpoint, --states-dir")
+    states_endpoint: str = setting("", metavar="URL",
+                                   help="--states-from server: the server's /v1 base")
+    states_dir: str = setting("", metavar="DIR", help="--states-from server: the server's "
+                                                      "shared_storage_path (its files go there)")
     layers: str = setting("auto", metavar="auto|1,16,31",
                           help="target layer indices, or 'auto': extract's layers (offline: "
                                "those it stored; --online: [extract] layers and draft_layers "
@@ -128,6 +136,12 @@ class TrainSettings:
         if settings.steps < 1 or settings.batch_rows < 1 or settings.anchors_per_row < 1:
             raise StageError("--steps, --batch-rows and --anchors-per-row must be >= 1")
         placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
+        if settings.states_from == "server" and not (
+                settings.online and settings.states_endpoint and settings.states_dir):
+            raise StageError("--states-from server needs --online, --states-endpoint URL (the "
+                             "hidden-states server's /v1 base) and --states-dir DIR (its "
+                             "shared_storage_path); train prints the `vllm serve` line that "
+                             "starts such a server")
         return settings
 
     @property
@@ -214,10 +228,27 @@ def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
     return HiddenStatesOutput.read(out), info.get("fingerprint")
 
 
+def _server_states(settings: TrainSettings, target: Any) -> Any:
+    """train --online --states-from server: the batches' states from a hidden-states server,
+    through extract's server client (its checks, retries and deadlines)."""
+    from dflash_etl.models.states_server import ServerTarget, serve_command
+    from dflash_etl.models.training.states import ServerStates
+    from dflash_etl.stages.extract import ExtractSettings
+
+    client = ExtractSettings(model=settings.target, backend="server", dtype=settings.dtype,
+                             endpoint=settings.states_endpoint, states_dir=settings.states_dir)
+    print("train: the states come from the server at "
+          f"{settings.states_endpoint}, which must have been started as:\n  "
+          + serve_command(settings.target, target.layers, target.n_layers, settings.states_dir),
+          file=sys.stderr, flush=True)
+    return ServerStates(ServerTarget(client, target.layers, target.n_layers, target.hidden))
+
+
 # settings that do not change the trained drafter: a resumed run may change them; and the
 # target's path, whose identity (its files) is fingerprinted: a moved run is not redone
 NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints",
-                     "launcher", "nproc_per_node", "dist_timeout_s", "target")
+                     "launcher", "nproc_per_node", "dist_timeout_s", "target",
+                     "states_endpoint", "states_dir")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
@@ -312,6 +343,8 @@ class TrainStage(Stage):
                           ctx.rank, ctx.world, draft_vocab=ctx.state["t2d"],
                           mask_token=resolve_mask_token)
         trainer.layers_from = ctx.state["layers_from"]
+        if settings.online and settings.states_from == "server":
+            trainer.states = _server_states(settings, trainer.target)
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)

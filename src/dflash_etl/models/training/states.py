@@ -55,6 +55,45 @@ class ExtractedStates:
         self.files.close()
 
 
+class ServerStates:
+    """Hidden states for each batch from a hidden-states server (models/states_server.py: the
+    token ids and every file checked), the next step's rows requested while this step trains:
+    one batch ahead, so memory holds two batches' states at most."""
+
+    def __init__(self, server: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.server = server
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.ahead: tuple[tuple[int, ...], Any] | None = None
+        self.requested = 0  # rows asked of the server (prefetched or not)
+        self.prefetched = 0  # of them, those a step found already asked for
+
+    def prefetch(self, rows: list[dict[str, Any]]) -> None:
+        self.ahead = (tuple(map(id, rows)), self.pool.submit(self._fetch, rows))
+
+    def __call__(self, rows: list[dict[str, Any]]) -> list[Any]:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == tuple(map(id, rows)):
+            self.prefetched += len(rows)
+            return ahead[1].result()
+        return self._fetch(rows)
+
+    def _fetch(self, rows: list[dict[str, Any]]) -> list[Any]:
+        self.requested += len(rows)
+        _, states = self.server.forward([list(r["input_ids"]) for r in rows])
+        for row, state in zip(rows, states, strict=True):
+            if isinstance(state, str):
+                raise StageError(f"the states server gave no states for row {row.get('id')} "
+                                 f"({state}): training stops here, its checkpoints kept; "
+                                 "check the server (or extract with --backend server first) "
+                                 "and rerun to resume")
+        return states
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 class OnlineStates:
     """Hidden states computed from the target for each batch (no extract output needed)."""
 

@@ -101,18 +101,18 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One optimizer step on the step's seeded batch (the same on every rank and rerun)."""
         s = self.settings
-        rng = np.random.default_rng([s.seed, step])
-        picked = rng.choice(len(self.rows), size=min(s.batch_rows, len(self.rows)),
-                            replace=False)
-        rows = [self.rows[i] for i in picked]
-        anchors = sample_anchors(rows, s.anchors_per_row, rng)
+        rows, anchors = self.batch(step)
         # DDP averages the ranks' gradients: each rank divides its share by the whole batch's
         # weight total / world, so a step equals one process training on the whole batch
         normalizer = loss_weight_total(rows, anchors, self.weights.cpu().numpy(),
                                        self.vocab.inside if self.vocab else None) / self.world
         share = list(range(self.rank, len(rows), self.world))
         mine = [rows[k] for k in share or [0]]  # a rank without rows still joins the all-reduce
-        batch = make_batch(mine, self.states(mine), [anchors[k] for k in share or [0]],
+        states = self.states(mine)
+        if hasattr(self.states, "prefetch") and step + 1 < s.steps:  # asked while this trains
+            ahead = self.batch(step + 1)[0]
+            self.states.prefetch([ahead[k] for k in share or [0]])
+        batch = make_batch(mine, states, [anchors[k] for k in share or [0]],
                            s.block_size, self.mask_token_id)
         loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights,
                                    normalizer=max(normalizer, 1e-6), vocab=self.vocab)
@@ -130,6 +130,16 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         return {**metrics, "grad_norm": float(norm), "lr": self.scheduler.get_last_lr()[0]}
+
+    def batch(self, step: int) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The step's rows and anchors: seeded by the step alone, so every rank and rerun (and
+        a prefetch one step ahead) draws the same."""
+        s = self.settings
+        rng = np.random.default_rng([s.seed, step])
+        picked = rng.choice(len(self.rows), size=min(s.batch_rows, len(self.rows)),
+                            replace=False)
+        rows = [self.rows[i] for i in picked]
+        return rows, sample_anchors(rows, s.anchors_per_row, rng)
 
     def resume(self, directory: Path) -> dict[str, Any]:
         """Load the newest checkpoint (if any); returns its state ({} when starting afresh)."""
