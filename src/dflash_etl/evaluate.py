@@ -157,18 +157,11 @@ class ServedEvaluator:
                                       temperature=decoding.temperature, seed=decoding.seed,
                                       concurrency=concurrency,
                                       request_deadline_s=deadline_s,
-                                      timeout_s=min(120.0, deadline_s))
-        kwargs = dict(template_kwargs)
-
-        class Backend(OpenAIBackend):
-            def payload(self, messages: list[dict[str, Any]], tools: Any) -> dict[str, Any]:
-                body = super().payload(messages, tools)
-                if kwargs:  # the thinking mode (and any kwarg) the rows were rendered with
-                    body["chat_template_kwargs"] = kwargs
-                return body
-
+                                      timeout_s=min(120.0, deadline_s),
+                                      # as the rows were rendered: sent as chat_template_kwargs
+                                      template_kwargs=dict(template_kwargs))
         self.url, self.deadline_s = url.rstrip("/"), deadline_s
-        self.backend = Backend(settings)
+        self.backend = OpenAIBackend(settings)
 
     def bench(self, items: list[BenchmarkItem]) -> dict[str, Any]:
         from dflash_etl.models.spec_metrics import read_counters, served_acceptance
