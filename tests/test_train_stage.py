@@ -363,6 +363,9 @@ def test_online_training_with_states_from_a_server_trains_the_offline_drafter(
                         states_dir=str(states), **settings)
         asked = server.requests
     assert doc["total"]["online"] is True and asked >= 3 * SMALL["batch_rows"]
+    # every step after the first found its rows already asked for
+    assert doc["total"]["states_server"] == {"rows_requested": 3 * SMALL["batch_rows"],
+                                             "rows_prefetched": 2 * SMALL["batch_rows"]}
     assert '"eagle_aux_hidden_state_layer_ids": [3, 4]' in capsys.readouterr().err
     a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
     b = load_file(str(served / "train" / "drafter" / "model.safetensors"))

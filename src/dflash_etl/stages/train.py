@@ -351,6 +351,10 @@ class TrainStage(Stage):
             ctx.timings.update(timing)
             if timing:  # how much of the training this call did: the run's record, not data
                 ctx.call_totals["steps_this_run"] = timing["steps_this_run"]
+            served = getattr(trainer.states, "requested", None)
+            if served is not None:  # this call's: how much of the server's work came ahead
+                ctx.call_totals["states_server"] = {
+                    "rows_requested": served, "rows_prefetched": trainer.states.prefetched}
             return doc
         finally:
             trainer.states.close()
