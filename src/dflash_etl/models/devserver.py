@@ -104,6 +104,24 @@ class DevServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def states_reply(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, answer) of a hidden-states request: one at a time, as counted."""
+        with self.lock:
+            self.requests += 1
+            if self.states is None or not isinstance(body.get("prompt"), list):
+                return 400, {"error": {"message": "prompt: token ids expected"}}
+            return 200, self.states.complete(body["prompt"])
+
+    def metrics_page(self) -> bytes:
+        """Prometheus text, vLLM's names: what a metrics scraper (and eval) reads."""
+        with self.spec.lock if self.spec else contextlib.nullcontext():
+            lines = ["# TYPE vllm:generation_tokens counter",
+                     f'vllm:generation_tokens_total{{engine="0",model_name="{self.model_name}"}}'
+                     f" {float(self.generated)}"]
+            if self.spec is not None:
+                lines += self.spec.metrics(self.model_name)
+        return ("\n".join(lines) + "\n").encode()
+
     def take(self, name: str) -> bool:
         """Consume one injected failure or delay."""
         with self.lock:
@@ -265,46 +283,28 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
             pass
 
         def _json(self, status: int, data: dict[str, Any]) -> None:
-            blob = json.dumps(data).encode()
+            self._send(status, json.dumps(data).encode(), "application/json")
+
+        def _send(self, status: int, blob: bytes, content_type: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(blob)))
             self.end_headers()
             self.wfile.write(blob)
 
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/metrics":
-                self._metrics()
+                self._send(200, server.metrics_page(), "text/plain; version=0.0.4")
             elif self.path.rstrip("/") == "/v1/models":
                 self._json(200, {"object": "list", "data": [
                     {"id": server.model_name, "object": "model"}]})
             else:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
 
-        def _metrics(self) -> None:
-            """Prometheus text, vLLM's names: what a metrics scraper (and eval) reads."""
-            with server.spec.lock if server.spec else contextlib.nullcontext():
-                lines = ["# TYPE vllm:generation_tokens counter",
-                         f'vllm:generation_tokens_total{{engine="0",model_name='
-                         f'"{server.model_name}"}} {float(server.generated)}']
-                if server.spec is not None:
-                    lines += server.spec.metrics(server.model_name)
-            blob = ("\n".join(lines) + "\n").encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(blob)))
-            self.end_headers()
-            self.wfile.write(blob)
-
         def do_POST(self) -> None:
             if self.path.rstrip("/") == "/v1/completions" and server.states is not None:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                with server.lock:
-                    server.requests += 1
-                    if not isinstance(body.get("prompt"), list):
-                        self._json(400, {"error": {"message": "prompt: token ids expected"}})
-                        return
-                    self._json(200, server.states.complete(body["prompt"]))
+                self._json(*server.states_reply(json.loads(
+                    self.rfile.read(int(self.headers.get("Content-Length", 0))))))
                 return
             if self.path.rstrip("/") != "/v1/chat/completions":
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
