@@ -1,0 +1,663 @@
+"""train: our DFlash trainer against speculators' (0.9) on the same run's data, on CPU.
+
+Per seed, both trainers train a drafter from the same extracted hidden states (ours reads the
+run's extract output through `Trainer`; speculators reads the run exported to its format by
+`dflash_etl.handoff.export`, through its own CLI entry with the export's printed command) for
+the same optimizer steps, peak learning rate, warm-up, blocks per step, loss decay, gradient
+clip and seed, on the same rows (speculators' training split); then it measures
+
+* tau of both drafters by the same simulator (`models/acceptance.speculative_decode`, greedy
+  verification by the target as `evaluate.Evaluator` loads it) on a seeded sample of prompts
+  neither trainer saw: the run's held-out conversations (default) or GSM8K + MT-Bench
+  (`--prompts-from bench`, rendered as `dflash-etl eval` renders them); theirs drafts with its
+  own `DFlashDraftModel` loaded from its checkpoint, its draft-vocabulary head and d2t;
+* steps/s of both: the wall time (and CPU time) of the optimizer steps only (batches, forward,
+  backward, optimizer), not model loading, validation or checkpoints;
+* the untrained drafter's tau (our init, the same seed) as the floor.
+
+The goal (the issue's): our tau >= theirs at equal steps, and our steps/s >= 1.5x theirs.
+
+    python benchmarks/bench_trainer_vs_speculators.py [--run runs/default] [--steps 100]
+        [--seeds 0,1,2] [--prompts-from held-out|bench] [--bench FILE,FILE] [--prompts 16]
+        [--new-tokens 32] [--their-defaults] [--out benchmarks/results/trainer_vs_speculators]
+
+The run must be complete through train (`dflash-etl run`); nothing in it is changed: the
+export and both trainers' drafters go to benchmarks/work/trainer_vs_speculators/. Results:
+benchmarks/results/trainer_vs_speculators.{md,json} (the md's hand-written `## Findings` are
+kept). Steps default to 100, not the run's 300: speculators trains at ~2 steps/s on 2 quiet CPU
+cores (~0.7 when they are shared), so 3 seeds of both trainers plus tau take ~4 minutes (~10
+on a shared machine); `--steps 300` takes ~12.5 minutes on a quiet one, ~30 on a shared one.
+
+speculators on CPU, the smallest patches (only while it trains): its trainer moves the model to
+`get_local_rank()` (accelerator 0): patched to return "cpu"; it calls
+`torch.accelerator.synchronize()`: patched to a no-op. It runs with `--draft-attn-impl sdpa`
+(flex attention and its compiled block mask need a GPU), `--loss-implementation eager` (the
+fused losses are Triton kernels), `--num-workers 0` and `--logger ""`; its
+`torch.autocast("cuda")` is disabled on a CPU-only machine (a warning), so it trains in fp32, as
+ours does. Its checkpoints are bf16 whatever it trained in; they are evaluated in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORK = HERE / "work" / "trainer_vs_speculators"
+EVALSETS = REPO.parent / "shared" / "fixtures" / "evalsets"  # ../shared beside the checkout
+BENCHES = f"{EVALSETS / 'gsm8k_test.jsonl'},{EVALSETS / 'mt_bench_question.jsonl'}"
+TRAIN_RATIO = 0.9  # speculators' default --train-data-ratio: its first 90% of rows train
+DEFAULT_OUT = HERE / "results" / "trainer_vs_speculators"
+DEFAULT_STEPS = 100  # 3 seeds of both trainers + tau: ~4 min on 2 quiet cores, ~10 shared
+
+
+# ---------------------------------------------------------------- the run
+def run_settings(run: Path) -> Any:
+    """The run's train settings (as its manifest recorded them), its target resolved."""
+    from dflash_etl.core.errors import StageError
+    from dflash_etl.core.rundir import RunDir
+    from dflash_etl.evaluate import _run_target
+    from dflash_etl.stages.train import TrainSettings
+
+    stages = RunDir(run).manifest().get("stages", {})
+    if stages.get("train", {}).get("status") != "complete":
+        raise StageError(f"{run}: no complete train stage; run `dflash-etl run` first")
+    recorded = stages["train"]["settings"]
+    names = {f.name for f in fields(TrainSettings)}
+    settings = TrainSettings(**{k: v for k, v in recorded.items() if k in names})
+    return replace(settings, target=_run_target(run, recorded), device="cpu",
+                   device_map="none", eval_every=0)
+
+
+def split_rows(run: Path, split: int
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any, list[dict]]:
+    """(our training rows: speculators' training split, dataset rows < `split`, that have
+    hidden states and an anchor; the held-out rows: the rest, of conversations the split does
+    not train on; the extract output; its index)."""
+    from dflash_etl.core.outputs import HiddenStatesOutput
+    from dflash_etl.core.rundir import RunDir
+    from dflash_etl.models.training.loss import anchor_candidates
+    from dflash_etl.stages.train import _load_rows, _read_index
+
+    rd = RunDir(run)
+    rows, _ = _load_rows(rd)
+    extracted = HiddenStatesOutput.read(rd.stage_dir("extract"))
+    index = _read_index(extracted.index_file)
+    stored = {e["row"] for e in index}
+    kept = [r for r in rows if r["row"] < split and r["row"] in stored
+            and len(anchor_candidates(r["loss_mask"]))]
+    trained = {r["id"] for r in rows[:split]}
+    held = [r for r in rows[split:] if r["id"] not in trained]
+    return kept, held, extracted, index
+
+
+def speculators_batches(data: Path, split: int, seq_len: int, seed: int,
+                        steps: int) -> tuple[int, float]:
+    """(epochs that give `steps` batches, mean rows per batch) of speculators' packing sampler
+    over its training split at --total-seq-len `seq_len`."""
+    from datasets import load_from_disk
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    lengths = list(load_from_disk(str(data)).with_format(None)["seq_len"])[:split]
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=seq_len, lengths=lengths,
+                                                 num_replicas=1, rank=0, seed=seed)
+    total, epochs, rows = 0, 0, 0
+    while total < steps:
+        sampler.set_epoch(epochs)
+        batches = sampler._generate_batches(epochs)
+        total += len(batches)
+        rows += sum(len(b) for b in batches)
+        epochs += 1
+    return epochs, rows / total
+
+
+# ---------------------------------------------------------------- ours
+def train_ours(settings: Any, rows: list[dict[str, Any]], extracted: Any, index: list[dict],
+               out: Path) -> dict[str, Any]:
+    """Our Trainer, its steps timed; the drafter saved to out/drafter."""
+    import numpy as np
+
+    from dflash_etl.models.mask_token import resolve_mask_token
+    from dflash_etl.models.training.states import ExtractedStates
+    from dflash_etl.models.training.trainer import Trainer
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    states = ExtractedStates(extracted.stage_dir, len(extracted.layers), index,
+                             hidden_size=extracted.hidden_size)
+    t2d = None
+    if settings.head_vocab == "draft":
+        from dflash_etl.core.outputs import TokenizedOutput
+
+        t2d = np.load(TokenizedOutput.read(extracted.stage_dir.parent / "tokenize").t2d_file)
+    trainer = Trainer(settings, rows, states, extracted.layers, out, draft_vocab=t2d,
+                      mask_token=resolve_mask_token)
+    losses, durations = [], []
+    start, cpu = time.perf_counter(), time.process_time()
+    last = start
+    for step in range(settings.steps):
+        losses.append(trainer.step(step)["loss"])
+        now = time.perf_counter()
+        durations.append(now - last)
+        last = now
+    seconds, cpu = last - start, time.process_time() - cpu
+    states.close()
+    trainer.drafter.save(out / "drafter")
+    return {**_speed(seconds, cpu, durations),
+            "final_loss": round(float(np.mean(losses[-30:])), 4), "drafter": out / "drafter"}
+
+
+def _speed(seconds: float, cpu: float, durations: list[float]) -> dict[str, Any]:
+    """steps/s over all steps, and by the median step (robust to bursts of other load)."""
+    import statistics
+
+    steps = len(durations)
+    return {"seconds": round(seconds, 3), "steps": steps,
+            "steps_per_s": round(steps / seconds, 3),
+            "median_steps_per_s": round(1 / statistics.median(durations), 3),
+            "cpu_s_per_step": round(cpu / steps, 4)}
+
+
+# ---------------------------------------------------------------- speculators'
+@contextlib.contextmanager
+def speculators_on_cpu(timing: dict[str, Any]) -> Iterator[None]:
+    """The smallest patches that let speculators' trainer run on CPU, plus a timer around its
+    training epochs (steps only: not its validation epochs or checkpoints) and a tap on the
+    training metrics it logs (every --log-freq steps)."""
+    import speculators.train.trainer as trainer_module
+    import torch
+
+    trainer_class = trainer_module.Trainer
+    saved = (trainer_module.get_local_rank, torch.accelerator.synchronize,
+             trainer_class.train_epoch, trainer_module.normalize_counted_metrics,
+             trainer_class._schedulers_step)
+    original_epoch, original_normalize, original_scheduler = saved[2], saved[3], saved[4]
+    inside, last = [False], [0.0]
+
+    def timed_epoch(self: Any, epoch: int, **kwargs: Any) -> None:
+        before, start, cpu = self.global_step, time.perf_counter(), time.process_time()
+        inside[0], last[0] = True, start
+        try:
+            original_epoch(self, epoch, **kwargs)
+        finally:
+            inside[0] = False
+        timing["seconds"] += time.perf_counter() - start
+        timing["cpu_seconds"] += time.process_time() - cpu
+        timing["steps"] += self.global_step - before
+
+    def step_end(self: Any) -> None:  # once per optimizer step, after it
+        original_scheduler(self)
+        now = time.perf_counter()
+        timing["durations"].append(now - last[0])
+        last[0] = now
+
+    def tapped(metrics: dict[str, float], world_size: int = 1) -> dict[str, float]:
+        out = original_normalize(metrics, world_size)
+        if inside[0] and "loss" in out:
+            timing["losses"].append(float(out["loss"]))
+        return out
+
+    trainer_module.get_local_rank = lambda: "cpu"  # its default: accelerator 0
+    torch.accelerator.synchronize = lambda *a, **k: None  # no accelerator to wait for
+    trainer_class.train_epoch = timed_epoch
+    trainer_module.normalize_counted_metrics = tapped
+    trainer_class._schedulers_step = step_end
+    try:
+        yield
+    finally:
+        (trainer_module.get_local_rank, torch.accelerator.synchronize,
+         trainer_class.train_epoch, trainer_module.normalize_counted_metrics,
+         trainer_class._schedulers_step) = saved
+
+
+def _without(argv: list[str], flags: set[str]) -> list[str]:
+    """`argv` without these single-valued flags (to be given again)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def speculators_argv(command: str, save: Path, settings: Any, seq_len: int,
+                     epochs: int, variant: str) -> list[str]:
+    """The export's printed command, with our run's settings where speculators has them.
+    `variant` "matched": its loss weighting as ours (fixed exp decay, our gamma); "defaults":
+    its DFlash defaults for the weighting and decay (D-PACE; gamma 4 unused)."""
+    printed = _without(shlex.split(command)[3:],  # drop `python -m speculators.train`
+                       {"--save-path", "--total-seq-len"})
+    argv = [*printed, "--save-path", str(save), "--no-resume-from-checkpoint",
+            "--max-steps", str(settings.steps), "--epochs", str(epochs),
+            "--seed", str(settings.seed), "--lr", str(settings.lr),
+            "--optimizer", "adamw", "--weight-decay", str(settings.weight_decay),
+            "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(settings.warmup),
+            "--max-anchors", str(settings.batch_rows * settings.anchors_per_row),
+            "--total-seq-len", str(seq_len), "--train-data-ratio", str(TRAIN_RATIO),
+            "--loss-fn", "ce", "--log-freq", "10",
+            # CPU: no flex attention, no Triton kernels, no worker processes, no logger
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+            "--num-workers", "0", "--logger", ""]
+    if variant == "matched":
+        argv += ["--per-position-loss-weight", "fixed-exp-decay",
+                 "--dflash-decay-gamma", str(settings.gamma)]
+    return argv
+
+
+def train_theirs(argv: list[str], save: Path) -> dict[str, Any]:
+    """speculators' own CLI entry on the export; returns its steps/s and final checkpoint."""
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    shutil.rmtree(save, ignore_errors=True)
+    timing: dict[str, Any] = {"seconds": 0.0, "cpu_seconds": 0.0, "steps": 0, "losses": [],
+                              "durations": []}
+    with speculators_on_cpu(timing):
+        cli.main(TrainConfig.resolve(argv))
+    checkpoint = max((p for p in save.iterdir() if p.is_dir() and p.name.isdigit()),
+                     key=lambda p: int(p.name))
+    tail = timing["losses"][-3:]  # logged every 10 steps: about the last 30
+    if len(timing["durations"]) != timing["steps"]:
+        raise RuntimeError(f"speculators made {timing['steps']} steps but "
+                           f"{len(timing['durations'])} were timed: its trainer changed")
+    return {**_speed(timing["seconds"], timing["cpu_seconds"], timing["durations"]),
+            "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
+            "checkpoint": checkpoint}
+
+
+def load_speculators_drafter(checkpoint: Path) -> Any:
+    """Its checkpoint by its own class (verifier embedding, norm and head reloaded from the
+    target, as its loader does), with SDPA attention (flex attention is GPU-only). Its
+    checkpointer saves bf16 weights (whatever the training dtype): they are computed in fp32
+    here, as ours are."""
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.models.dflash.core import DFlashDraftModel
+
+    config = DFlashSpeculatorConfig.from_pretrained(str(checkpoint))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    return DFlashDraftModel.from_pretrained(str(checkpoint), config=config).float().eval()
+
+
+def speculators_proposer(model: Any) -> Callable[[Any, list[int], int], list[int]]:
+    """A block proposal by speculators' drafter, as vLLM's DFlash drafts: the target's states
+    before the anchor become every layer's extra keys and values (`fc`, `hidden_norm`), the block
+    (anchor, then mask tokens) attends to them and to itself (full attention), its own
+    draft-vocabulary head picks each position's token and d2t maps it to a target id
+    (target id = draft id + d2t[draft id])."""
+    import torch
+
+    block, mask = model.block_size, model.mask_token_id
+    d2t = model.d2t
+
+    def propose(context: Any, seq: list[int], room: int) -> list[int]:
+        drafts = max(0, min(block - 1, room))
+        if not drafts:
+            return []
+        with torch.no_grad():
+            ids = torch.tensor([[seq[-1]] + [mask] * drafts])
+            ctx = context.reshape(1, context.shape[0], -1).float()
+            target_hidden = model.hidden_norm(model.fc(ctx))
+            x = model.embed_tokens(ids)
+            positions = torch.cat([torch.arange(ctx.shape[1]),
+                                   len(seq) - 1 + torch.arange(drafts + 1)])[None]
+            embeddings = model.rotary_emb(x, positions)
+            for layer in model.layers:
+                x = layer(hidden_states=x, target_hidden=target_hidden, attention_mask=None,
+                          position_ids=positions, position_embeddings=embeddings)
+            picked = model.lm_head(model.norm(x))[0, 1:].argmax(-1)
+            if d2t is not None:
+                picked = picked + d2t[picked]
+        return picked.tolist()
+
+    return propose
+
+
+# ---------------------------------------------------------------- tau
+class TauBench:
+    """The target (loaded once, as `dflash-etl eval` loads it) and the prompts; tau of any
+    proposer. Prompts: the run's own held-out conversations (speculators' validation rows,
+    neither trainer trains on them: their prompt before the first reply token, as train's tau),
+    or the GSM8K and MT-Bench files rendered as `dflash-etl eval` renders them."""
+
+    def __init__(self, run: Path, drafter_dir: Path, source: str, prompts: int,
+                 new_tokens: int, held: list[dict[str, Any]], benches: list[Path]) -> None:
+        import numpy as np
+
+        from dflash_etl.evaluate import Evaluator, _resolve, sample_items
+        from dflash_etl.io.benchmarks import read_benchmark
+        from dflash_etl.models.training.evaluation import eval_prompt
+
+        _, target, kwargs = _resolve(run, None, None, "run")
+        self.target_dir, self.kwargs, self.new_tokens = target, kwargs, new_tokens
+        self.decoding = _greedy(new_tokens)
+        self.base = Evaluator(drafter_dir, target, kwargs, self.decoding)
+        self.items: list[Any] = []
+        self.prompts: list[list[int]] = []
+        if source == "bench":
+            per_file = [prompts // len(benches) + (k < prompts % len(benches))
+                        for k in range(len(benches))]
+            self.items = [i for f, n in zip(benches, per_file, strict=True)
+                          for i in sample_items(read_benchmark(f), n, 0)]
+        else:
+            found = [p for p in (eval_prompt(r["input_ids"], r["loss_mask"]) for r in held)
+                     if p]
+            chosen = np.sort(np.random.default_rng(0).permutation(len(found))[:prompts])
+            self.prompts = [found[k] for k in chosen]
+
+    def ours(self, drafter: Any) -> Any:
+        """Our drafter's proposal (acceptance.drafter_proposer) against this target."""
+        from dflash_etl.models.acceptance import drafter_proposer
+
+        return drafter_proposer(self.base.target, drafter.eval())
+
+    def tau(self, propose: Any) -> float:
+        """Mean tau per prompt (per item: its turns pooled), as `dflash-etl eval` and train's
+        tau average; a prompt whose text ended before a step is left out."""
+        from dflash_etl.evaluate import Evaluator, summarize
+        from dflash_etl.models.acceptance import speculative_decode
+
+        if self.items:
+            evaluator = Evaluator(self.base.drafter_dir, self.target_dir, self.kwargs,
+                                  self.decoding, propose=propose, shared=self.base)
+            return summarize("", [evaluator.item(i) for i in self.items])["tau"]
+        taus = [speculative_decode(self.base.target, propose, p, self.new_tokens,
+                                   self.base.eos).tau for p in self.prompts]
+        stepped = [t for t in taus if t is not None]
+        return round(sum(stepped) / len(stepped), 4) if stepped else 1.0
+
+
+def _greedy(new_tokens: int) -> Any:
+    """Evaluator's decoding settings: greedy, `new_tokens` per turn."""
+    from dflash_etl.evaluate import Decoding
+
+    return Decoding(max_new_tokens=new_tokens, temperature=0.0, seed=0)
+
+
+def untrained(drafter_dir: Path, seed: int) -> Any:
+    """Our drafter of this config before training, initialised as our trainer does."""
+    import torch
+
+    from dflash_etl.models.drafter import DFlashDrafter
+
+    torch.manual_seed(seed)
+    return DFlashDrafter(DFlashDrafter.load(drafter_dir).config)
+
+
+# ---------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, default=REPO / "runs" / "default")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help="optimizer steps of each trainer (default: %(default)s; 0: the "
+                             "run's train steps)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--prompts-from", choices=("held-out", "bench"), default="held-out",
+                        help="tau's prompts: the run's held-out conversations (speculators' "
+                             "validation rows), or GSM8K + MT-Bench")
+    parser.add_argument("--bench", default=BENCHES, help="--prompts-from bench: the "
+                        "benchmark files, comma-separated (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts for tau (a seeded "
+                        "sample; bench: half GSM8K, half MT-Bench)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per turn")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="where the results go: OUT.md and OUT.json (default: %(default)s)")
+    parser.add_argument("--their-defaults", action="store_true",
+                        help="also train speculators with its DFlash loss defaults (D-PACE "
+                             "weighting instead of our fixed decay)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from dflash_etl.handoff.export import export
+    from dflash_etl.models.drafter import DFlashDrafter
+
+    clock = time.perf_counter()
+    run = args.run.resolve()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    base = run_settings(run)
+    if args.steps:
+        base = replace(base, steps=args.steps)  # the run's warm-up rule (default: 4%)
+    data = WORK / "speculators-data"
+    doc = export(run, "speculators", data, progress=False)
+    split = int(doc["rows_in"] * TRAIN_RATIO)
+    rows, held, extracted, index = split_rows(run, split)
+    lengths = [len(r["input_ids"]) for r in rows]
+    # a speculators batch is one packed sequence: ~batch_rows of these rows, the same tokens
+    seq_len = max(max(lengths), round(base.batch_rows * sum(lengths) / len(lengths)))
+    bench = TauBench(run, run / "train" / "drafter", args.prompts_from, args.prompts,
+                     args.new_tokens, held, [Path(f) for f in args.bench.split(",") if f])
+    variants = ["matched", *(["defaults"] if args.their_defaults else [])]
+    print(f"export, rows, target: {time.perf_counter() - clock:.0f} s", flush=True)
+    results = []
+    for seed in seeds:
+        settings = replace(base, seed=seed)
+        lap = _Lap()
+        ours = train_ours(settings, rows, extracted, index, WORK / f"ours-{seed}")
+        row: dict[str, Any] = {"seed": seed, "ours": _public(ours), "wall_s": lap("ours")}
+        row["ours"]["tau"] = bench.tau(bench.ours(DFlashDrafter.load(ours["drafter"])))
+        row["tau_untrained"] = bench.tau(bench.ours(untrained(ours["drafter"], seed)))
+        lap("tau ours, untrained")
+        for variant in variants:
+            epochs, per_batch = speculators_batches(data, split, seq_len, seed, settings.steps)
+            save = WORK / f"theirs-{variant}-{seed}"
+            argv = speculators_argv(doc["command"], save, settings, seq_len, epochs, variant)
+            theirs = train_theirs(argv, save)
+            lap(f"theirs {variant}")
+            model = load_speculators_drafter(theirs["checkpoint"])
+            theirs.update(tau=bench.tau(speculators_proposer(model)),
+                          rows_per_batch=round(per_batch, 2), epochs=epochs, argv=argv)
+            lap(f"tau theirs {variant}")
+            row[f"theirs_{variant}"] = _public(theirs)
+        results.append(row)
+        print(f"seed {seed}: {json.dumps(_brief(row))} ({time.perf_counter() - clock:.0f} s)",
+              flush=True)
+    write_results(args, run, base, doc, rows, seq_len, results, variants,
+                  time.perf_counter() - clock, bench.prompts or bench.items)
+
+
+class _Lap:
+    """Wall seconds per phase, in one dict."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> dict[str, float]:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.last, 1)
+        self.last = now
+        return self.seconds
+
+
+PROMPTS = {"held-out": "the run's held-out conversations: speculators' validation rows, the "
+                       "prompt before their first reply token, as train's tau",
+           "bench": "half GSM8K, half MT-Bench with its two turns, rendered as `dflash-etl "
+                    "eval` renders them"}
+
+
+def _shown(path: Path) -> str:
+    """A path as the command line gives it: relative to the repository where inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
+def _public(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in doc.items()}
+
+
+def _brief(row: dict[str, Any]) -> dict[str, Any]:
+    keep = ("tau", "steps_per_s", "median_steps_per_s", "cpu_s_per_step", "final_loss")
+    return {k: ({f: v[f] for f in keep if f in v} if k.startswith(("ours", "theirs")) else v)
+            for k, v in row.items()}
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 3)
+
+
+def settings_table(v: dict[str, Any]) -> list[str]:
+    """The settings of both trainers, side by side: which are matched and which cannot be."""
+    rows = [
+        ("steps", f"{v['steps']}",
+         f"`--max-steps {v['steps']}`, `--epochs` enough of its packed batches", "yes"),
+        ("peak lr", f"{v['lr']}", f"`--lr {v['lr']}`", "yes"),
+        ("optimizer", f"AdamW, weight decay {v['wd']}",
+         f"`--optimizer adamw --weight-decay {v['wd']}` (its defaults: Muon + AdamW, 0.01)",
+         "yes"),
+        ("warm-up", f"{v['warmup']} steps, linear from lr/{v['warmup']}",
+         f"`--scheduler-warmup-steps {v['warmup']}` (its default 1%), linear from 0",
+         "yes (its ramp starts one step lower)"),
+        ("decay", "cosine to 10% of the peak",
+         "`--scheduler-type cosine`: cosine to 0 (its default: linear to 0)",
+         "**no**: it has no floor setting"),
+        ("seed", "`seed`: init, rows, anchors", "`--seed`: init, packing order, anchors",
+         "same value; the draws differ"),
+        ("blocks per step", f"{v['rows']} rows x {v['apr']} anchors = {v['anchors']}",
+         f"`--max-anchors {v['anchors']}` in one packed sequence, `--total-seq-len "
+         f"{v['seq_len']}` (~{v['per_batch']:.1f} rows)",
+         "blocks and tokens yes; it has no rows-per-batch flag (it packs)"),
+        ("anchors", f"<= {v['apr']} per row: token and successor supervised",
+         f"{v['anchors']} per packed batch: any supervised token (not the last "
+         f"{v['block']} of the sequence)", "**no**: per batch, not per row"),
+        ("block size", f"{v['block']}", f"`--block-size {v['block']}`", "yes"),
+        ("loss labels", "the **data token** at anchor+k",
+         "`--loss-fn ce`: the **target's argmax** at anchor+k (its stored last-layer states "
+         "through the target's norm and head, over the draft vocabulary)", "**no**"),
+        ("loss weights", f"exp(-(k-1)/{v['gamma']}) / the batch's weight total",
+         f"`--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma {v['gamma']}` "
+         "(its default: D-PACE) / the supervised count", "decay yes; normaliser no"),
+        ("LM head", f"the target's, frozen, `head_vocab = {v['head_vocab']}`",
+         f"the target's rows of the {v['draft_vocab']}-token draft vocabulary (t2d), frozen",
+         "yes" if v["head_vocab"] == "draft" else "**no**"),
+        ("grad clip", f"{v['clip']}", "1.0 (fixed)", "yes" if v["clip"] == 1.0 else "no"),
+        ("precision", "fp32; saved fp32",
+         "fp32 (`--hidden-states-dtype float32`, its autocast off on CPU); **saved bf16**",
+         "training yes; saved weights no"),
+        ("data", f"speculators' train split (first {v['ratio']:.0%}), rows with an anchor: "
+         f"{v['train_rows']}", f"`--train-data-ratio {v['ratio']}`", "yes"),
+        ("attention", "full, bidirectional in the block",
+         "`--full-attention-indices` every layer, `--draft-attn-impl sdpa`", "yes"),
+    ]
+    return ["## Settings", "", "| setting | ours | speculators | matched |", "|---|---|---|---|",
+            *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)]
+
+
+def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[str, Any],
+                  rows: list[dict[str, Any]], seq_len: int, results: list[dict[str, Any]],
+                  variants: list[str], seconds: float, bench_prompts: list[Any]) -> None:
+    """OUT.json and OUT.md (default benchmarks/results/trainer_vs_speculators; the md's
+    hand-written `## Findings` section is kept)."""
+    from importlib.metadata import version
+
+    import torch
+
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    anchors = settings.batch_rows * settings.anchors_per_row
+    ours = [r["ours"] for r in results]
+    theirs = [r["theirs_matched"] for r in results]
+    summary = {
+        "ours_tau": _mean([o["tau"] for o in ours]),
+        "theirs_tau": _mean([t["tau"] for t in theirs]),
+        "tau_untrained": _mean([r["tau_untrained"] for r in results]),
+        "ours_steps_per_s": _mean([o["median_steps_per_s"] for o in ours]),
+        "theirs_steps_per_s": _mean([t["median_steps_per_s"] for t in theirs]),
+        "ours_steps_per_s_all": _mean([o["steps_per_s"] for o in ours]),
+        "theirs_steps_per_s_all": _mean([t["steps_per_s"] for t in theirs]),
+        "ours_cpu_s_per_step": _mean([o["cpu_s_per_step"] for o in ours]),
+        "theirs_cpu_s_per_step": _mean([t["cpu_s_per_step"] for t in theirs])}
+    summary["speed_ratio"] = round(summary["ours_steps_per_s"] / summary["theirs_steps_per_s"],
+                                   2)
+    summary["cpu_ratio"] = round(summary["theirs_cpu_s_per_step"]
+                                 / summary["ours_cpu_s_per_step"], 2)
+    summary["goal_tau"] = summary["ours_tau"] >= summary["theirs_tau"]
+    summary["goal_speed"] = summary["speed_ratio"] >= 1.5
+    if "defaults" in variants:
+        summary["theirs_defaults_tau"] = _mean([r["theirs_defaults"]["tau"] for r in results])
+    command = (f"python benchmarks/bench_trainer_vs_speculators.py --run {_shown(args.run)} "
+               f"--steps {settings.steps} --seeds {args.seeds} --prompts-from "
+               f"{args.prompts_from} --prompts {args.prompts} --new-tokens {args.new_tokens}"
+               + (" --their-defaults" if args.their_defaults else "")
+               + ("" if args.out == DEFAULT_OUT else f" --out {_shown(args.out)}"))
+    per_batch = _mean([t["rows_per_batch"] for t in theirs])
+    result = {
+        "date": date, "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                                  "torch": torch.__version__,
+                                  "speculators": version("speculators")},
+        "command": command, "seconds": round(seconds, 1), "run": str(run),
+        "steps": settings.steps, "lr": settings.lr, "warmup": settings.warmup,
+        "batch_rows": settings.batch_rows, "anchors_per_row": settings.anchors_per_row,
+        "max_anchors": anchors, "total_seq_len": seq_len, "rows_per_batch": per_batch,
+        "block_size": settings.block_size, "gamma": settings.gamma,
+        "head_vocab": settings.head_vocab, "draft_vocab_size": doc["draft_vocab_size"],
+        "train_rows": len(rows), "prompts": args.prompts, "new_tokens": args.new_tokens,
+        "summary": summary, "seeds": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    extra = "defaults" in variants
+    m = result["machine"]
+    lines = [f"# trainer vs speculators — {date}", "",
+             f"{m['cores']} CPU cores, which other jobs may share (so the steps/s are of the "
+             "median step, robust to bursts of their load, with the CPU seconds per step "
+             f"beside them), Python {m['python']}, torch {m['torch']}, speculators "
+             f"{m['speculators']}, fp32. Command: `{command}` ({seconds / 60:.1f} min).", "",
+             "| seed | our tau | their tau | untrained tau | our steps/s | their steps/s | "
+             "ratio | our CPU s/step | their CPU s/step |"
+             + (" their tau, D-PACE |" if extra else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if extra else "")]
+    for r, o, t in zip(results, ours, theirs, strict=True):
+        lines.append(f"| {r['seed']} | {o['tau']:.3f} | {t['tau']:.3f} | "
+                     f"{r['tau_untrained']:.3f} | {o['median_steps_per_s']:.2f} | "
+                     f"{t['median_steps_per_s']:.2f} | "
+                     f"{o['median_steps_per_s'] / t['median_steps_per_s']:.2f}x | "
+                     f"{o['cpu_s_per_step']:.3f} | {t['cpu_s_per_step']:.3f} |"
+                     + (f" {r['theirs_defaults']['tau']:.3f} |" if extra else ""))
+    s = summary
+    lines += [f"| **mean** | {s['ours_tau']:.3f} | {s['theirs_tau']:.3f} | "
+              f"{s['tau_untrained']:.3f} | {s['ours_steps_per_s']:.2f} | "
+              f"{s['theirs_steps_per_s']:.2f} | {s['speed_ratio']:.2f}x | "
+              f"{s['ours_cpu_s_per_step']:.3f} | {s['theirs_cpu_s_per_step']:.3f} |"
+              + (f" {s['theirs_defaults_tau']:.3f} |" if extra else ""), "",
+              f"Goal 1, our tau >= theirs at equal steps: **{'met' if s['goal_tau'] else 'not met'}"
+              f"** ({s['ours_tau']:.3f} vs {s['theirs_tau']:.3f}). Goal 2, our steps/s >= 1.5x "
+              f"theirs: **{'met' if s['goal_speed'] else 'not met'}** ({s['speed_ratio']}x by the "
+              f"median step; {s['cpu_ratio']}x in CPU seconds per step).", "",
+              "tau: the same simulator for both (`speculative_decode`, greedy), "
+              f"{len(bench_prompts)} seeded prompts ({PROMPTS[args.prompts_from]}), "
+              f"{args.new_tokens} new tokens per turn; neither trainer saw them. Theirs "
+              "drafts with its own `DFlashDraftModel` (its checkpoint, its "
+              "draft-vocabulary head, d2t back to target ids). steps/s: the optimizer steps "
+              "only (ours: `Trainer.step` in a loop; theirs: its `train_epoch`s), final losses "
+              "in the JSON (not comparable: other labels and normaliser).", "",
+              *settings_table({
+                  "steps": settings.steps, "lr": settings.lr, "wd": settings.weight_decay,
+                  "warmup": settings.warmup, "rows": settings.batch_rows,
+                  "apr": settings.anchors_per_row, "anchors": anchors, "seq_len": seq_len,
+                  "per_batch": per_batch, "block": settings.block_size,
+                  "gamma": settings.gamma, "head_vocab": settings.head_vocab,
+                  "draft_vocab": doc["draft_vocab_size"], "clip": settings.grad_clip,
+                  "ratio": TRAIN_RATIO, "train_rows": len(rows)}), ""]
+    previous = args.out.with_suffix(".md")
+    notes = ""
+    if previous.exists():
+        text = previous.read_text()
+        marker = "## Findings"
+        notes = text[text.index(marker):] if marker in text else ""
+    previous.write_text("\n".join(lines) + ("\n" + notes if notes else ""))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
