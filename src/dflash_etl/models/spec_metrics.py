@@ -88,17 +88,18 @@ def read_counters(base: str, model: str | None, deadline_s: float) -> SpecCounte
     try:
         with httpx.Client(timeout=deadline_s) as client, client.stream("GET", url) as response:
             response.raise_for_status()
-            body = b""
+            pieces, size = [], 0
             for piece in response.iter_bytes():
-                body += piece
-                if len(body) > MAX_METRICS_BYTES:
+                pieces.append(piece)
+                size += len(piece)
+                if size > MAX_METRICS_BYTES:
                     raise StageError(f"{url} sent more than {MAX_METRICS_BYTES} bytes: not a "
                                      "metrics page")
     except httpx.HTTPError as exc:
         raise StageError(f"cannot read {url} ({type(exc).__name__}: {exc}): the served "
                          "acceptance comes from the server's own counters; is it vLLM, "
                          "running, with its metrics endpoint?") from exc
-    counters = parse_counters(body.decode("utf-8", "replace"), model)
+    counters = parse_counters(b"".join(pieces).decode("utf-8", "replace"), model)
     if not counters.found:
         raise StageError(f"{url} has no {DRAFTS} counter"
                          + (f" for model {model!r}" if model else "")

@@ -26,7 +26,7 @@ from dflash_etl.models.generation.completions import (
     text_of,
 )
 from dflash_etl.models.generation.replies import Reply, Request
-from dflash_etl.models.generation.settings import GenerationSettings
+from dflash_etl.models.generation.settings import GenerationSettings, render_kwargs
 
 BREAK_AFTER = 3  # failed requests, with none served, that take a server out for the stage
 
@@ -143,9 +143,7 @@ class OpenAIBackend:
             "stream": self.settings.stream}
         if tools:
             body["tools"] = tools
-        kwargs = dict(self.settings.template_kwargs)
-        if self.settings.thinking != "keep":
-            kwargs["enable_thinking"] = self.settings.thinking == "on"
+        kwargs = render_kwargs(self.settings)
         if kwargs:  # vLLM / SGLang pass these to the template
             body["chat_template_kwargs"] = kwargs
         return body

@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.generation.replies import THINK_OPEN, Reply, Request
-from dflash_etl.models.generation.settings import GenerationSettings
+from dflash_etl.models.generation.settings import GenerationSettings, render_kwargs
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.templates.render import RenderError
@@ -26,11 +26,8 @@ class _LocalTemplate:
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
         from dflash_etl.templates.render import render
 
-        kwargs = dict(self.settings.template_kwargs)
-        if self.settings.thinking != "keep":
-            kwargs["enable_thinking"] = self.settings.thinking == "on"
         return render(self.tokenizer, messages, chat_template=None, tools=tools,
-                      add_generation_prompt=True, kwargs=kwargs)
+                      add_generation_prompt=True, kwargs=render_kwargs(self.settings))
 
     def generate(self, requests: list[Request]) -> list[Reply]:
         """Render each request with the model's template and generate in one batch; a request

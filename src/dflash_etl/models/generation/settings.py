@@ -8,6 +8,15 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 
+def render_kwargs(settings: GenerationSettings) -> dict[str, Any]:
+    """The template variables every render of a reply's prompt gets: the template kwargs, and
+    enable_thinking where the thinking setting is on or off."""
+    kwargs = dict(settings.template_kwargs)
+    if settings.thinking != "keep":
+        kwargs["enable_thinking"] = settings.thinking == "on"
+    return kwargs
+
+
 class GenerationSettings(Protocol):
     """The regenerate settings the backends, the reply checks and the transform read."""
 
