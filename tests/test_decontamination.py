@@ -5,6 +5,7 @@ named; re-cased, re-spaced and embedded copies are caught, distinct rows kept, e
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import polars as pl
@@ -14,6 +15,7 @@ from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.io.benchmarks import read_benchmark
 from dflash_etl.mix.contamination import ContaminationIndex
+from dflash_etl.mix.contamination import words as contamination_words
 from dflash_etl.stages import ingest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,3 +103,30 @@ def test_a_short_item_needs_all_its_words_and_a_missing_file_is_named(tmp_path):
     with pytest.raises(StageError, match=r"decontaminate: no benchmark file at .*nope\.jsonl"):
         ingest.run(load_config(tmp_path / "pipeline.toml"), tmp_path / "run", progress=False,
                    workers=1)
+
+
+def test_the_batch_prefilter_finds_exactly_what_the_word_search_finds(evalsets):
+    """match_many (hashed 8-word prefixes, then the word search on candidates) equals match on
+    planted copies (whole, re-cased, split over two messages, cut short of a run) and on the
+    real rows of the fixtures, in one batch."""
+    items = [it for name in ("mt_bench_question.jsonl", "gsm8k_test.jsonl", "humaneval.jsonl")
+             for it in read_benchmark(evalsets / name)]
+    index = ContaminationIndex.build(items)
+    gsm = next(it for it in items if it.benchmark == "gsm8k_test").texts[0]
+    words = contamination_words(gsm)  # as the rule counts them ("Janet's": two)
+    planted = [[gsm], [gsm.upper().replace(" ", "  ")], ["Intro. " + gsm + " Thanks!"],
+               [" ".join(words[:7]), " ".join(words[7:])],  # a run split over two messages
+               [" ".join(words[:12])], ["Say hi"], [""], []]
+    real = REPO.parent / "shared" / "fixtures" / "data" / "alpaca.jsonl"
+    for line in real.read_text().splitlines()[:400]:
+        row = json.loads(line)
+        planted.append([str(v) for v in row.values() if isinstance(v, str)])
+    expected = [index.match(texts) for texts in planted]
+    assert index.match_many(planted) == expected
+    assert expected[0] is not None and expected[1] is not None and expected[2] is not None
+    assert expected[4] is None  # 12 words: short of a 13-word run
+    assert sum(e is not None for e in expected) >= 3
+    restored = pickle.loads(pickle.dumps(index))  # what a worker receives
+    assert restored._prefix_hashes is None and restored.match_many(planted) == expected
+    with pytest.raises(ValueError, match="at least MIN_WORDS"):
+        ContaminationIndex.build(items, ngram=5)

@@ -104,3 +104,64 @@ def test_scope_conversation_sees_the_shared_system_prompt(tmp_path):
         doc = ingest.run(load_config(tmp_path / "pipeline.toml"), tmp_path / f"run-{scope}",
                          progress=False, workers=1)
         assert doc["total"]["rows_out"] == expected, scope
+
+
+def test_vectorised_shingles_are_the_word_shingles_and_ties_keep_the_earliest():
+    """gram_hashes gives one hash per shingle of shingles() (same count of distinct ones, short
+    texts one whole gram, none for a text without words); near_duplicates keeps the first of
+    identical signatures and names the earliest kept row at a tie."""
+    import numpy as np
+
+    from dflash_etl.mix.near_dedup import band_keys, candidates, near_duplicates, signatures
+    from dflash_etl.mix.ngrams import gram_hashes, word_hashes
+
+    rng = random.Random(3)
+    texts = [_prompt(rng, t) for t in TOPICS[:5]] + ["Two words", "!!!", "", "a b c"]
+    hashes, counts = word_hashes(texts)
+    grams, per_text = gram_hashes(hashes, counts, 3, whole_short=True)
+    start = 0
+    for text, n in zip(texts, per_text.tolist(), strict=True):
+        mine = grams[start:start + n]
+        start += n
+        assert len(set(mine.tolist())) == len(shingles(text, 3)), text
+    assert per_text[-4:].tolist() == [1, 0, 0, 1]
+    assert gram_hashes(*word_hashes(["a b c"]), 3)[0][0] != \
+        gram_hashes(*word_hashes(["c b a"]), 3)[0][0]
+    base = texts[0]
+    rows = [texts[1], base, base.upper(), base + " extra words here", texts[2], "!!!"]
+    digests, has = signatures(rows, 3)
+    assert has.tolist() == [True] * 5 + [False]
+    keys = band_keys(digests)
+    chosen = candidates(keys, has)
+    assert chosen.tolist() == [1, 2, 3]
+    pairs = near_duplicates(keys[chosen], digests[chosen], 0.8)
+    assert [(r, k) for r, k, _ in pairs] == [(1, 0), (2, 0)]  # both of row 1 (base), kept
+    assert pairs[0][2] == 1.0 and 0.8 <= pairs[1][2] < 1.0
+    twins = np.stack([digests[1]] * 3)
+    assert [(r, k) for r, k, _ in near_duplicates(band_keys(twins), twins, 0.8)] == \
+        [(1, 0), (2, 0)]
+
+
+def test_word_hashes_run_in_a_worker_forked_from_a_busy_polars_parent():
+    """The local executor forks its workers from a driver that has used polars; polars' thread
+    pool does not survive a fork (a worker hashing words with polars hung for good), so the
+    workers' hashing must not need it."""
+    import subprocess
+    import sys
+
+    script = """
+import os, sys
+import polars as pl
+from dflash_etl.mix.ngrams import word_hashes
+frame = pl.DataFrame({"k": list(range(200_000)), "v": [str(i) for i in range(200_000)]})
+for _ in range(5):
+    frame.group_by(pl.col("k") % 97).agg(pl.col("v").str.len_chars().sum())
+pid = os.fork()
+if pid == 0:
+    hashes, counts = word_hashes(["Hello there, World!"] * 5000)
+    os._exit(0 if counts.sum() == 15000 else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]

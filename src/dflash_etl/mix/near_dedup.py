@@ -9,18 +9,26 @@ signatures' Jaccard estimate. Rows are taken in a stable order (source, file, li
 of a cluster is kept, the others are near-duplicates of it. `scope = "prompt"` hashes the user
 turns only, so a long system prompt shared by distinct conversations does not make them
 duplicates. Pure: texts in, verdicts out.
+
+At scale the work splits where the data is: each ingest work item signs its own rows
+(`signatures`, `band_keys`: vectorised shingle hashes, rensa's batch digests), and the driver,
+which alone sees every row in order, reads the band keys, finds the rows sharing a bucket
+(`candidates`) and reads only their signatures for the greedy pass (`near_duplicates`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from dflash_etl.mix.contamination import words
+from dflash_etl.mix.ngrams import gram_hashes, word_hashes
 
 NUM_PERM = 128
 BANDS = 16  # 16 bands of 8 rows: a pair at Jaccard 0.8 is a candidate with p > 0.99
+ROWS = NUM_PERM // BANDS
 SEED = 42
 
 
@@ -37,36 +45,62 @@ def text_of(messages: Iterable[dict[str, Any]], scope: str) -> str:
                      if scope == "conversation" or m.get("role") == "user")
 
 
-@dataclass
-class NearDedup:
-    """Rows offered in order; each is kept, or is a near-duplicate of an earlier kept one."""
+def signatures(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each text's MinHash digest of its shingles, uint32 [n, NUM_PERM]; whether it has any
+    word: a text without one has nothing to compare, and its row is zeros)."""
+    import rensa
 
-    threshold: float = 0.8
-    ngram: int = 3
-    lsh: Any = None
-    kept: dict[int, Any] = field(default_factory=dict)  # key -> signature
-    ids: dict[int, str] = field(default_factory=dict)  # key -> conversation id
+    hashes, counts = word_hashes(texts)
+    grams, per_text = gram_hashes(hashes, counts, ngram, whole_short=True)
+    has = per_text > 0
+    digests = np.zeros((len(texts), NUM_PERM), dtype=np.uint32)
+    if has.any():
+        offsets = np.zeros(int(has.sum()) + 1, dtype=np.uint64)
+        np.cumsum(per_text[has], out=offsets[1:])
+        matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(grams, offsets, NUM_PERM,
+                                                                     SEED)
+        digests[has] = np.asarray(matrix.to_rows(), dtype=np.uint32)
+    return digests, has
 
-    def __post_init__(self) -> None:
-        import rensa
 
-        self.rensa = rensa
-        self.lsh = rensa.RMinHashLSH(threshold=self.threshold, num_perm=NUM_PERM,
-                                     num_bands=BANDS)
+def band_keys(digests: np.ndarray) -> np.ndarray:
+    """One uint64 key per LSH band (ROWS digest values each): uint64 [n, BANDS]."""
+    bands = digests.astype(np.uint64).reshape(len(digests), BANDS, ROWS)
+    keys = np.zeros((len(digests), BANDS), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for r in range(ROWS):
+            keys = (keys ^ bands[:, :, r]) * np.uint64(0x100000001B3)  # FNV-style fold
+    return keys
 
-    def offer(self, key: int, conv_id: str, text: str) -> tuple[str, float] | None:
-        """(the kept id it duplicates, the estimated Jaccard), or None: kept."""
-        tokens = shingles(text, self.ngram)
-        if not tokens:
-            return None  # no words: nothing to compare (exact dedup still applies)
-        signature = self.rensa.RMinHash(num_perm=NUM_PERM, seed=SEED)
-        signature.update(tokens)
-        best: tuple[str, float] | None = None
-        for other in self.lsh.query(signature):
-            similarity = self.kept[other].jaccard(signature)
-            if similarity >= self.threshold and (best is None or similarity > best[1]):
-                best = (self.ids[other], similarity)
+
+def candidates(keys: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """The rows (of those with a signature) sharing some band's bucket with another row."""
+    shared = np.zeros(len(keys), dtype=bool)
+    for b in range(keys.shape[1]):
+        column = np.where(has, keys[:, b], np.uint64(0))
+        _, inverse, count = np.unique(column, return_inverse=True, return_counts=True)
+        shared |= count[inverse.reshape(-1)] > 1
+    return np.flatnonzero(shared & has)
+
+
+def near_duplicates(keys: np.ndarray, digests: np.ndarray, threshold: float
+                    ) -> list[tuple[int, int, float]]:
+    """Rows in order (the candidates' band keys and digests): each is kept, or is a near-
+    duplicate of the earlier kept row it shares a bucket with and is most similar to (at a
+    tie the earliest). Returns (row, kept row, estimated Jaccard) for each near-duplicate."""
+    buckets: list[dict[int, list[int]]] = [{} for _ in range(keys.shape[1])]
+    found = []
+    for row, row_keys in enumerate(keys.tolist()):
+        others = sorted({k for b, key in enumerate(row_keys) for k in buckets[b].get(key, ())})
+        best: tuple[int, float] | None = None
+        if others:
+            similarity = (digests[others] == digests[row]).mean(axis=1)
+            at = int(np.argmax(similarity))  # the first of the highest
+            if similarity[at] >= threshold:
+                best = (others[at], float(similarity[at]))
         if best is None:
-            self.lsh.insert(key, signature)
-            self.kept[key], self.ids[key] = signature, conv_id
-        return best
+            for b, key in enumerate(row_keys):
+                buckets[b].setdefault(key, []).append(row)
+        else:
+            found.append((row, best[0], best[1]))
+    return found

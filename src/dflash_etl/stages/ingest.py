@@ -37,7 +37,7 @@ from dflash_etl.core.rundir import sha256_file
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
-from dflash_etl.mix.contamination import MIN_WORDS
+from dflash_etl.mix.contamination import MIN_WORDS, ContaminationIndex
 from dflash_etl.stages.shell import stage_runner
 from dflash_etl.validation import suites
 
@@ -45,6 +45,12 @@ STAGE = "ingest"
 CHUNK_RECORDS = 1024  # records normalized (as Python objects) at a time per work item
 _ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
 UNIT_SCHEMA = pa.schema(list(S.CONVERSATIONS) + list(_ORDER))
+# what a work item finds for the mix filters (null where a filter is off or has no verdict):
+# the benchmark item a row holds, its MinHash digest and LSH band keys (raw little-endian)
+_MIX = pa.schema([("_bench", pa.string()), ("_bench_item", pa.string()),
+                  ("_bench_shared", pa.string()),
+                  ("_minhash", pa.binary(4 * 128)), ("_bands", pa.binary(8 * 16))])
+UNIT_FORMAT = 2  # of the unit files: a resumed run never reuses another layout's
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,9 @@ class IngestStage(BatchStage):
     name = STAGE
     max_line_bytes: int = 0
     max_decompressed_bytes: int = 0
+    contamination: ContaminationIndex | None = None  # the benchmarks' grams, when asked
+    near_dedup_ngram: int = 0  # 0: near-dedup is off
+    near_dedup_scope: str = "prompt"
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
@@ -246,7 +255,9 @@ class IngestStage(BatchStage):
                                     inputs=inputs)
         ctx.state["sources"] = sources
         benchmarks = _benchmark_files(config, ctx.settings)
+        ctx.state["benchmarks"] = benchmarks
         return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
+                "unit_format": UNIT_FORMAT,
                 "settings": {k: v for k, v in dataclasses.asdict(ctx.settings).items()
                              if k != "decontaminate"},  # the files' contents, not their paths
                 "benchmarks": [sha256_file(b) for b in benchmarks]}
@@ -257,8 +268,17 @@ class IngestStage(BatchStage):
         return [WorkItem(k, unit) for k, unit in enumerate(units)]
 
     def bind(self, ctx: StageContext) -> None:
+        from dflash_etl.io.benchmarks import read_benchmark
+
+        settings: IngestSettings = ctx.settings
         self.max_line_bytes = _require_config(ctx.config).run.max_line_bytes
-        self.max_decompressed_bytes = ctx.settings.max_decompressed_bytes
+        self.max_decompressed_bytes = settings.max_decompressed_bytes
+        if ctx.state["benchmarks"]:
+            self.contamination = ContaminationIndex.build(
+                (item for path in ctx.state["benchmarks"] for item in read_benchmark(path)),
+                settings.decontaminate_ngram)
+        self.near_dedup_ngram = settings.near_dedup_ngram if settings.near_dedup else 0
+        self.near_dedup_scope = settings.near_dedup_scope
 
     def load(self, item: WorkItem) -> Any:
         return readers.read_unit(item.payload[1], self.max_line_bytes,
@@ -276,7 +296,10 @@ class IngestStage(BatchStage):
             for row in rows:
                 row["_unit"] = item.index
                 row["_line"] = row["line"]
-            tables.append(pa.Table.from_pylist(rows, schema=UNIT_SCHEMA))
+            table = pa.Table.from_pylist(rows, schema=UNIT_SCHEMA)
+            for name, column in zip(_MIX.names, self._mix_columns(rows), strict=True):
+                table = table.append_column(_MIX.field(name), column)
+            tables.append(table)
             q_tables.append(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE))
             stats.merge(part)
             del chunk, rows, quarantine
@@ -285,10 +308,36 @@ class IngestStage(BatchStage):
         # the unit's records (not blank lines) as a per-file count: a file that yields none
         # is named in the warnings
         n_records = stats.rows_in - stats.rows_filtered.get(S.F_BLANK_LINE, 0)
-        return BatchOutput(pa.concat_tables(tables) if tables else UNIT_SCHEMA.empty_table(),
+        return BatchOutput(pa.concat_tables(tables) if tables
+                           else pa.unify_schemas([UNIT_SCHEMA, _MIX]).empty_table(),
                            pa.concat_tables(q_tables) if q_tables
                            else S.QUARANTINE.empty_table(),
                            {source.name: stats}, {"file": unit.path, "records": n_records})
+
+    def _mix_columns(self, rows: list[dict[str, Any]]) -> list[pa.Array]:
+        """The rows' `_MIX` columns: what the driver's filters need, found here in parallel."""
+        n = len(rows)
+        bench: list[list[str | None]] = [[None] * n for _ in range(3)]
+        if self.contamination is not None:
+            found = self.contamination.match_many(
+                [[m["content"] or "" for m in row["messages"]] for row in rows])
+            for k, hit in enumerate(found):
+                if hit is not None:
+                    bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
+        columns = [pa.array(values, pa.string()) for values in bench]
+        if not self.near_dedup_ngram or not n:
+            return columns + [pa.nulls(n, _MIX.field(f).type) for f in ("_minhash", "_bands")]
+        from dflash_etl.mix.near_dedup import band_keys, signatures, text_of
+
+        digests, has = signatures([text_of(r["messages"], self.near_dedup_scope) for r in rows],
+                                  self.near_dedup_ngram)
+        valid = pa.py_buffer(np.packbits(has, bitorder="little").tobytes())
+        for values, field in ((digests, "_minhash"), (band_keys(digests), "_bands")):
+            data = pa.py_buffer(np.ascontiguousarray(values).astype("<u8" if field == "_bands"
+                                                                     else "<u4").tobytes())
+            columns.append(pa.Array.from_buffers(_MIX.field(field).type, n, [valid, data],
+                                                 null_count=int(n - has.sum())))
+        return columns
 
     def while_working(self) -> AbstractContextManager[Callable[[], None]]:
         return suites.warming_up()  # the gate's imports, while the workers work
@@ -354,9 +403,8 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     index = pl.concat(
         [pl.read_parquet(f, columns=["id", "source", "_unit", "_line"]) for f in row_files]
     ) if row_files else pl.DataFrame()
-    benchmarks = _benchmark_files(config, settings)
-    if benchmarks and index.height:
-        index = _decontaminate(index, row_files, benchmarks, settings, partial, per_source)
+    if settings.decontaminate and index.height:
+        index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
         index = _near_dedup(index, row_files, settings, partial, per_source)
     kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
@@ -393,71 +441,72 @@ def _benchmark_files(config: PipelineConfig, settings: IngestSettings) -> list[P
     return files
 
 
-def _decontaminate(index: pl.DataFrame, row_files: list[str], benchmarks: list[Path],
-                   settings: IngestSettings, partial: Path,
+def _decontaminate(index: pl.DataFrame, row_files: list[str], partial: Path,
                    per_source: dict[str, Stats]) -> pl.DataFrame:
-    """The index less the conversations that hold a benchmark item, each filtered
-    benchmark_contamination and listed in contamination.parquet with the item it holds."""
-    from dflash_etl.io.benchmarks import read_benchmark
-    from dflash_etl.mix.contamination import ContaminationIndex
-
-    grams = ContaminationIndex.build(
-        (item for path in benchmarks for item in read_benchmark(path)),
-        settings.decontaminate_ngram)
-    hits = []
-    for path in row_files:
-        frame = pl.read_parquet(path, columns=["id", "source", "file", "line", "messages",
-                                               "_unit", "_line"])
-        for row in frame.iter_rows(named=True):
-            found = grams.match(m["content"] or "" for m in row["messages"])
-            if found is not None:
-                hits.append({"id": row["id"], "source": row["source"], "file": row["file"],
-                             "line": row["line"], "benchmark": found[0], "item": found[1],
-                             "shared": found[2][:300], "_unit": row["_unit"],
-                             "_line": row["_line"]})
-    found_frame = pl.DataFrame(hits, schema={
-        "id": pl.String, "source": pl.String, "file": pl.String, "line": pl.Int64,
-        "benchmark": pl.String, "item": pl.String, "shared": pl.String, "_unit": pl.Int32,
-        "_line": pl.Int64})
-    found_frame.drop("_unit", "_line").write_parquet(partial / "contamination.parquet")
-    for name, n in found_frame.group_by("source").len().iter_rows():
+    """The index less the conversations that hold a benchmark item (the work items found
+    them), each filtered benchmark_contamination and listed in contamination.parquet with the
+    item it holds."""
+    columns = ["id", "source", "file", "line", "_bench", "_bench_item", "_bench_shared",
+               "_unit", "_line"]
+    found = pl.concat([pl.scan_parquet(f).select(columns).filter(pl.col("_bench").is_not_null())
+                       .collect() for f in row_files])
+    found = found.join(index.select("_unit", "_line"), on=["_unit", "_line"], how="semi")
+    found.drop("_unit", "_line").rename(
+        {"_bench": "benchmark", "_bench_item": "item", "_bench_shared": "shared"}
+    ).write_parquet(partial / "contamination.parquet")
+    for name, n in found.group_by("source").len().iter_rows():
         per_source[name].filter(S.F_CONTAMINATED, n)
         per_source[name].rows_out -= n
     for name, stats in per_source.items():
-        mine = found_frame.filter(pl.col("source") == name)
-        stats.extra["contamination"] = dict(Counter(mine["benchmark"].to_list()))
-    return index.join(found_frame.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
+        mine = found.filter(pl.col("source") == name)
+        stats.extra["contamination"] = dict(Counter(mine["_bench"].to_list()))
+    return index.join(found.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
+
+
+def _fixed_width(column: pa.ChunkedArray, dtype: str, width: int) -> np.ndarray:
+    """A fixed-size binary column's values as a [rows, width] numpy array (null rows: zeros)."""
+    array = column.combine_chunks()
+    data = np.frombuffer(array.buffers()[1], dtype=dtype)
+    return data[array.offset * width:(array.offset + len(array)) * width].reshape(-1, width)
 
 
 def _near_dedup(index: pl.DataFrame, row_files: list[str], settings: IngestSettings,
                 partial: Path, per_source: dict[str, Stats]) -> pl.DataFrame:
     """The index less the near-duplicates of earlier rows (source, file, line order), each
     filtered near_duplicate and listed in near_duplicates.parquet with the row it repeats.
-    Exact duplicates are left to dedup (counted `duplicate`)."""
-    from dflash_etl.mix.near_dedup import NearDedup, text_of
+    Exact duplicates are left to dedup (counted `duplicate`): of each id the first row alone
+    takes part. Only the band keys of every row are read; the digests, of the candidates."""
+    from dflash_etl.mix.near_dedup import BANDS, NUM_PERM, candidates, near_duplicates
 
-    dedup = NearDedup(settings.near_dedup_threshold, settings.near_dedup_ngram)
-    present = set(zip(index["_unit"].to_list(), index["_line"].to_list(), strict=True))
-    seen_ids: set[str] = set()
-    found = []
-    for path in row_files:
-        frame = pl.read_parquet(path, columns=["id", "source", "file", "line", "messages",
-                                               "_unit", "_line"])
-        for row in frame.iter_rows(named=True):
-            if (row["_unit"], row["_line"]) not in present or row["id"] in seen_ids:
-                continue
-            seen_ids.add(row["id"])
-            key = len(seen_ids)
-            hit = dedup.offer(key, row["id"], text_of(row["messages"],
-                                                      settings.near_dedup_scope))
-            if hit is not None:
-                found.append({"id": row["id"], "source": row["source"], "file": row["file"],
-                              "line": row["line"], "kept_id": hit[0],
-                              "similarity": round(hit[1], 4), "_unit": row["_unit"],
-                              "_line": row["_line"]})
-    frame = pl.DataFrame(found, schema={
-        "id": pl.String, "source": pl.String, "file": pl.String, "line": pl.Int64,
-        "kept_id": pl.String, "similarity": pl.Float64, "_unit": pl.Int32, "_line": pl.Int64})
+    order = (index.select("_unit", "_line", "id").sort("_unit", "_line")
+             .unique("id", keep="first", maintain_order=True))
+    keys, has = [], []
+    for k, path in enumerate(row_files):
+        table = pq.read_table(path, columns=["_line", "_bands"])
+        lines = order.filter(pl.col("_unit") == k)["_line"].to_numpy()
+        at = np.searchsorted(table.column("_line").to_numpy(), lines)  # lines ascend in a unit
+        keys.append(_fixed_width(table.column("_bands"), "<u8", BANDS)[at])
+        has.append(table.column("_bands").is_valid().to_numpy(zero_copy_only=False)[at])
+    all_keys, all_has = np.concatenate(keys), np.concatenate(has)
+    rows = candidates(all_keys, all_has)
+    chosen = order.select(pl.all().gather(pl.Series(rows, dtype=pl.Int64))).with_row_index("_row")
+    digests = np.zeros((len(rows), NUM_PERM), dtype=np.uint32)
+    for (unit,), part in chosen.partition_by("_unit", as_dict=True).items():
+        table = pq.read_table(row_files[unit], columns=["_line", "_minhash"])
+        at = np.searchsorted(table.column("_line").to_numpy(), part["_line"].to_numpy())
+        digests[part["_row"].to_numpy()] = _fixed_width(table.column("_minhash"), "<u4",
+                                                        NUM_PERM)[at]
+    pairs = near_duplicates(all_keys[rows], digests, settings.near_dedup_threshold)
+    ids = chosen["id"]
+    verdicts = pl.DataFrame({"_row": [r for r, _, _ in pairs],
+                             "kept_id": [ids[k] for _, k, _ in pairs],
+                             "similarity": [round(sim, 4) for _, _, sim in pairs]},
+                            schema={"_row": pl.UInt32, "kept_id": pl.String,
+                                    "similarity": pl.Float64})
+    found = chosen.join(verdicts, on="_row").drop("_row", "id")
+    frame = (pl.scan_parquet(row_files).select("id", "source", "file", "line", "_unit", "_line")
+             .join(found.lazy(), on=["_unit", "_line"], how="inner").sort("_unit", "_line")
+             .collect())
     frame.drop("_unit", "_line").write_parquet(partial / "near_duplicates.parquet")
     for name, n in frame.group_by("source").len().iter_rows():
         per_source[name].filter(S.F_NEAR_DUPLICATE, n)
@@ -475,7 +524,8 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
         keys = by_unit.get((k,))
         if keys is None:
             continue
-        frame = pl.read_parquet(path).join(keys, on=["_unit", "_line"], how="inner")
+        frame = pl.read_parquet(path, columns=UNIT_SCHEMA.names).join(
+            keys, on=["_unit", "_line"], how="inner")
         frame = frame.with_columns(
             pl.when(pl.col("_occurrence") > 1)
             .then(pl.concat_str("id", pl.lit("-"), pl.col("_occurrence").cast(pl.String)))
