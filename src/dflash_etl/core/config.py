@@ -479,6 +479,56 @@ def load_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+# The fleet client's settings (models/fleet.py: regenerate's openai backend, extract's and
+# train's hidden-states servers): declared once here, each stage's help naming its own `scope`.
+FLEET_SETTINGS: dict[str, tuple[Any, dict[str, Any], str]] = {
+    "endpoints": ((), {"metavar": "URL,URL"},
+                  "several servers of one model, comma-separated; each request goes to the "
+                  "least loaded healthy one (default: --endpoint)"),
+    "served_model": (None, {}, "model name (default: the first the server lists)"),
+    "concurrency": (8, {"min": 1}, "requests in flight per server"),
+    "timeout_s": (120.0, {"above": 0}, "seconds each read (and the connect) may wait"),
+    # bounds a trickling (slow-loris) or endless reply, which per-read timeouts never end
+    "request_deadline_s": (600.0, {"above": 0},
+                           "seconds one attempt may take in all (connect, first byte and the "
+                           "whole reply); past it the attempt is cut and retried"),
+    # with exponential backoff
+    "retries": (3, {"min": 0}, "retries on timeouts, connection errors, 429, 5xx, replies past "
+                               "request_deadline_s or their size cap, and malformed replies"),
+    "cooldown_s": (10.0, {"above": 0, "max": 600},
+                   "several endpoints: how long a failed server sits out before its probe"),
+}
+
+
+def fleet_setting(name: str, scope: str) -> Any:
+    """The `FLEET_SETTINGS` field `name`, its help starting with `scope` (the backend)."""
+    default, limits, text = FLEET_SETTINGS[name]
+    return setting(default, help=f"{scope}: {text}", **limits)
+
+
+def endpoint_list(value: Any) -> tuple[str, ...]:
+    """`endpoints` as a tuple of URLs: from a list, or "URL,URL" (a TOML string, the flag's
+    text); blanks dropped."""
+    items = (value or "").split(",") if isinstance(value, str) or not value else value
+    return tuple(u.strip() for u in items if u and u.strip())
+
+
+def fleet_servers(endpoint: str, endpoints: tuple[str, ...]) -> tuple[str, ...]:
+    """The fleet's server URLs (/v1 bases, no trailing slash): `endpoints`, else `endpoint`."""
+    return tuple(u.rstrip("/") for u in (endpoints or ((endpoint,) if endpoint else ())))
+
+
+def check_fleet(servers: tuple[str, ...], concurrency: int, cooldown_s: float) -> None:
+    """What a settings object's ranges cannot say about a fleet (a flag built one too)."""
+    if concurrency < 1:
+        raise StageError("--concurrency must be >= 1 (requests in flight per server)")
+    if not 0 < cooldown_s <= 600:
+        raise StageError("cooldown_s must be in (0, 600] seconds")
+    twice = sorted({u for u in servers if servers.count(u) > 1})
+    if twice:
+        raise StageError(f"--endpoints lists {twice} more than once")
+
+
 TARGET_HINT = " (or [target] model = 'DIR' for regenerate, extract and train at once)"
 
 

@@ -33,6 +33,10 @@ from dflash_etl.core.accounting import stats_document
 from dflash_etl.core.config import (
     TARGET_HINT,
     PipelineConfig,
+    check_fleet,
+    endpoint_list,
+    fleet_servers,
+    fleet_setting,
     register_section,
     setting,
     stage_settings,
@@ -123,25 +127,14 @@ class RegenerateSettings:
     endpoint: str = setting("http://127.0.0.1:8000/v1", metavar="URL",
                             help="openai backend: the server's /v1 URL")
     # several servers of one model (empty: `endpoint` alone); requests go to the least loaded
-    # healthy one, a failed server sits out `cooldown_s` and is probed before it comes back
-    endpoints: tuple[str, ...] = setting((), metavar="URL,URL",
-                                         help="openai backend: several servers of one model, "
-                                              "comma-separated; each request goes to the least "
-                                              "loaded healthy one (default: --endpoint)")
-    served_model: str | None = setting(None, help="openai backend: model name (default: the "
-                                                  "first the server lists)")
-    concurrency: int = setting(8, min=1, help="openai backend: requests in flight per server")
-    timeout_s: float = setting(120.0, above=0, help="openai backend: seconds each read (and "
-                                                    "the connect) may wait")
-    # bounds a trickling (slow-loris) or endless reply, which per-read timeouts never end
-    request_deadline_s: float = setting(600.0, above=0,
-                                        help="openai backend: seconds one attempt may take in "
-                                             "all (connect, first byte and the whole reply); "
-                                             "past it the attempt is cut and retried")
-    # with exponential backoff
-    retries: int = setting(3, min=0, help="openai backend: retries on timeouts, connection "
-                                          "errors, 429, 5xx, replies past request_deadline_s "
-                                          "or their size cap, and malformed replies")
+    # healthy one, a failed server sits out `cooldown_s` and is probed before it comes back;
+    # these limits are the fleet client's, declared once (core/config.py FLEET_SETTINGS)
+    endpoints: tuple[str, ...] = fleet_setting("endpoints", "openai backend")
+    served_model: str | None = fleet_setting("served_model", "openai backend")
+    concurrency: int = fleet_setting("concurrency", "openai backend")
+    timeout_s: float = fleet_setting("timeout_s", "openai backend")
+    request_deadline_s: float = fleet_setting("request_deadline_s", "openai backend")
+    retries: int = fleet_setting("retries", "openai backend")
     stream: bool = setting(False, help="openai backend: stream the responses")
     device_map: str = setting("none", choices=("none", "auto"),
                               help="transformers backend, 'auto': place the model's layers over "
@@ -149,9 +142,7 @@ class RegenerateSettings:
     max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
                               help="transformers backend with --device-map auto: the memory "
                                    "each device may hold (default: accelerate's estimate)")
-    # several endpoints: a failed server's rest before its probe
-    cooldown_s: float = setting(10.0, help="openai backend, several endpoints: how long a "
-                                           "failed server sits out before its probe")
+    cooldown_s: float = fleet_setting("cooldown_s", "openai backend")
     retry_failed: bool = setting(True, help="openai backend: a rerun of a complete stage that "
                                             "has generation_failed rows retries them (the "
                                             "cached replies are reused); off: it is skipped")
@@ -167,16 +158,12 @@ class RegenerateSettings:
                                            "this fraction is degenerate_repetition (1: off)")
 
     def __post_init__(self) -> None:
-        endpoints = self.endpoints or ()
-        if isinstance(endpoints, str):  # "URL,URL" (a TOML string, or the flag's text)
-            endpoints = endpoints.split(",")
-        object.__setattr__(self, "endpoints",
-                           tuple(u.strip() for u in endpoints if u and u.strip()))
+        object.__setattr__(self, "endpoints", endpoint_list(self.endpoints))
 
     @property
     def servers(self) -> tuple[str, ...]:
         """The openai backend's server URLs (/v1 bases, no trailing slash)."""
-        return tuple(u.rstrip("/") for u in (self.endpoints or (self.endpoint,)))
+        return fleet_servers(self.endpoint, self.endpoints)
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -193,13 +180,7 @@ class RegenerateSettings:
         if settings.thinking not in ("on", "off", "keep"):
             raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
         settings = _thinking_from_kwargs(settings)
-        if settings.concurrency < 1:
-            raise StageError("--concurrency must be >= 1 (requests in flight per server)")
-        if not 0 < settings.cooldown_s <= 600:
-            raise StageError("cooldown_s must be in (0, 600] seconds")
-        twice = sorted({u for u in settings.servers if settings.servers.count(u) > 1})
-        if twice:
-            raise StageError(f"--endpoints lists {twice} more than once")
+        check_fleet(settings.servers, settings.concurrency, settings.cooldown_s)
         if settings.backend == "transformers":
             placement(settings.device_map, settings.max_memory)  # fails before any work
         return settings

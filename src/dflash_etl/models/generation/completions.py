@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 from dflash_etl.models.generation.replies import Reply
-from dflash_etl.models.generation.settings import GenerationSettings
 
 # the openai backend reads at most this much of one reply: a server that sends more is broken
 REPLY_BYTES_PER_TOKEN = 256  # a JSON body: content and reasoning, escaped, with margin
@@ -38,14 +37,15 @@ class Retry(Exception):
     """A reply that failed in a way worth retrying (the message says how)."""
 
 
-async def read_capped(response: Any, cap: int, settings: GenerationSettings) -> bytes:
-    """A response body, or Retry when it runs past `cap` bytes (an endless body)."""
+async def read_capped(response: Any, cap: int, source: str) -> bytes:
+    """A response body, or Retry when it runs past `cap` bytes (an endless body); `source`
+    says what the cap comes from."""
     parts, size = [], 0
     async for piece in response.aiter_bytes():
         size += len(piece)
         if size > cap:
             raise Retry(f"the reply passed {cap} bytes without ending (the cap from "
-                         f"max_new_tokens={settings.max_new_tokens}, with margin)")
+                         f"{source}, with margin)")
         parts.append(piece)
     return b"".join(parts)
 

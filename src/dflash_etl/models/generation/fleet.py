@@ -1,17 +1,17 @@
-"""The openai backend: a client for one OpenAI-compatible server or a fleet of them serving one
-model (health, probes, least-loaded balancing, retries with backoff, per-attempt deadlines)."""
+"""The openai backend: regenerate's chat completions over one OpenAI-compatible server or a
+fleet of them serving one model. The fleet itself (health, probes, least-loaded balancing,
+failover, the breaker, retries and per-attempt deadlines) is models/fleet.py's, shared with the
+hidden-states client of extract and online training; here is what is chat's: the body, the
+reply (JSON or an SSE stream, within caps) and the model's identity for the reply cache."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import re
-import time
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import sha256_file
+from dflash_etl.models.fleet import BREAK_AFTER, Fleet
 from dflash_etl.models.generation.completions import (
     EXCERPT_CHARS,
     REPLY_BYTES_BASE,
@@ -19,7 +19,6 @@ from dflash_etl.models.generation.completions import (
     STREAM_BYTES_PER_CHUNK,
     Retry,
     excerpt,
-    list_models,
     read_capped,
     reply_from_completion,
     stream_choice,
@@ -28,69 +27,22 @@ from dflash_etl.models.generation.completions import (
 from dflash_etl.models.generation.replies import Reply, Request
 from dflash_etl.models.generation.settings import GenerationSettings, render_kwargs
 
-BREAK_AFTER = 3  # failed requests, with none served, that take a server out for the stage
+__all__ = ["BREAK_AFTER", "OpenAIBackend"]
 
 
-class _Server:
-    """One server of the openai backend's fleet, and what the dispatcher knows of it."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.in_flight = 0
-        self.served = 0  # replies it gave (of this backend's requests)
-        self.healthy = True
-        self.probing = False
-        self.probes_failed = 0  # failed probes since it was taken out
-        self.retry_at = 0.0  # time.monotonic() of its next probe, while it is out
-        self.problem = ""  # why it was taken out
-        self.probe_problem = ""  # why its last probe failed
-        self.failed = 0  # requests it failed in a row in one way (failure_kind), after retries
-        self.failure_kind = ""
-        self.broken = False  # out for the rest of the stage (the breaker: see _count_failure)
-
-    def why(self) -> str:
-        return f"{self.url}: {self.problem}" + (
-            f"; then {self.probe_problem}" if self.probe_problem else "")
-
-
-class OpenAIBackend:
+class OpenAIBackend(Fleet):
     """Any OpenAI-compatible chat-completions server (vLLM serve, SGLang), or several serving
-    one model: the server applies the chat template. Async requests with bounded concurrency
-    (per server), per-request timeouts and retries with exponential backoff; replies come back
-    in request order whatever order, and whatever server, they finish on.
+    one model (the fleet client, models/fleet.py): the server applies the chat template.
+    Replies come back in request order; a request no server answered is a Reply with its
+    error (the row's generation_failed)."""
 
-    With several servers each request goes to the healthy server with the fewest requests in
-    flight (ties in turn). A server that fails a request (refused connection; reset, timeout,
-    429 or 5xx after `retries`) is taken out and the request goes to another; an out server is
-    probed (GET /models) after `cooldown_s` and comes back when it answers with the fleet's
-    models. When no server is left a request waits at most one probe round for one to come
-    back, then fails as a row (generation_failed): no wait is without a deadline. With one
-    server, failures stay per request (retried, then the row fails), as they always were."""
+    route = "/chat/completions"
+    client_name = "openai"
 
     def __init__(self, settings: GenerationSettings) -> None:
-        import httpx
-
-        self.settings = settings
-        self.httpx = httpx
-        self.servers = [_Server(url) for url in settings.servers]
-        self.base = self.servers[0].url
-        self.fleet = len(self.servers) > 1  # health tracking and failover
-        self.probe_timeout_s = min(settings.timeout_s, 5.0)
-        self.retried = 0
-        self.failovers = 0  # requests moved to another server after theirs failed
-        self._turn = 0  # round-robin position among equally loaded servers
-        self.listed: list[str] = []
-        name = settings.served_model
-        if self.fleet:
-            name = self._check_fleet(name)
-        elif name is None:
-            try:
-                name = list_models(httpx, self.base, settings.timeout_s,
-                                    settings.request_deadline_s)[0]
-            except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-                raise StageError(f"cannot list the models of {self.base}/models ({exc}): is the "
-                                 "server running? Pass --served-model to skip the lookup") from exc
-        self.served_model = name
+        super().__init__(settings, settings.served_model)
+        self.settings: GenerationSettings = settings
+        name = self.served_model
         self.batch_hint = settings.concurrency * 4 * len(self.servers)  # requests per flush
         # the model's identity, never which or how many servers answer: the cache keys (and a
         # rerun's reuse of them) are the same with one server or a fleet
@@ -99,42 +51,6 @@ class OpenAIBackend:
         identity = [name, *(sha256_file(p) for p in files if p.suffix in (".json", ".jinja"))]
         self.model_id = hashlib.sha256("\x00".join(identity).encode()).hexdigest()
 
-    # ------------------------------------------------------------ the fleet's models
-    def _models(self, url: str) -> list[str]:
-        return list_models(self.httpx, url, self.probe_timeout_s,
-                            min(self.settings.request_deadline_s, self.probe_timeout_s + 1.0))
-
-    def _check_fleet(self, name: str | None) -> str:
-        """Every server that answers must list the same models; those that do not answer yet
-        start out of the fleet (probed later). Returns the served model name."""
-        listed: dict[str, list[str]] = {}
-        for server in self.servers:
-            try:
-                listed[server.url] = self._models(server.url)
-            except (self.httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
-                self._take_out(server, f"did not list its models at the start: "
-                                       f"{type(exc).__name__}: {exc}")
-        if not listed:
-            raise StageError("cannot list the models of any of --endpoints "
-                             f"{[s.url for s in self.servers]}: "
-                             + " | ".join(s.why() for s in self.servers))
-        kinds = {tuple(sorted(ids)) for ids in listed.values()}
-        if len(kinds) > 1:
-            raise StageError("the --endpoints do not serve the same models: " + "; ".join(
-                f"{url} lists {ids}" for url, ids in listed.items())
-                + ". A fleet must serve one model (the replies would depend on the server)")
-        self.listed = sorted(next(iter(kinds)))
-        first = next(iter(listed.values()))
-        if name is None:
-            if not first:
-                raise StageError(f"{next(iter(listed))}/models lists no model")
-            return first[0]
-        if name not in self.listed:
-            raise StageError(f"--served-model {name!r} is not served by the --endpoints "
-                             f"{list(listed)} (they list {self.listed})")
-        return name
-
-    # ------------------------------------------------------------ requests
     def payload(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.served_model, "messages": messages,
@@ -149,227 +65,10 @@ class OpenAIBackend:
         return body
 
     def generate(self, requests: list[Request]) -> list[Reply]:
-        import asyncio
+        return self.send([self.payload(*request) for request in requests])
 
-        return asyncio.run(self._generate_all(requests))
-
-    async def _generate_all(self, requests: list[Request]) -> list[Reply]:
-        import asyncio
-
-        changed = asyncio.Condition()  # in-flight counts and health: the dispatcher's state
-        for server in self.servers:  # an interrupted batch may have left counts behind
-            server.in_flight, server.probing = 0, False
-        limits = self.httpx.Limits(max_connections=self.settings.concurrency * len(self.servers))
-        async with self.httpx.AsyncClient(timeout=self.settings.timeout_s, limits=limits) as client:
-            probes: set[asyncio.Task] = set()
-            self._probe_due(client, changed, probes)  # before any request picks a server
-            prober = asyncio.create_task(self._prober(client, changed, probes))
-            # the fleet's slots: few requests wait on `changed` (only while servers are out)
-            gate = asyncio.Semaphore(self.settings.concurrency * len(self.servers))
-
-            async def one(request: Request) -> Reply:
-                async with gate:
-                    try:
-                        return await self._dispatch(client, changed, self.payload(*request))
-                    except Exception as exc:  # one request never takes its batch down
-                        return Reply("", "", 0, error=f"the openai client failed on this "
-                                     f"request: {type(exc).__name__}: {exc}")
-
-            try:
-                return list(await asyncio.gather(*(one(r) for r in requests)))
-            finally:
-                prober.cancel()
-                for task in (prober, *probes):
-                    task.cancel()
-                await asyncio.gather(prober, *probes, return_exceptions=True)
-
-    async def _dispatch(self, client: Any, changed: Any, body: dict[str, Any]) -> Reply:
-        """One request: a server, then another while servers fail, until a reply or none is
-        left."""
-        tried: dict[int, str] = {}  # server -> how it failed this request
-        while True:
-            picked = await self._acquire(changed, tried)
-            if picked is None:
-                return Reply("", "", 0, error=self._no_server(tried))
-            k, server = picked
-            try:
-                reply, problem, kind = await self._request(client, server.url, body)
-            finally:
-                async with changed:
-                    server.in_flight -= 1
-                    changed.notify_all()
-            if reply is not None:
-                server.served += 1
-                return reply
-            async with changed:
-                self._count_failure(server, problem, kind)
-                changed.notify_all()
-            if not self.fleet:
-                return Reply("", "", 0, error=problem)
-            tried[k] = problem
-            async with changed:
-                self._take_out(server, problem)
-                changed.notify_all()
-            self.failovers += 1
-
-    def _count_failure(self, server: _Server, problem: str, kind: str | None) -> None:
-        """The breaker: a server that has failed BREAK_AFTER requests in the same way and served
-        none (a slow-loris or endless stream past its deadline, a 503 for everything, a refused
-        connection) is out for the rest of the stage, one server or a fleet: the requests left
-        fail at once instead of each waiting out its retries x request_deadline_s (33 rows took
-        100 min). A malformed reply (kind None) is that reply's problem, not the server's."""
-        if kind is None:
-            return
-        server.failed = server.failed + 1 if kind == server.failure_kind else 1
-        server.failure_kind = kind
-        if not server.broken and server.served == 0 and server.failed >= BREAK_AFTER:
-            server.broken, server.healthy = True, False
-            server.problem = (f"failed its first {server.failed} requests and answered none, so "
-                              f"it is out for the rest of the stage; the last: {problem}")
-
-    def _no_server(self, tried: dict[int, str]) -> str:
-        n = len(self.servers)
-        if all(s.broken for s in self.servers):
-            return (f"every server of the {n} --endpoints is out: "
-                    + " | ".join(s.why() for s in self.servers))
-        if len(tried) == n:
-            return f"failed on every one of the {n} --endpoints: " + " | ".join(tried.values())
-        down = " | ".join(s.why() for k, s in enumerate(self.servers) if k not in tried)
-        failed = "".join(f" | this request: {p}" for p in tried.values())
-        return (f"no server of the {n} --endpoints is up (waited one probe round, cooldown_s="
-                f"{self.settings.cooldown_s:g}): {down}{failed}")
-
-    async def _acquire(self, changed: Any, tried: dict[int, str]) -> tuple[int, _Server] | None:
-        """The least-loaded healthy server this request has not failed on (ties in turn), its
-        in-flight count taken; None when there is none to wait for. Waits for a free slot (freed
-        by requests that have their own timeouts) or, when every server is out, at most one probe
-        round for one to come back."""
-        import asyncio
-
-        n, cap, deadline = len(self.servers), self.settings.concurrency, None
-        async with changed:
-            while True:
-                left = [k for k in range(n) if k not in tried and not self.servers[k].broken]
-                if not left:
-                    return None
-                free = [k for k in left
-                        if self.servers[k].healthy and self.servers[k].in_flight < cap]
-                if free:
-                    low = min(self.servers[k].in_flight for k in free)
-                    k = min((k for k in free if self.servers[k].in_flight == low),
-                            key=lambda k: (k - self._turn) % n)
-                    self._turn = (k + 1) % n
-                    self.servers[k].in_flight += 1
-                    return k, self.servers[k]
-                wait = 1.0  # re-checked at least this often
-                if not any(self.servers[k].healthy for k in left):
-                    # out servers worth waiting for: probed now, or not probed yet since they
-                    # were taken out (a server whose probe failed is not waited for again)
-                    coming = [k for k in left if self.servers[k].probing
-                              or self.servers[k].probes_failed == 0]
-                    if not coming:
-                        return None
-                    if deadline is None:
-                        deadline = (time.monotonic() + self.settings.cooldown_s
-                                    + self.probe_timeout_s + 1.0)
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        return None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), wait)
-
-    def _take_out(self, server: _Server, problem: str) -> None:
-        if server.healthy:
-            server.healthy = False
-            server.probes_failed = 0
-            server.retry_at = time.monotonic() + self.settings.cooldown_s
-            server.problem, server.probe_problem = problem, ""
-
-    # ------------------------------------------------------------ probes
-    def _probe_due(self, client: Any, changed: Any, probes: set[Any]) -> None:
-        import asyncio
-
-        now = time.monotonic()
-        for server in self.servers:
-            if (not server.healthy and not server.broken and not server.probing
-                    and server.retry_at <= now):
-                server.probing = True
-                task = asyncio.create_task(self._probe(client, changed, server))
-                probes.add(task)
-                task.add_done_callback(probes.discard)
-
-    async def _prober(self, client: Any, changed: Any, probes: set[Any]) -> None:
-        import asyncio
-
-        if not self.fleet:
-            return
-        while True:
-            await asyncio.sleep(min(0.2, self.settings.cooldown_s / 2))
-            self._probe_due(client, changed, probes)
-
-    async def _probe(self, client: Any, changed: Any, server: _Server) -> None:
-        """GET /models: the server comes back when it answers with the fleet's models."""
-        import asyncio
-
-        problem = ""
-        try:
-            async with asyncio.timeout(self.probe_timeout_s + 1.0):  # a trickle ends too
-                response = await client.get(f"{server.url}/models",
-                                            timeout=self.probe_timeout_s)
-            response.raise_for_status()
-            ids = sorted(m["id"] for m in response.json()["data"])
-            if ids != self.listed:
-                problem = f"now lists {ids}, not the fleet's {self.listed}"
-        except (self.httpx.HTTPError, KeyError, TypeError, ValueError, TimeoutError) as exc:
-            problem = f"probe failed: {type(exc).__name__}: {exc}"
-        finally:
-            server.probing = False  # also when cancelled: the next batch probes it again
-        async with changed:
-            if problem:
-                server.probes_failed += 1
-                server.retry_at = time.monotonic() + self.settings.cooldown_s
-                server.probe_problem = problem
-            else:
-                server.healthy, server.probes_failed = True, 0
-                server.problem = server.probe_problem = ""
-            changed.notify_all()
-
-    async def _request(self, client: Any, base: str,
-                       body: dict[str, Any]) -> tuple[Reply | None, str, str | None]:
-        """(reply, "", None) — a reply, or the request's own error (HTTP 4xx: no other server
-        would take it) — or (None, problem, kind) when the server failed it after its retries
-        (kind: how, for the breaker; None for a malformed reply): timeouts,
-        connection errors, 429 and 5xx, a reply past `request_deadline_s` or past the size
-        derived from max_new_tokens, and malformed replies (not JSON, no choices, a broken
-        stream). In a fleet a refused connection fails over at once: nothing listens there."""
-        import asyncio
-
-        url = f"{base}/chat/completions"
-        deadline = self.settings.request_deadline_s
-        problem, kind = "", None
-        for attempt in range(self.settings.retries + 1):
-            if attempt:
-                self.retried += 1
-                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
-            try:
-                async with asyncio.timeout(deadline):
-                    return await self._attempt(client, url, body), "", None
-            except Retry as exc:
-                problem = str(exc)
-                status = re.match(r"HTTP (\d+)", problem)
-                kind = f"HTTP {status.group(1)}" if status else None
-            except TimeoutError:
-                problem = (f"no complete reply within request_deadline_s={deadline:g} s "
-                           "(connect, first byte and the whole reply)")
-                kind = "deadline"
-            except (self.httpx.TimeoutException, self.httpx.TransportError) as exc:
-                problem, kind = f"{type(exc).__name__}: {exc}", type(exc).__name__
-                if self.fleet and isinstance(exc, self.httpx.ConnectError):
-                    return None, f"{url}: {problem}", kind
-            except self.httpx.HTTPError as exc:  # decoding, protocol: the reply is unusable
-                problem, kind = f"{type(exc).__name__}: {exc}", None
-        return None, (f"{url} failed after {self.settings.retries + 1} attempts; "
-                      f"last: {problem}"), kind
+    def _failed(self, problem: str) -> Reply:
+        return Reply("", "", 0, error=problem)
 
     async def _attempt(self, client: Any, url: str, body: dict[str, Any]) -> Reply:
         """One request; raises Retry for a failure worth retrying."""
@@ -377,7 +76,7 @@ class OpenAIBackend:
             status = response.status_code
             if status == 200 and body["stream"]:
                 return await self._streamed(response)
-            text = (await read_capped(response, self._byte_cap(False), self.settings)
+            text = (await read_capped(response, self._byte_cap(False), self._cap_source)
                     ).decode("utf-8", "replace")
         if status == 429 or status >= 500:
             raise Retry(f"HTTP {status}: {excerpt(text)}")
@@ -387,6 +86,10 @@ class OpenAIBackend:
         if status != 200:
             raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
         return reply_from_completion(text)
+
+    @property
+    def _cap_source(self) -> str:
+        return f"max_new_tokens={self.settings.max_new_tokens}"
 
     def _byte_cap(self, stream: bool) -> int:
         per = STREAM_BYTES_PER_CHUNK if stream else REPLY_BYTES_PER_TOKEN
