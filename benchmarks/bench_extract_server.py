@@ -57,18 +57,16 @@ def _client_loop(run: Path, url: str, states: Path, model: Path, concurrency: in
                  watched: object, me: object) -> dict[str, float]:
     """The client alone, the stage's fixed costs left out: every row requested, its token ids
     and file checked and read (ServerTarget.forward), nothing written."""
-    from types import SimpleNamespace
-
     import datasets
 
     from dflash_etl.models.states_server import ServerTarget
+    from dflash_etl.stages.extract import ExtractSettings
 
     rows = datasets.load_from_disk(str(run / "tokenize" / "dataset")).with_format(None)[
         "input_ids"]
-    client = ServerTarget(SimpleNamespace(
-        endpoint=url, states_dir=str(states), request_deadline_s=60.0, dtype="fp32",
-        concurrency=concurrency, retries=0, served_model="", model=str(model),
-        keep_server_files=False), [1, 2], 4, 256)
+    client = ServerTarget(ExtractSettings(
+        model=str(model), backend="server", endpoint=url, states_dir=str(states),
+        request_deadline_s=60.0, concurrency=concurrency, retries=0), [1, 2], 4, 256)
     server0, client0 = sum(watched.cpu_times()[:2]), sum(me.cpu_times()[:2])
     for k in range(0, len(rows), 16):
         client.forward(rows[k:k + 16], extra_layers=(3,))

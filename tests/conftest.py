@@ -15,8 +15,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,6 +116,25 @@ def tiny_model(tiny_qwen2) -> Path:
 
 
 # ---------------------------------------------------------------- copies of runs
+@pytest.fixture()
+def dev_servers() -> Iterator[Callable[..., list]]:
+    """Dev servers (models/devserver.py) on 127.0.0.1: `start(n, model=None, **kw)` starts n
+    (no model: `--instant` replies; kw: DevServer's, e.g. extract_layers and states_dir for
+    hidden-states servers), all stopped at the end; a test kills, stops or slows them."""
+    from dflash_etl.models.devserver import DevServer
+
+    started: list[DevServer] = []
+
+    def start(n: int = 1, model: str | None = None, **kw: Any) -> list[DevServer]:
+        new = [DevServer(model, instant=model is None, **kw).start() for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
 def _copy_run(source: Path, into: Path, *skip: str) -> Path:
     """`source` copied to `into/<its name>` without the files and folders matching `skip` (glob
     patterns, e.g. "*extract*" for a stage's outputs, to run that stage again)."""

@@ -94,6 +94,16 @@ def test_flags_of_today_keep_their_names_and_meaning():
                   "http://b/v1", "--cooldown-s", "2.5"])
     assert (args.stream, args.keep_truncated) == (True, True)
     assert args.endpoints == ("http://a/v1", "http://b/v1") and args.cooldown_s == 2.5
+    args = parse(["extract", "--backend", "server", "--endpoints", "http://a/v1,http://b/v1",
+                  "--cooldown-s", "2.5", "--timeout-s", "9", "--retries", "0"])
+    assert args.endpoints == ("http://a/v1", "http://b/v1") and args.cooldown_s == 2.5
+    assert (args.timeout_s, args.retries) == (9.0, 0)
+    overrides = stage_cli.settings_overrides(args, STAGES["extract"].settings_class)
+    settings = STAGES["extract"].settings_class(model="m", **{
+        k: v for k, v in overrides.items() if v is not None})
+    assert settings.servers == ("http://a/v1", "http://b/v1")
+    args = parse(["train", "--states-endpoints", "http://a/v1,http://b/v1/"])
+    assert args.states_endpoints == ("http://a/v1", "http://b/v1/")
     args = parse(["train", "--online", "--target", "DIR", "--lr", "1e-3"])
     assert (args.online, args.target, args.lr) == (True, "DIR", 1e-3)
     args = parse(["extract", "--workers", "2", "--executor", "ray", "--ray-address", "auto",

@@ -113,6 +113,13 @@ def test_a_section_of_the_wrong_kind(tmp_path):
      '[regenerate] backend = "tgi": must be one of "transformers", "openai", "vllm"'),
     (SOURCE + "[regenerate]\nkeep_truncated = 1\n",
      "[regenerate] keep_truncated = 1: must be true or false"),
+    # the fleet settings, declared once (core/config.py FLEET_SETTINGS), checked alike
+    (SOURCE + "[extract]\ncooldown_s = 0\n",
+     "[extract] cooldown_s = 0: must be a number in (0, 600]"),
+    (SOURCE + "[regenerate]\ncooldown_s = 700\n",
+     "[regenerate] cooldown_s = 700: must be a number in (0, 600]"),
+    (SOURCE + "[extract]\nconcurrency = 0\n",
+     "[extract] concurrency = 0: must be an integer >= 1"),
     (SOURCE + "[extract]\ndtype = 'fp16'\n",
      '[extract] dtype = "fp16": must be one of "fp32", "bf16"; did you mean "bf16"?'),
     (SOURCE + "[expectations]\nshare_tolerance = -0.1\n",
@@ -177,6 +184,13 @@ def test_a_flag_gets_the_same_checks():
         train.TrainSettings.from_sources({}, {"target": "t", "save_every": 0}, None)
     with pytest.raises(StageError, match=r"--timeout-s 0: must be a number > 0"):
         regenerate.RegenerateSettings.from_sources({}, {"model": "m", "timeout_s": 0}, None)
+    from dflash_etl.stages import extract
+
+    with pytest.raises(StageError, match=r"--request-deadline-s 0: must be a number > 0"):
+        extract.ExtractSettings.from_sources({}, {"model": "m", "request_deadline_s": 0}, None)
+    with pytest.raises(StageError, match=r"--endpoints lists .* more than once"):
+        extract.ExtractSettings.from_sources({"endpoints": ["http://h/v1", "http://h/v1/"]},
+                                             {"model": "m"}, None)
     with pytest.raises(StageError, match=r"\[tokenize\]: unknown key seq_lenght; did you mean"):
         tokenize.TokenizeSettings.from_sources({"seq_lenght": 8}, {"model": "m"}, None)
     # the flag wins over the config, and is the one checked

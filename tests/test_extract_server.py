@@ -34,19 +34,11 @@ def _server_kw(server) -> dict:
             "concurrency": 2, "request_deadline_s": 60.0, "retries": 0}
 
 
-def test_server_states_equal_the_hooks_states(tiny_target, default_tokenized, copy_run,
-                                              tmp_path, server, capsys):
+def _assert_same_states(hooks: Path, served: Path) -> None:
+    """The served run's extract output equals the hooks run's: the index, then every shard's
+    token ids exactly and its states within 1e-6."""
     from safetensors.torch import load_file
 
-    from dflash_etl.stages import extract
-
-    hooks = copy_run(default_tokenized, tmp_path / "hooks")
-    served = copy_run(default_tokenized, tmp_path / "served")
-    extract.run(None, hooks, progress=False, model=str(tiny_target), layers="1,2")
-    doc = extract.run(None, served, progress=False, model=str(tiny_target), layers="1,2",
-                      **_server_kw(server))
-    assert '"eagle_aux_hidden_state_layer_ids": [2, 3, 4]' in capsys.readouterr().err
-    assert doc["total"]["rows_out"] == doc["total"]["rows_in"] and not doc["health"]["problems"]
     a = pq.read_table(hooks / "extract" / "index.parquet")
     b = pq.read_table(served / "extract" / "index.parquet")
     assert a.equals(b)
@@ -56,6 +48,28 @@ def test_server_states_equal_the_hooks_states(tiny_target, default_tokenized, co
         assert torch.equal(mine["token_ids"], theirs["token_ids"])
         torch.testing.assert_close(theirs["hidden_states"], mine["hidden_states"],
                                    atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def hooks_run(tiny_target, default_tokenized, copy_run, tmp_path_factory) -> Path:
+    """The embedded default's rows extracted by the hooks backend: what a server must equal."""
+    from dflash_etl.stages import extract
+
+    run = copy_run(default_tokenized, tmp_path_factory.mktemp("hooks"))
+    extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2")
+    return run
+
+
+def test_server_states_equal_the_hooks_states(tiny_target, default_tokenized, copy_run,
+                                              tmp_path, server, hooks_run, capsys):
+    from dflash_etl.stages import extract
+
+    served = copy_run(default_tokenized, tmp_path / "served")
+    doc = extract.run(None, served, progress=False, model=str(tiny_target), layers="1,2",
+                      **_server_kw(server))
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 3, 4]' in capsys.readouterr().err
+    assert doc["total"]["rows_out"] == doc["total"]["rows_in"] and not doc["health"]["problems"]
+    _assert_same_states(hooks_run, served)
     assert not list(server.states_dir.glob("*.safetensors"))  # copied, then removed
 
 
@@ -126,14 +140,35 @@ def test_all_zero_states_from_a_server_fail_the_stage_naming_the_layer(
 
 
 def test_a_dead_server_quarantines_its_rows_with_the_reason(tiny_target):
+    """As regenerate's openai backend: with the served model named nothing is asked at the
+    start, and the dead server's rows are counted failures; without it the model list is asked
+    for, and the start fails naming the server."""
     from dflash_etl.models.states_server import ServerTarget
     from dflash_etl.stages.extract import ExtractSettings
 
     settings = ExtractSettings(model=str(tiny_target), backend="server",
                                endpoint="http://127.0.0.1:9/v1", states_dir="/tmp",
-                               request_deadline_s=2.0, retries=0)
+                               served_model="m", request_deadline_s=2.0, retries=0)
     _, states = ServerTarget(settings, LAYERS, 4, 64).forward([[1, 2, 3]], extra_layers=(3,))
     assert states == ["state_request_failed"]
+    with pytest.raises(StageError, match=r"cannot list the models of http://127.0.0.1:9/v1/"):
+        ServerTarget(dataclasses.replace(settings, served_model=None), LAYERS, 4, 64)
+
+
+def test_online_training_stops_at_a_row_no_server_gives(tiny_target):
+    """train --states-from server's source: a row with no states stops the run naming it."""
+    from dflash_etl.models.states_server import ServerTarget
+    from dflash_etl.models.training.states import ServerStates
+    from dflash_etl.stages.extract import ExtractSettings
+
+    settings = ExtractSettings(model=str(tiny_target), backend="server",
+                               endpoint="http://127.0.0.1:9/v1", states_dir="/tmp",
+                               served_model="m", request_deadline_s=2.0, retries=0)
+    states = ServerStates(ServerTarget(settings, LAYERS, 4, 64))
+    with pytest.raises(StageError, match="the states server gave no states for row r7 "
+                       r"\(state_request_failed: http://127.0.0.1:9/v1/completions failed"):
+        states([{"id": "r7", "input_ids": [1, 2, 3]}])
+    states.close()
 
 
 def test_the_server_backend_needs_its_endpoint_and_states_dir(tiny_target):
@@ -162,3 +197,110 @@ def test_the_printed_serve_line_names_vllms_layer_ids():
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector_extra_config"]["shared_storage_path"] == "/states"
     assert Path(argv[2]) == Path("/m")
+
+
+# ---------------------------------------------------------------- a fleet of servers
+@pytest.fixture()
+def fleet(dev_servers, tiny_target, tmp_path):
+    """Hidden-states dev servers sharing one states_dir (as vLLM servers share storage):
+    `fleet(n)` starts n."""
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    states = tmp_path / "fleet-states"
+
+    def start(n: int = 2) -> list:
+        servers = dev_servers(n, str(tiny_target), extract_layers=vllm_layer_ids(LAYERS, 4),
+                              states_dir=str(states))
+        for srv in servers:
+            srv.states_dir = states
+        return servers
+
+    return start
+
+
+def _fleet_kw(servers, **extra) -> dict:
+    return {"backend": "server", "endpoints": [s.url for s in servers],
+            "states_dir": str(servers[0].states_dir), "concurrency": 2, "timeout_s": 10.0,
+            "request_deadline_s": 30.0, "retries": 1, "cooldown_s": 60.0, **extra}
+
+
+def test_a_server_killed_mid_stage_is_taken_out_and_its_rows_retried(
+        fleet, default_tokenized, copy_run, tmp_path, tiny_target, hooks_run):
+    import time
+
+    from dflash_etl.stages import extract
+
+    a, b = fleet(2)
+    a.die_after = 6  # the 7th request kills it: new connections refused, in-flight dropped
+    run = copy_run(default_tokenized, tmp_path / "killed")
+    start = time.monotonic()
+    doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                      **_fleet_kw([a, b]))
+    total = doc["total"]
+    assert total["rows_out"] == total["rows_in"] and total["rows_quarantined"] == 0
+    assert a.dead and 0 < a.requests <= 7 + 2  # those it took before it died (+ retries)
+    assert b.requests >= total["rows_in"] - 6  # b answered the rest, a's lost ones included
+    _assert_same_states(hooks_run, run)
+    assert not list(a.states_dir.glob("*.safetensors"))
+    assert time.monotonic() - start < 120
+
+
+def test_a_slow_server_is_taken_out_past_its_deadline_and_its_rows_retried(
+        fleet, default_tokenized, copy_run, tmp_path, tiny_target, hooks_run):
+    import time
+
+    from dflash_etl.stages import extract
+
+    a, b = fleet(2)
+    a.delay_next, a.delay_s = 10**6, 120.0  # every request it takes stalls (until it stops)
+    run = copy_run(default_tokenized, tmp_path / "slow")
+    start = time.monotonic()
+    doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                      **_fleet_kw([a, b], request_deadline_s=3.0, retries=0))
+    total = doc["total"]
+    assert total["rows_out"] == total["rows_in"] and total["rows_quarantined"] == 0
+    # out after its first requests passed request_deadline_s (concurrency 2: two at most)
+    assert 1 <= a.requests <= 2 and b.requests >= total["rows_in"]
+    _assert_same_states(hooks_run, run)
+    assert time.monotonic() - start < 120
+
+
+def test_every_server_dead_stops_the_stage_naming_them(fleet, default_tokenized, copy_run,
+                                                      tmp_path, tiny_target, hooks_run):
+    """Dead at the start, the stage stops naming every server (as regenerate); dying during
+    the stage, the shard whose rows no server answered stops it, naming the servers and
+    unwritten, so a rerun resumes there (regenerate fails its stage on such rows too); never
+    a hang."""
+    import json
+    import time
+
+    from dflash_etl.stages import extract
+
+    a, b = fleet(2)
+    a.stop()
+    b.stop()
+    run = copy_run(default_tokenized, tmp_path / "dead")
+    with pytest.raises(StageError, match="cannot list the models of any of --endpoints") as err:
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_fleet_kw([a, b]))
+    assert a.url in str(err.value) and b.url in str(err.value)
+
+    c, d = fleet(2)
+    c.die_after = d.die_after = 3
+    run = copy_run(default_tokenized, tmp_path / "dying")
+    start = time.monotonic()
+    with pytest.raises(StageError, match=r"rows got no states from the servers \(.*--endpoints"
+                       ) as err:
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_fleet_kw([c, d], cooldown_s=1.0))
+    assert time.monotonic() - start < 60
+    assert c.url in str(err.value) and d.url in str(err.value)
+    assert "rerun to resume" in str(err.value)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stages"]["extract"]["status"] == "failed"
+    assert not list((run / ".extract.partial" / "hidden_states").glob("shard-00000*"))
+    again, = fleet(1)  # a server back: the rerun resumes and asks for the rows again
+    doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                      **_fleet_kw([again]))
+    assert doc["total"]["rows_out"] == doc["total"]["rows_in"]
+    _assert_same_states(hooks_run, run)

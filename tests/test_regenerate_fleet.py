@@ -31,18 +31,9 @@ def ingested(ingest_rows) -> Path:
 
 
 @pytest.fixture()
-def servers():
-    """Instant dev servers, started on demand and all stopped at the end."""
-    started: list[DevServer] = []
-
-    def start(n: int = 1, **kw) -> list[DevServer]:
-        new = [DevServer(None, instant=True, **kw).start() for _ in range(n)]
-        started.extend(new)
-        return new
-
-    yield start
-    for srv in started:
-        srv.stop()
+def servers(dev_servers):
+    """Instant dev servers, started on demand and all stopped at the end (conftest's)."""
+    return dev_servers
 
 
 def _kw(urls: list[str], **extra) -> dict:

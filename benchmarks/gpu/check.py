@@ -40,7 +40,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
@@ -254,9 +253,12 @@ def step_server_states(check: Check) -> dict[str, Any]:
 
 
 def _client_settings(check: Check, url: str, states_dir: Path, target: Path) -> Any:
-    return SimpleNamespace(endpoint=url, states_dir=str(states_dir), request_deadline_s=120.0,
-                           dtype=check.dtype, concurrency=4, retries=1, served_model="",
-                           model=str(target), keep_server_files=False)
+    """extract's own settings for its server backend (the fleet client's limits)."""
+    from dflash_etl.stages.extract import ExtractSettings
+
+    return ExtractSettings(model=str(target), backend="server", endpoint=url,
+                           states_dir=str(states_dir), request_deadline_s=120.0,
+                           dtype=check.dtype, concurrency=4, retries=1)
 
 
 def _vllm_states(check: Check, kind: str, target: Path, hooked: Any,

@@ -11,7 +11,8 @@ apart) without touching the model, to measure a client's own overhead. `--latenc
 request hold the server's one generation slot for N ms more (requests queue, as on the model
 server): a stand-in for a real server's generation time, for fleet benchmarks. Failures can be
 injected (`fail_next`, `delay_next`, `die_after`, `kill()`) to test retries, timeouts and
-failover. `requests` counts the chat-completion requests it received. Not for production serving.
+failover (on either route). `requests` counts the requests it received. Not for production
+serving.
 
 `--extract-hidden-states IDS --states-dir DIR` speaks vLLM's hidden-states protocol instead
 (`StatesEngine`): what `extract --backend server` and speculators' data generation send.
@@ -31,6 +32,7 @@ import hashlib
 import json
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,7 @@ class DevServer:
         self.slot = threading.Lock()
         self.die_after: int | None = None  # kill() itself when more requests than this arrive
         self.dead = False
+        self.stopping = threading.Event()  # ends injected delays
         self.requests = 0
         self.httpd = _QuietServer((host, port), _handler(self))
         self.url = f"http://{host}:{self.httpd.server_address[1]}/v1"
@@ -88,6 +91,7 @@ class DevServer:
         return self
 
     def stop(self) -> None:
+        self.stopping.set()
         if self.thread.is_alive():  # shutdown() waits for a serve_forever that must be running
             self.httpd.shutdown()
         self.httpd.server_close()
@@ -104,10 +108,25 @@ class DevServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def states_reply(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """(HTTP status, answer) of a hidden-states request: one at a time, as counted."""
+    def admit(self) -> str:
+        """Count a request (either route) and apply what is injected: "drop" when the server
+        is dead (or dies of it: `die_after`) or stopped during a delay (`delay_next`, cut
+        short by the stop), "fail" for an injected HTTP 500, "" to answer it."""
         with self.lock:
             self.requests += 1
+            if self.die_after is not None and self.requests > self.die_after and not self.dead:
+                self.kill()
+            if self.dead:
+                return "drop"
+        if self.take("fail_next"):
+            return "fail"
+        if self.take("delay_next"):
+            self.stopping.wait(self.delay_s)
+        return "drop" if self.stopping.is_set() else ""
+
+    def states_reply(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, answer) of a hidden-states request: one at a time."""
+        with self.lock:
             if self.states is None or not isinstance(body.get("prompt"), list):
                 return 400, {"error": {"message": "prompt: token ids expected"}}
             return 200, self.states.complete(body["prompt"])
@@ -246,6 +265,7 @@ class StatesEngine:
         self.dir = states_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.count = 0
+        self.tag = uuid.uuid4().hex[:8]  # unique names: servers of a fleet share states_dir
         self.last_path: str | None = None
         self.fault = ""
 
@@ -264,7 +284,7 @@ class StatesEngine:
         elif self.fault == "short":
             hidden = hidden[:, :-1].contiguous()
         self.count += 1
-        path = str(self.dir / f"req-{self.count}.safetensors")
+        path = str(self.dir / f"req-{self.tag}-{self.count}.safetensors")
         save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids, dtype=torch.long)},
                   path)
         if self.fault == "other" and self.last_path is not None:
@@ -279,6 +299,7 @@ class StatesEngine:
 
 def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True  # small writes answered at once (no 40 ms ACK wait)
         def log_message(self, *args: Any) -> None:  # quiet
             pass
 
@@ -302,27 +323,25 @@ def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_POST(self) -> None:
-            if self.path.rstrip("/") == "/v1/completions" and server.states is not None:
-                self._json(*server.states_reply(json.loads(
-                    self.rfile.read(int(self.headers.get("Content-Length", 0))))))
-                return
-            if self.path.rstrip("/") != "/v1/chat/completions":
+            route = self.path.rstrip("/")
+            states = route == "/v1/completions" and server.states is not None
+            if not states and route != "/v1/chat/completions":
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
                 return
-            with server.lock:
-                server.requests += 1
-                if server.die_after is not None and server.requests > server.die_after \
-                        and not server.dead:
-                    server.kill()
+            verdict = server.admit()
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            if server.dead:  # a crashed server answers nothing
-                self.close_connection = True
+            if verdict:  # dropped (dead, or stopped while delayed), or an injected failure
+                if verdict == "fail":
+                    self._json(500, {"error": {"message": "injected failure"}})
+                self.close_connection = verdict == "drop"
                 return
-            if server.take("fail_next"):
-                self._json(500, {"error": {"message": "injected failure"}})
+            if states:
+                answer = server.states_reply(body)
+                if server.dead:  # died while computing
+                    self.close_connection = True
+                    return
+                self._json(*answer)
                 return
-            if server.take("delay_next"):
-                time.sleep(server.delay_s)
             try:
                 text, finish, tokens = server.complete(body)
             except (KeyError, ValueError) as exc:

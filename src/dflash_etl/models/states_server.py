@@ -21,17 +21,25 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.fleet import Fleet
+from dflash_etl.models.generation.completions import (
+    REPLY_BYTES_BASE,
+    Retry,
+    excerpt,
+    read_capped,
+)
 
 Q_TOKEN_MISMATCH = "state_token_mismatch"
-Q_SERVER_FAILED = "state_request_failed"
+Q_SERVER_FAILED = "state_request_failed"  # no server answered: extract and train stop
 Q_FILE_UNREADABLE = "state_file_unreadable"  # missing or cut
 LOCK_WAIT_S = 30.0  # the connector's .lock on a file it is still writing
+REPLY_BYTES_PER_ID = 32  # a reply's bytes per prompt token, with margin (the cap's)
 
 
 def vllm_layer_ids(layers: list[int], n_layers: int) -> list[int]:
@@ -51,60 +59,86 @@ def serve_command(model: str, layers: list[int], n_layers: int, states_dir: str)
                        "--kv-transfer-config", json.dumps(transfer)])
 
 
+class _Failed(str):
+    """A request no server answered: why (a str, so it is never taken for a reply)."""
+
+
+class StatesFleet(Fleet):
+    """The fleet client (models/fleet.py, regenerate's) speaking the hidden-states protocol:
+    each body a completions request of one row's token ids; its result the reply's JSON object
+    (checked by ServerTarget) or `_Failed` with why."""
+
+    route = "/completions"
+    client_name = "hidden-states"
+
+    async def _attempt(self, client: Any, url: str, body: dict[str, Any]) -> Any:
+        # the reply echoes the prompt's ids (and vLLM's output ids): a few bytes each
+        cap = REPLY_BYTES_BASE + REPLY_BYTES_PER_ID * len(body["prompt"])
+        async with client.stream("POST", url, json=body) as response:
+            status = response.status_code
+            text = (await read_capped(response, cap, f"{len(body['prompt'])} prompt tokens")
+                    ).decode("utf-8", "replace")
+        if status == 429 or status >= 500:
+            raise Retry(f"HTTP {status}: {excerpt(text)}")
+        if status >= 400:  # the request itself is wrong: no other server would take it
+            return _Failed(f"{url} refused the request: HTTP {status}: {excerpt(text, 500)}")
+        if status != 200:
+            raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
+        try:
+            reply = json.loads(text)
+        except ValueError:
+            raise Retry(f"a malformed reply (HTTP 200, not JSON): {excerpt(text)}") from None
+        if not isinstance(reply, dict):
+            raise Retry(f"a malformed reply (HTTP 200, not an object): {excerpt(text)}")
+        return reply
+
+    def _failed(self, problem: str) -> _Failed:
+        return _Failed(problem)
+
+
 class ServerTarget:
-    """`Target`'s forward for extract, answered by a hidden-states server: the chosen layers,
-    then the last one, per row; a row the server failed or misaligned is its reason (a str)."""
+    """`Target`'s forward for extract, answered by hidden-states servers (one, or a fleet
+    through the fleet client regenerate uses): the chosen layers, then the last one, per row;
+    a row the servers failed or misaligned is its reason (a str)."""
 
     def __init__(self, settings: Any, layers: list[int], n_layers: int, hidden: int) -> None:
-        import httpx
         import torch
 
         self.torch, self.settings = torch, settings
         self.layers, self.n_layers, self.hidden = layers, n_layers, hidden
         self.last_layer = n_layers - 1
         self.device = "cpu"
-        if not settings.endpoint:
+        if not settings.servers:
             raise StageError("extract --backend server needs --endpoint URL (the vLLM server's "
-                             "/v1 base)")
+                             "/v1 base) or --endpoints URL,URL (several)")
         if not settings.states_dir:
             raise StageError("extract --backend server needs --states-dir DIR: the server's "
                              "shared_storage_path (files elsewhere are refused)")
         self.states_dir = Path(settings.states_dir).resolve()
-        self.url = settings.endpoint.rstrip("/") + "/completions"
-        self.client = httpx.Client(timeout=settings.request_deadline_s)
+        self.fleet = StatesFleet(settings, settings.served_model)
         self.dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
         self.failed = 0
+        self.last_problem = ""  # why the last row no server answered failed
+        self.lock = threading.Lock()  # one batch at a time (online training prefetches)
 
     def forward(self, rows: list[list[int]], logits: bool = False,
                 extra_layers: tuple[int, ...] = ()) -> tuple[None, list[Any]]:
         want = [*self.layers, *extra_layers]
         if logits or want != [*self.layers, self.last_layer][:len(want)]:
             raise StageError("the server backend gives the chosen layers and the last one")
-        with ThreadPoolExecutor(max_workers=max(1, self.settings.concurrency)) as pool:
-            states = list(pool.map(self._row, rows))
+        bodies = [{"model": self.fleet.served_model, "prompt": list(ids), "max_tokens": 1,
+                   "return_token_ids": True} for ids in rows]
+        with self.lock:
+            replies = self.fleet.send(bodies)
+        states = [self._states(list(ids), reply) if not isinstance(reply, str)
+                  else self._failed_row(reply) for ids, reply in zip(rows, replies, strict=True)]
         if not extra_layers:  # the chosen layers alone
             states = [s if isinstance(s, str) else s[:, :len(self.layers)] for s in states]
         return None, states
 
-    def _row(self, ids: list[int]) -> Any:
-        """[seq, layers + 1, hidden] for one row, or the reason it has none."""
-        problem = ""
-        for attempt in range(self.settings.retries + 1):
-            if attempt:
-                time.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
-            try:
-                response = self.client.post(self.url, json={
-                    "model": self.settings.served_model or self.settings.model,
-                    "prompt": ids, "max_tokens": 1, "return_token_ids": True})
-            except Exception as exc:  # httpx's transport and timeout errors: retried
-                problem = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code != 200:
-                problem = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
-            return self._states(ids, response.json())
-        self._say(f"the server failed a row after {self.settings.retries + 1} attempts: "
-                  f"{problem}")
+    def _failed_row(self, problem: str) -> str:
+        self.last_problem = problem
+        self._say(f"no server gave a row's states: {problem}")
         return Q_SERVER_FAILED
 
     def _say(self, problem: str) -> None:

@@ -33,6 +33,10 @@ from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import (
     TARGET_HINT,
     PipelineConfig,
+    check_fleet,
+    endpoint_list,
+    fleet_servers,
+    fleet_setting,
     register_section,
     setting,
     stage_settings,
@@ -113,15 +117,27 @@ class ExtractSettings:
                            help="hooks: the target under transformers here; server: a vLLM "
                                 "server with the extract_hidden_states method (--endpoint)")
     endpoint: str = setting("", metavar="URL", help="--backend server: the server's /v1 base")
-    served_model: str = setting("", help="--backend server: the model name the server serves "
-                                         "(default: --model)")
+    # a fleet of servers and its limits: regenerate's fleet client and declarations
+    # (core/config.py FLEET_SETTINGS); the served model defaults to the first the server lists
+    endpoints: tuple[str, ...] = fleet_setting("endpoints", "--backend server")
+    served_model: str | None = fleet_setting("served_model", "--backend server")
     states_dir: str = setting("", metavar="DIR", help="--backend server: the connector's "
                               "shared_storage_path; a file named elsewhere is refused")
     keep_server_files: bool = setting(False, help="--backend server: keep the server's files "
                                                   "after they are copied")
-    concurrency: int = setting(8, min=1, help="--backend server: requests in flight")
-    request_deadline_s: float = setting(600.0, above=0, help="--backend server: one request")
-    retries: int = setting(2, min=0, help="--backend server: attempts after the first")
+    concurrency: int = fleet_setting("concurrency", "--backend server")
+    timeout_s: float = fleet_setting("timeout_s", "--backend server")
+    request_deadline_s: float = fleet_setting("request_deadline_s", "--backend server")
+    retries: int = fleet_setting("retries", "--backend server")
+    cooldown_s: float = fleet_setting("cooldown_s", "--backend server")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoints", endpoint_list(self.endpoints))
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The hidden-states servers' URLs (/v1 bases, no trailing slash)."""
+        return fleet_servers(self.endpoint, self.endpoints)
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -133,6 +149,7 @@ class ExtractSettings:
         if settings.format not in ("native", "speculators"):
             raise StageError(f"--format {settings.format!r}: use native or speculators")
         placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
+        check_fleet(settings.servers, settings.concurrency, settings.cooldown_s)
         return settings
 
 
@@ -141,9 +158,9 @@ register_section("extract", ExtractSettings)
 
 PLAN_ONLY = ("plan", "plan_batches")  # settings of the dry run, not of the output
 # how the work is launched, not what it makes: a rerun on another number of ranks resumes
-LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s", "endpoint", "served_model",
-                   "states_dir", "keep_server_files", "concurrency", "request_deadline_s",
-                   "retries")
+LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s", "endpoint", "endpoints",
+                   "served_model", "states_dir", "keep_server_files", "concurrency",
+                   "timeout_s", "request_deadline_s", "retries", "cooldown_s")
 
 
 def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
@@ -236,6 +253,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
         _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra)
         for k, s in zip(batch, got, strict=True):
             states[k] = s
+    _stop_on_unserved(target, states, name)
     quarantine, keep = [], []
     for k, row in enumerate(rows):
         if isinstance(states[k], str):  # the server backend: failed, or another row's states
@@ -253,6 +271,21 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
     index = _save_states(torch, settings.format, kept, name, out / "hidden_states")
     return (index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches),
             health)
+
+
+def _stop_on_unserved(target: Any, states: list[Any], name: str) -> None:
+    """Rows no server answered are the servers' failure, not the data's: the stage stops at
+    this shard naming the servers (as regenerate's failed rows fail its stage), before it is
+    written, so a rerun resumes here and asks again; quarantined, they would be lost to every
+    rerun of the complete stage."""
+    from dflash_etl.models.states_server import Q_SERVER_FAILED
+
+    unserved = sum(1 for s in states if isinstance(s, str) and s == Q_SERVER_FAILED)
+    if unserved:
+        raise StageError(
+            f"extract: {unserved} of {name}'s {len(states)} rows got no states from the "
+            f"servers ({target.last_problem}): the stage stops here, the shards done are kept; "
+            "check the servers (--endpoint / --endpoints) and rerun to resume")
 
 
 def _save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]], name: str,
@@ -341,8 +374,8 @@ class ExtractStage(BatchStage):
         if settings.backend == "server":
             from dflash_etl.models.states_server import serve_command
 
-            print("extract: the states come from the server at "
-                  f"{settings.endpoint}, which must have been started as:\n  "
+            print("extract: the states come from the server(s) at "
+                  f"{', '.join(settings.servers)}, each started as:\n  "
                   + serve_command(settings.served_model or settings.model, layers, n_layers,
                                   settings.states_dir), file=sys.stderr, flush=True)
 

@@ -19,7 +19,7 @@ checkpoints/, stats.json, contract.json.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import pyarrow as pa
 from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import (
     TARGET_HINT,
+    endpoint_list,
     register_section,
     setting,
     stage_settings,
@@ -90,6 +91,12 @@ class TrainSettings:
                                     "extract --backend server): --states-endpoint, --states-dir")
     states_endpoint: str = setting("", metavar="URL",
                                    help="--states-from server: the server's /v1 base")
+    # a fleet, through the fleet client regenerate and extract use; its limits are [extract]'s
+    states_endpoints: tuple[str, ...] = setting(
+        (), metavar="URL,URL", help="--states-from server: several hidden-states servers of one "
+        "model, comma-separated; each request goes to the least loaded healthy one, a failed "
+        "one is taken out and its rows asked of another ([extract]'s concurrency, timeout_s, "
+        "request_deadline_s, retries, cooldown_s; default: --states-endpoint)")
     states_dir: str = setting("", metavar="DIR", help="--states-from server: the server's "
                                                       "shared_storage_path (its files go there)")
     layers: str = setting("auto", metavar="auto|1,16,31",
@@ -125,6 +132,9 @@ class TrainSettings:
                               help="with --device-map auto: the memory each device may hold "
                                    "(default: accelerate's estimate of what is free)")
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "states_endpoints", endpoint_list(self.states_endpoints))
+
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
                      base_dir: Path | None) -> TrainSettings:
@@ -137,9 +147,11 @@ class TrainSettings:
             raise StageError("--steps, --batch-rows and --anchors-per-row must be >= 1")
         placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
         if settings.states_from == "server" and not (
-                settings.online and settings.states_endpoint and settings.states_dir):
+                settings.online and (settings.states_endpoint or settings.states_endpoints)
+                and settings.states_dir):
             raise StageError("--states-from server needs --online, --states-endpoint URL (the "
-                             "hidden-states server's /v1 base) and --states-dir DIR (its "
+                             "hidden-states server's /v1 base; --states-endpoints URL,URL for "
+                             "several) and --states-dir DIR (its "
                              "shared_storage_path); train prints the `vllm serve` line that "
                              "starts such a server")
         return settings
@@ -228,18 +240,20 @@ def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
     return HiddenStatesOutput.read(out), info.get("fingerprint")
 
 
-def _server_states(settings: TrainSettings, target: Any) -> Any:
-    """train --online --states-from server: the batches' states from a hidden-states server,
-    through extract's server client (its checks, retries and deadlines)."""
+def _server_states(settings: TrainSettings, target: Any, extract: Any) -> Any:
+    """train --online --states-from server: the batches' states from hidden-states servers,
+    through extract's server client (its checks, the fleet client's failover, retries and
+    deadlines), with [extract]'s limits and served model (`extract`: its settings)."""
     from dflash_etl.models.states_server import ServerTarget, serve_command
     from dflash_etl.models.training.states import ServerStates
-    from dflash_etl.stages.extract import ExtractSettings
 
-    client = ExtractSettings(model=settings.target, backend="server", dtype=settings.dtype,
-                             endpoint=settings.states_endpoint, states_dir=settings.states_dir)
-    print("train: the states come from the server at "
-          f"{settings.states_endpoint}, which must have been started as:\n  "
-          + serve_command(settings.target, target.layers, target.n_layers, settings.states_dir),
+    client = replace(extract, model=settings.target, backend="server", dtype=settings.dtype,
+                     endpoint=settings.states_endpoint, endpoints=settings.states_endpoints,
+                     states_dir=settings.states_dir)
+    print(f"train: the states come from the server(s) at {', '.join(client.servers)}, each "
+          "started as:\n  " + serve_command(client.served_model or settings.target,
+                                             target.layers, target.n_layers,
+                                             settings.states_dir),
           file=sys.stderr, flush=True)
     return ServerStates(ServerTarget(client, target.layers, target.n_layers, target.hidden))
 
@@ -248,7 +262,7 @@ def _server_states(settings: TrainSettings, target: Any) -> Any:
 # target's path, whose identity (its files) is fingerprinted: a moved run is not redone
 NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints",
                      "launcher", "nproc_per_node", "dist_timeout_s", "target",
-                     "states_endpoint", "states_dir")
+                     "states_endpoint", "states_endpoints", "states_dir")
 
 
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
@@ -344,7 +358,8 @@ class TrainStage(Stage):
                           mask_token=resolve_mask_token)
         trainer.layers_from = ctx.state["layers_from"]
         if settings.online and settings.states_from == "server":
-            trainer.states = _server_states(settings, trainer.target)
+            trainer.states = _server_states(settings, trainer.target, settings_of(
+                "extract", ctx.config, ctx.run.root, {"model": settings.target}))
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)

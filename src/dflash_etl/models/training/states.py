@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.states_server import Q_SERVER_FAILED
 
 
 class ExtractedStates:
@@ -84,8 +85,11 @@ class ServerStates:
         _, states = self.server.forward([list(r["input_ids"]) for r in rows])
         for row, state in zip(rows, states, strict=True):
             if isinstance(state, str):
+                why = getattr(self.server, "last_problem", "") if state == Q_SERVER_FAILED \
+                    else ""
                 raise StageError(f"the states server gave no states for row {row.get('id')} "
-                                 f"({state}): training stops here, its checkpoints kept; "
+                                 f"({state}{': ' + why if why else ''}): training stops here, "
+                                 "its checkpoints kept; "
                                  "check the server (or extract with --backend server first) "
                                  "and rerun to resume")
         return states
