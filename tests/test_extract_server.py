@@ -256,7 +256,8 @@ def test_a_slow_server_is_taken_out_past_its_deadline_and_its_rows_retried(
     run = copy_run(default_tokenized, tmp_path / "slow")
     start = time.monotonic()
     doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
-                      **_fleet_kw([a, b], request_deadline_s=3.0, retries=0))
+                      # out for longer than the stage: its probe (GET /models) would pass
+                      **_fleet_kw([a, b], request_deadline_s=3.0, retries=0, cooldown_s=600.0))
     total = doc["total"]
     assert total["rows_out"] == total["rows_in"] and total["rows_quarantined"] == 0
     # out after its first requests passed request_deadline_s (concurrency 2: two at most)
