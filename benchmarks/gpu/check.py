@@ -40,6 +40,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
@@ -253,12 +254,12 @@ def step_server_states(check: Check) -> dict[str, Any]:
 
 
 def _client_settings(check: Check, url: str, states_dir: Path, target: Path) -> Any:
-    """extract's own settings for its server backend (the fleet client's limits)."""
-    from dflash_etl.stages.extract import ExtractSettings
-
-    return ExtractSettings(model=str(target), backend="server", endpoint=url,
-                           states_dir=str(states_dir), request_deadline_s=120.0,
-                           dtype=check.dtype, concurrency=4, retries=1)
+    """What extract's server client reads of its settings (the fleet client's limits among
+    them), without extract's stage module: it imports polars, which the GPU image lacks."""
+    return SimpleNamespace(endpoint=url, servers=(url.rstrip("/"),), states_dir=str(states_dir),
+                           timeout_s=120.0, request_deadline_s=120.0, cooldown_s=10.0,
+                           dtype=check.dtype, concurrency=4, retries=1, served_model=None,
+                           model=str(target), keep_server_files=False)
 
 
 def _vllm_states(check: Check, kind: str, target: Path, hooked: Any,
