@@ -6,7 +6,9 @@ show a 10% change. Here both versions run in one process, alternating: the revis
 tokenizes the same conversations (`tokenize_rows`, chunks of 256, as a worker does) several
 times, and the fastest CPU time of each counts. Rows must be equal.
 
-Uses the 20k synthetic conversations of bench_tokenize.py (run it once first).
+Uses the 20k synthetic conversations of bench_tokenize.py when it has run, else makes (and
+ingests) as many as asked. Also prints the renders per conversation each version took, by
+render path, where its stats record them (`renders`, `render_paths`).
 
     python benchmarks/bench_tokenize_worker.py --base REV [--tokenizer qwen3.6|bpe8k-chatml]
 """
@@ -14,7 +16,9 @@ Uses the 20k synthetic conversations of bench_tokenize.py (run it once first).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -40,6 +44,40 @@ def extract(rev: str, into: Path) -> None:
         path.write_text(re.sub(r"\bdflash_etl\b", "dflash_etl_base", path.read_text()))
 
 
+def _conversations_dir(n: int) -> Path:
+    """bench_tokenize.py's 20k conversations, else `n` made and ingested here (same maker)."""
+    made = WORK / "run_20000" / "ingest" / "conversations"
+    if made.is_dir():
+        return made
+    own = WORK / f"run_{n}" / "ingest" / "conversations"
+    if not own.is_dir():
+        sys.path.insert(0, str(HERE))
+        from bench_tokenize import make_data
+
+        WORK.mkdir(parents=True, exist_ok=True)
+        source = WORK / f"sharegpt_{n}.jsonl"
+        if not source.exists():
+            make_data(n, source)
+        config = WORK / f"bench_{n}.toml"
+        config.write_text(f'[[sources]]\nname = "sharegpt"\npath = "{source.name}"\n')
+        subprocess.run([sys.executable, "-m", "dflash_etl", "ingest", "--config", str(config),
+                        "--run", str(WORK / f"run_{n}")], check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    return own
+
+
+def _renders(outputs) -> str:
+    """Renders per written conversation and the conversations per render path, from the
+    stats tokenize_rows returned (older revisions record none)."""
+    renders, paths = 0, collections.Counter()
+    for _rows, _quarantine, per_source in outputs:
+        for stats in per_source.values():
+            renders += stats.extra.get("renders", 0)
+            paths.update(stats.extra.get("render_paths", {}))
+    written = sum(paths.values())
+    return f"{renders / written:.2f} renders/conv {dict(paths)}" if written else "not recorded"
+
+
 def _row_tuples(rows) -> list[tuple[list[int], list[int], int]]:
     """(input_ids, loss_mask, turn) per row, from a list of row dicts (older revisions) or a
     table."""
@@ -56,9 +94,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=1500)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    conversations_dir = WORK / "run_20000" / "ingest" / "conversations"
-    if not conversations_dir.is_dir():
-        raise SystemExit("run benchmarks/bench_tokenize.py once first (it makes the data)")
+    conversations_dir = _conversations_dir(args.conversations)
     import polars as pl
 
     convs = pl.read_parquet(conversations_dir / "*.parquet", columns=[
@@ -100,6 +136,8 @@ def main() -> None:
     print(f"{args.tokenizer}, {n} conversations, fastest of {args.rounds}: base ({args.base}) "
           f"{best['base']:.3f} ms/conv, this tree {best['work']:.3f} ms/conv "
           f"({best['work'] / best['base']:.2f}x); same rows: {same}")
+    for name in ("base", "work"):
+        print(f"  {name}: {_renders(outputs[name])}")
     if not same:
         raise SystemExit(1)
 

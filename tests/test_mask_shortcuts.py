@@ -276,7 +276,10 @@ def test_message_marks_leave_the_text_and_find_each_message(tok):
     # the loop's output goes into a buffer first (a set block), not straight into the text
     "{% set body %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
     "\n{% endfor %}{% endset %}{{ body }}",
-], ids=["range", "reversed", "two-loops", "set-block"])
+    # more marks than a render keeps (a loop that spins before the messages' one)
+    "{% for i in range(30000) %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}",
+], ids=["range", "reversed", "two-loops", "set-block", "too-many-marks"])
 def test_no_marks_where_no_single_loop_prints_the_messages(tok, template):
     """Where no one loop makes each message's output in order, there are no spans (the caller
     renders every turn); the text is the plain render's either way."""

@@ -450,19 +450,21 @@ class _LoopMarks:
     mark, the parts made and the messages as the template got them (the items are those very
     objects, so an item is a message by identity, whatever list the loop ran over)."""
 
-    __slots__ = ("chat", "events", "parts")
+    __slots__ = ("chat", "events", "most", "overflow", "parts")
 
     def __init__(self) -> None:
         self.events: list[tuple[int, int, Any, int]] = []
         self.parts: list[str] = []
         self.chat: list[Any] = []
+        self.most = 10_000  # marks kept; more (a loop over characters, a spin) gives no spans
+        self.overflow = False
 
     def message_spans(self) -> list[tuple[int, int] | None] | None:
         """Per message, the span of its iteration in the text: from its iteration's start to the
         next one's (or the loop's end). Only from the one loop run whose items are all messages,
         in order, and that made text; None when there is not exactly one such run (a loop not
         over the messages, two that print them, one that reorders them)."""
-        runs = self._runs()
+        runs = None if self.overflow else self._runs()
         if runs is None:
             return None
         index = {id(m): k for k, m in enumerate(self.chat)}
@@ -540,6 +542,7 @@ class _CompiledRenderer:
                 return self._collect(template.root_render_func(context), parts, budget)
         if marks is not None:
             marks.chat = chat
+            marks.most += 16 * len(chat)
             outer = getattr(_STATE, "marks", None)
             _STATE.marks = marks
             try:
@@ -607,6 +610,9 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
         nothing otherwise. The text is not touched: the mark is the number of parts made."""
         marks = getattr(_STATE, "marks", None)
         if marks is not None:
+            if len(marks.events) >= marks.most:  # a loop that spins: no marks, and no memory
+                marks.overflow = True
+                return
             marks.events.append((loop, kind, item, len(marks.parts)))
 
     def wrap_str_format(self, value: Any) -> Any:
