@@ -72,15 +72,17 @@ def _sample_of(shape: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def _generation_headers(
-    tokenizer: Any, probe: TemplateProbe, template: str | None, kwargs: dict[str, Any],
-    prep: _Prepared,
+    tokenizer: Any, probe: TemplateProbe, template: str | None, full_kw: dict[str, Any],
+    prompt_kw: dict[str, Any], prep: _Prepared,
 ) -> list[str | None]:
-    """Per message of a conversation shaped as `prep` is (`_shape`), the text add_generation_
-    prompt adds after the messages before it under `kwargs`, where a sample conversation of
-    that shape proved that those messages rendered with it are the full render up to that
-    message's iteration, then it (None where not). Made once per process and shape."""
+    """Per message of a conversation shaped as `prep` is (`_shape`): the text the generation
+    prompt adds after the messages before it under `prompt_kw`, where a sample conversation
+    of that shape proved that those messages rendered with it are its full render under
+    `full_kw` up to that message's iteration, then that text (None where not; and nowhere
+    when the two kwargs render the sample otherwise). Made once per process and shape."""
     shape = _shape(prep)
-    key = (id(tokenizer), template, shape, _render_key(0, True, kwargs))
+    key = (id(tokenizer), template, shape, _render_key(0, False, full_kw),
+           _render_key(0, True, prompt_kw))
     if key not in _HEADERS:
         if len(_HEADERS) >= _MAX_HEADERS:
             _HEADERS.clear()
@@ -88,16 +90,31 @@ def _generation_headers(
         headers: list[str | None] = [None] * len(prep.messages)
         try:
             sample = _prepare(_sample_of(shape), probe, MaskPolicy())
-            made = (render_message_spans(tokenizer, sample.messages, chat_template=template,
-                                         tools=given, kwargs=kwargs)
-                    if _shape(sample)[1:] == shape[1:] else None)
+            made = _sample_render(tokenizer, template, sample, shape, given, full_kw, prompt_kw)
         except (MaskRefused, RenderError):
             made = None  # no proof from a conversation the template does not take
-        for p in sample.assistant_idx if made is not None else ():
-            headers[p] = _header_at(tokenizer, template, sample.messages[:p], given, kwargs,
-                                    made, p)
+        if made is not None:
+            for p in sample.assistant_idx:
+                headers[p] = _header_at(tokenizer, template, sample.messages[:p], given,
+                                        prompt_kw, made, p)
         _HEADERS[key] = headers
     return _HEADERS[key]
+
+
+def _sample_render(
+    tokenizer: Any, template: str | None, sample: _Prepared, shape: tuple[Any, ...],
+    tools: Any, full_kw: dict[str, Any], prompt_kw: dict[str, Any],
+) -> tuple[str, list[tuple[int, int] | None] | None] | None:
+    """The sample's marked full render under `full_kw`, if the sample has the shape and renders
+    the same under `prompt_kw` (a turn's kwargs change its generation prompt alone)."""
+    if _shape(sample)[1:] != shape[1:]:
+        return None
+    made = render_message_spans(tokenizer, sample.messages, chat_template=template, tools=tools,
+                                kwargs=full_kw)
+    if made is not None and prompt_kw != full_kw and made[0] != render(
+            tokenizer, sample.messages, chat_template=template, tools=tools, kwargs=prompt_kw):
+        return None
+    return made
 
 
 def _header_at(
@@ -153,8 +170,8 @@ def _turns_from_one_render(
         return None
     turns = []
     for i in targets:
-        turn = _turn_in(tokenizer, probe, prep, policy, template, full, spans[i], i, base,
-                        last_variant if i == last else None, ordinals[i])
+        turn = _turn_in(tokenizer, probe, prep, policy, template, (full, full_kw), spans[i], i,
+                        base, i == last, ordinals[i])
         if turn is None:
             return None
         turns.append(turn)
@@ -168,28 +185,29 @@ def _turn_in(
     prep: _Prepared,
     policy: MaskPolicy,
     template: str | None,
-    full: str,
+    rendered: tuple[str, dict[str, Any]],
     span: tuple[int, int] | None,
     i: int,
     base: dict[str, Any],
-    last_variant: dict[str, Any] | None,
+    last: bool,
     ordinal: int,
 ) -> _Turn | None:
-    """Turn i read off the full render, its variants tried in the order rendering tries them;
-    `last_variant`: this is the last turn, and the full render is its render under that
-    variant. None where the turn cannot be read off exactly."""
+    """Turn i read off the full render (`rendered`: its text and kwargs), its variants tried in
+    the order rendering tries them; `last`: the full render is this turn's own. None where the
+    turn cannot be read off exactly."""
     if span is None:
         return None
+    full, full_kw = rendered
     start, stop = span
     failures: list[tuple[str, str]] = []
     for variant in _turn_variants(probe, prep, i):
-        header = _generation_headers(tokenizer, probe, template,
-                                     {**probe.render_kwargs, **base, **variant}, prep)[i]
+        kw = {**probe.render_kwargs, **base, **variant}
+        header = _generation_headers(tokenizer, probe, template, full_kw, kw, prep)[i]
         if header is None or not full.startswith(header, start):
             return None
         prompt = full[: start + len(header)]
-        if last_variant is not None:
-            if variant != last_variant:
+        if last:
+            if kw != full_kw:
                 return None
             upto: str | None = full
         else:
