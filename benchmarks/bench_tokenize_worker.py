@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", choices=sorted(MODELS), default="qwen3.6")
     parser.add_argument("--conversations", type=int, default=1500)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--without", metavar="SHORTCUT",
+                        help="also this tree with a shortcut of probe.json's fast_paths off "
+                        "(e.g. one_render: N+1 renders for N replies), in the same rounds")
     args = parser.parse_args()
     conversations_dir = _conversations_dir(args.conversations)
     import polars as pl
@@ -111,6 +114,12 @@ def main() -> None:
             settings = module.TokenizeSettings(model=str(MODELS[args.tokenizer]))
             tokenizer = module.load_tokenizer(settings.model)
             versions[name] = (module, tokenizer, module.probe(settings, tokenizer), settings)
+        if args.without:
+            import dataclasses
+
+            module, tokenizer, probe, settings = versions["work"]
+            versions["without"] = (module, tokenizer, dataclasses.replace(probe, fast_paths={
+                **probe.fast_paths, args.without: False}), settings)
 
         def run(name: str):
             module, tokenizer, probe, settings = versions[name]
@@ -120,23 +129,27 @@ def main() -> None:
                                                 settings, None))
             return out
 
-        times: dict[str, list[float]] = {"base": [], "work": []}
+        times: dict[str, list[float]] = {name: [] for name in versions}
         outputs = {}
         for round_ in range(args.rounds):
-            for name in ("base", "work") if round_ % 2 == 0 else ("work", "base"):
+            for name in list(versions)[::1 if round_ % 2 == 0 else -1]:
                 gc.collect()
                 start = time.process_time()
                 outputs[name] = run(name)
                 times[name].append(time.process_time() - start)
     same = all(  # the token frequencies follow from the rows (older revisions returned them)
         _row_tuples(b[0]) == _row_tuples(w[0])
-        for b, w in zip(outputs["base"], outputs["work"], strict=True))
+        for other in outputs.values() if other is not outputs["work"]
+        for b, w in zip(other, outputs["work"], strict=True))
     n = len(convs)
     best = {k: min(v) / n * 1e3 for k, v in times.items()}
     print(f"{args.tokenizer}, {n} conversations, fastest of {args.rounds}: base ({args.base}) "
           f"{best['base']:.3f} ms/conv, this tree {best['work']:.3f} ms/conv "
           f"({best['work'] / best['base']:.2f}x); same rows: {same}")
-    for name in ("base", "work"):
+    if "without" in best:
+        print(f"  this tree without {args.without}: {best['without']:.3f} ms/conv (this tree "
+              f"{best['work'] / best['without']:.2f}x of it)")
+    for name in versions:
         print(f"  {name}: {_renders(outputs[name])}")
     if not same:
         raise SystemExit(1)

@@ -73,14 +73,15 @@ def _sample_of(shape: tuple[Any, ...]) -> dict[str, Any]:
 
 def _generation_headers(
     tokenizer: Any, probe: TemplateProbe, template: str | None, full_kw: dict[str, Any],
-    prompt_kw: dict[str, Any], prep: _Prepared,
+    prompt_kw: dict[str, Any], prep: _Prepared, shape: tuple[Any, ...] | None = None,
 ) -> list[str | None]:
     """Per message of a conversation shaped as `prep` is (`_shape`): the text the generation
     prompt adds after the messages before it under `prompt_kw`, where a sample conversation
     of that shape proved that those messages rendered with it are its full render under
     `full_kw` up to that message's iteration, then that text (None where not; and nowhere
-    when the two kwargs render the sample otherwise). Made once per process and shape."""
-    shape = _shape(prep)
+    when the two kwargs render the sample otherwise). Made once per process and shape
+    (`shape`: prep's, when the caller has it)."""
+    shape = shape or _shape(prep)
     key = (id(tokenizer), template, shape, _render_key(0, False, full_kw),
            _render_key(0, True, prompt_kw))
     if key not in _HEADERS:
@@ -168,10 +169,10 @@ def _turns_from_one_render(
     prep.renders.setdefault(_render_key(len(prep.messages), False, full_kw), full)
     if spans is None:
         return None
-    turns = []
+    turns, shape = [], _shape(prep)
     for i in targets:
-        turn = _turn_in(tokenizer, probe, prep, policy, template, (full, full_kw), spans[i], i,
-                        base, i == last, ordinals[i])
+        turn = _turn_in(tokenizer, probe, prep, policy, template, (full, full_kw, shape),
+                        spans[i], i, base, i == last, ordinals[i])
         if turn is None:
             return None
         turns.append(turn)
@@ -185,24 +186,24 @@ def _turn_in(
     prep: _Prepared,
     policy: MaskPolicy,
     template: str | None,
-    rendered: tuple[str, dict[str, Any]],
+    rendered: tuple[str, dict[str, Any], tuple[Any, ...]],
     span: tuple[int, int] | None,
     i: int,
     base: dict[str, Any],
     last: bool,
     ordinal: int,
 ) -> _Turn | None:
-    """Turn i read off the full render (`rendered`: its text and kwargs), its variants tried in
-    the order rendering tries them; `last`: the full render is this turn's own. None where the
-    turn cannot be read off exactly."""
+    """Turn i read off the full render (`rendered`: its text, kwargs and the conversation's
+    shape), its variants tried in the order rendering tries them; `last`: the full render is
+    this turn's own. None where the turn cannot be read off exactly."""
     if span is None:
         return None
-    full, full_kw = rendered
+    full, full_kw, shape = rendered
     start, stop = span
     failures: list[tuple[str, str]] = []
     for variant in _turn_variants(probe, prep, i):
         kw = {**probe.render_kwargs, **base, **variant}
-        header = _generation_headers(tokenizer, probe, template, full_kw, kw, prep)[i]
+        header = _generation_headers(tokenizer, probe, template, full_kw, kw, prep, shape)[i]
         if header is None or not full.startswith(header, start):
             return None
         prompt = full[: start + len(header)]
