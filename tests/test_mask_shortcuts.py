@@ -367,3 +367,50 @@ def test_a_prompt_that_depends_on_what_follows_is_not_read_off_the_full_render(t
     if not isinstance(fast[0], MaskRefused):
         assert fast[0][0].render_path == "render_every_turn"
     assert fast[1][0].render_path == "one_render"
+
+
+_PIECES = ["Hello", " world", "\n", "\n\n", "<think>", "</think>", "assistant", "user:",
+           "<tool_call>", "{\"a\": 1}", "  ", "ünïcode", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def probes(tok):
+    return {name: probe_template(tok, t) for name, t in (("qwen3.6", None), ("chatml", CHATML))}
+
+
+def _texts():
+    from hypothesis import strategies as st
+
+    return st.lists(st.sampled_from(_PIECES), min_size=0, max_size=6).map("".join)
+
+
+def test_one_render_equals_rendering_every_turn_on_random_conversations(tok, probes):
+    """Random conversations (a system turn or not, 1-3 rounds, reasoning on some replies, text
+    with markup in it): the one-render path gives the rows and refusals of rendering every
+    turn, on ChatML and Qwen3.6, under both turn policies."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    paths: list[str] = []
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(system=st.one_of(st.none(), _texts()), rounds=st.lists(
+        st.tuples(_texts(), _texts(), st.one_of(st.none(), _texts())), min_size=1, max_size=3),
+        turns=st.sampled_from(["all", "last"]))
+    def check(system, rounds, turns):
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        for user, reply, reasoning in rounds:
+            messages += [{"role": "user", "content": user},
+                         {"role": "assistant", "content": reply, "reasoning": reasoning}]
+        conv = {"id": "random", "messages": messages, "tools": None}
+        keep = MaskPolicy(turns=turns, special_tokens_in_content="keep")
+        for name, template in (("qwen3.6", None), ("chatml", CHATML)):
+            probe = probes[name]
+            fast = tokenize_conversations([conv], tok, probe, keep, chat_template=template)
+            slow = tokenize_conversations([conv], tok, probe, keep, chat_template=template,
+                                          fast=False)
+            assert _outcome(fast) == _outcome(slow), (name, messages)
+            paths.extend(r[0].render_path for r in fast if not isinstance(r, MaskRefused))
+
+    check()
+    assert paths.count("one_render") >= len(paths) / 2, paths  # the path was taken, mostly

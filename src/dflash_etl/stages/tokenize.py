@@ -95,8 +95,8 @@ class TokenizeSettings:
              "failed): stop with the rerun to do, or read ingest's conversations, warned")
     cross_check: float = setting(
         0.01, min=0, max=1, help="share of conversations (chosen by id) also tokenized without "
-        "the shortcuts the probe allowed (one render for {% generation %} templates, N+1 "
-        "renders for N replies) and quarantined if the rows differ")
+        "the shortcuts the probe allowed (one render: by {% generation %} tags or the message "
+        "loop's marks; N+1 renders for N replies) and quarantined if the rows differ")
     template_clock: str = setting(
         "2025-01-01T00:00:00", metavar="ISO|now",
         help="the date and time a template that prints the current time (strftime_now: Llama "
