@@ -349,23 +349,22 @@ def test_a_misread_generation_prompt_is_caught_by_the_probe_and_the_cross_check(
 
 def test_a_prompt_that_depends_on_what_follows_is_not_read_off_the_full_render(tok):
     """A template that closes a tool result only when it is the last message (what the
-    generation prompt then follows): the shape's sample shows the prompt is no prefix of the
-    full render, so such a conversation is rendered turn by turn, its rows those of rendering
-    every turn."""
-    template = (
-        "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n{{ m.content }}"
-        "{% if loop.last %}<|im_end|>\n{% endif %}{% else %}<|im_start|>{{ m.role }}\n"
-        "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    generation prompt then follows): the full render is no prefix-plus-prompt there, which the
+    shape's sample shows, so such a conversation is rendered turn by turn (per-turn rows, as
+    rendering every turn gives); a conversation without a tool turn still takes one render."""
+    template = TOOLS.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}"
+        "{% if loop.last %}<|im_end|>\n{% endif %}{% else %}").replace(
+        "<|im_end|>\n{% endfor %}", "<|im_end|>\n{% endif %}{% endfor %}")
     probe = probe_template(tok, template)
-    conv = _conv(("user", "Look it up"), ("assistant", "Looking."), ("tool", "found"),
-                 ("assistant", "Found it."), id="t")
-    fast = tokenize_conversations([conv, THREE_REPLIES], tok, probe, chat_template=template)
-    slow = tokenize_conversations([conv, THREE_REPLIES], tok, probe, chat_template=template,
-                                  fast=False)
+    assert probe.tool_role == "native" and probe.fast_paths[masks.FAST_ONE_RENDER]
+    convs = [TOOL_ROUND, THREE_REPLIES]
+    fast = tokenize_conversations(convs, tok, probe, chat_template=template)
+    slow = tokenize_conversations(convs, tok, probe, chat_template=template, fast=False)
     assert _outcome(fast) == _outcome(slow)
-    if not isinstance(fast[0], MaskRefused):
-        assert fast[0][0].render_path == "render_every_turn"
+    assert [r.strategy for r in fast[0]] == ["per_turn", "per_turn"]
+    assert fast[0][0].render_path == "render_every_turn"
     assert fast[1][0].render_path == "one_render"
 
 

@@ -35,8 +35,9 @@ from dflash_etl.templates.masks.renders import (
 from dflash_etl.templates.probe_record import TemplateProbe
 from dflash_etl.templates.render import RenderError, render, render_message_spans
 
-# per (tokenizer, template, the conversation's shape, kwargs): per message, the generation
-# prompt after its history where a conversation of that shape proved it (None elsewhere)
+# per (tokenizer (held: an id could be reused), template, the conversation's shape, kwargs): per
+# message, the generation prompt after its history where a conversation of that shape proved it
+# (None elsewhere)
 _HEADERS: dict[tuple[Any, ...], list[str | None]] = {}
 _MAX_HEADERS = 4096
 _SAMPLE_TOOLS = [{"type": "function", "function": {
@@ -82,7 +83,7 @@ def _generation_headers(
     when the two kwargs render the sample otherwise). Made once per process and shape
     (`shape`: prep's, when the caller has it)."""
     shape = shape or _shape(prep)
-    key = (id(tokenizer), template, shape, _render_key(0, False, full_kw),
+    key = (tokenizer, template, shape, _render_key(0, False, full_kw),
            _render_key(0, True, prompt_kw))
     if key not in _HEADERS:
         if len(_HEADERS) >= _MAX_HEADERS:
