@@ -1,6 +1,7 @@
-"""One render per conversation on a prefix-stable template: each target turn's prompt and reply
-read off the full render, where the template's loop over the messages marks each message's
-output (`render.render_message_spans`).
+"""One render per conversation on a prefix-stable template (or for a conversation's last turn
+alone, on any template): each target turn's prompt and reply read off the full render, where
+the template's loop over the messages marks each message's output
+(`render.render_message_spans`).
 
 What the render diff renders per turn, and what stands in for it here:
 - the prompt, render(history < i, generation prompt): the full render up to message i's
@@ -13,9 +14,11 @@ What the render diff renders per turn, and what stands in for it here:
 Each turn is then checked exactly as a rendered one (`per_turn._check_turn`). Anything else (no
 single loop over the messages, a header not where it belongs, a turn that needs an appended eos
 or a pre-fill, a variant other than the first on the last turn, a render error) returns None
-and the caller renders every turn: never a guessed row. The probe turns this path on only where
-it gives the full render diff's rows on its sample conversations (`shortcuts.fast_paths_for`);
-`cross_check` re-does a share of the conversations the full way.
+and the caller renders every turn: never a guessed row. A shape's sample proves what the
+template does with that structure and other texts; a template that branches on the texts
+themselves is what the rest is for: the probe turns this path on only where it gives the full
+render diff's rows on its sample conversations (`shortcuts.fast_paths_for`), `cross_check`
+re-does a share of the conversations the full way, and every row is verified.
 """
 
 from __future__ import annotations
