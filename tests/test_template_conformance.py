@@ -452,3 +452,16 @@ def test_qwen36_masks_reasoning_and_tool_calls(conformance):
     assert set(multi_turn) - res["ok_ids"] <= {"sharegpt_axolotl_fixtures.jsonl:1"}, (
         "multi-turn conversations must mask (only the one with an empty gpt turn is refused)"
     )
+
+
+def test_qwen36_and_chatml_take_one_render_per_conversation(conformance):
+    """Every conversation Qwen3.6's template and Qwen2.5's ChatML one write is read off one
+    render (the N+1 path took 3.3-3.4 per conversation here)."""
+    _tok, _convs, results = conformance
+    for name in (QWEN36, "Qwen-Qwen2.5-7B-Instruct.jinja"):
+        if name not in results:  # DFLASH_CONFORMANCE=sample checks every fourth template
+            continue
+        after = results[name]["renders"]["after"]
+        assert after["conversations"] >= 10, after
+        assert after["renders"] == after["conversations"], (name, after)
+        assert after["paths"] == {"one_render": after["conversations"]}, (name, after)
