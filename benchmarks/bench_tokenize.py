@@ -232,7 +232,11 @@ def run_stage(run_dir: Path, model: Path, src: Path = REPO / "src") -> dict:
             "in_stage_seconds": manifest["stages"]["tokenize"]["seconds"],
             "conversations": stats["rows_in"], "rows_written": stats["rows_written"],
             "tokens": stats["tokens"], "quarantined": stats["rows_quarantined"],
-            "filtered": stats["rows_filtered"], "strategies": stats["strategies"]}
+            "filtered": stats["rows_filtered"], "strategies": stats["strategies"],
+            # how the stage rendered (older revisions record neither)
+            "renders_per_conversation": (round(stats["renders"] / stats["rows_out"], 3)
+                                         if stats.get("renders") and stats["rows_out"] else None),
+            "render_paths": stats.get("render_paths")}
 
 
 def main() -> None:
@@ -346,6 +350,9 @@ def main() -> None:
                      f"{r['ratio_paired_median']:.2f} | "
                      f"{st['conversations'] / st['in_stage_seconds']:.0f} | "
                      f"{st['peak_rss_mb']:.0f} MB | {st['rows_written']} | {st['tokens']} |")
+    lines += ["", "Renders per written conversation (the stage's stats.json): " + "; ".join(
+        f"{name} {r['stage'].get('renders_per_conversation')} "
+        f"({r['stage'].get('render_paths')})" for name, r in results["runs"].items())]
     if any("base" in r for r in results["runs"].values()):
         lines += ["", f"The stage at {args.base}, alternating with this tree's in the same run:",
                   "", "| tokenizer | stage s at the base (all runs) | this tree (all runs) | "

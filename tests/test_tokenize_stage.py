@@ -139,6 +139,18 @@ def test_accounting_token_freq_and_draft_vocab(run_dir):
     assert manifest["stages"]["tokenize"]["settings"]["seq_length"] == 512
 
 
+def test_stats_say_how_each_conversation_was_rendered(run_dir):
+    """stats.json: the written conversations per render path and the renders they took;
+    probe.json: whether the one-render path is on for the template (checked by the probe)."""
+    out = run_dir / "tokenize"
+    total = json.loads((out / "stats.json").read_text())["total"]
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["fast_paths"]["one_render"] is True
+    assert sum(total["render_paths"].values()) == total["rows_out"] == 3
+    assert total["render_paths"] == {"one_render": 3}, total["render_paths"]
+    assert total["renders"] == 3  # one each (no cross-checked conversation among three)
+
+
 def test_check_fails_on_a_corrupted_mask(run_dir, tmp_path, capsys):
     import shutil
 
@@ -521,3 +533,4 @@ def test_stats_and_report_show_what_the_drafter_learns_from_per_source(default_t
     assert "asked_row_share" not in mix["alpaca"]
     page = (build_docs(run) / "index.html").read_text()
     assert "What the drafter learns from, per source" in page
+    assert "renders per written conversation" in page

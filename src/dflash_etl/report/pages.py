@@ -27,6 +27,17 @@ POLICY_KEYS = ("strategy", "include_eot", "supervise_reasoning", "turns", "seq_l
 
 
 # --------------------------------------------------------------- pieces
+def _render_paths(stats: dict[str, Any]) -> str:
+    """How the written conversations were rendered (one render, the tags' one render, or every
+    turn) and the renders per conversation: the stage's largest cost."""
+    total = stats.get("total", {})
+    paths, renders, out = total.get("render_paths"), total.get("renders"), total.get("rows_out")
+    if not paths or not out:
+        return ""
+    return "<h3>Renders</h3>" + table(["render path", "conversations"], sorted(paths.items())) \
+        + f"<p>{renders / out:.2f} renders per written conversation</p>"
+
+
 def _reasons(counts: dict[str, int] | None) -> str:
     if not counts:
         return "0"
@@ -135,6 +146,7 @@ def tokenize_section(stage: StageInfo) -> str:
     if strategies:
         html += "<h3>Rows per mask strategy</h3>" + table(
             ["strategy", "rows"], sorted(strategies.items()))
+    html += _render_paths(stage.stats or {})
     policy = (stage.stats or {}).get("on_policy")
     if policy:
         html += on_policy_section(policy)

@@ -95,8 +95,8 @@ class TokenizeSettings:
              "failed): stop with the rerun to do, or read ingest's conversations, warned")
     cross_check: float = setting(
         0.01, min=0, max=1, help="share of conversations (chosen by id) also tokenized without "
-        "the shortcuts the probe allowed (one render for {% generation %} templates, N+1 "
-        "renders for N replies) and quarantined if the rows differ")
+        "the shortcuts the probe allowed (one render: by {% generation %} tags or the message "
+        "loop's marks; N+1 renders for N replies) and quarantined if the rows differ")
     template_clock: str = setting(
         "2025-01-01T00:00:00", metavar="ISO|now",
         help="the date and time a template that prints the current time (strftime_now: Llama "
@@ -191,7 +191,7 @@ def _source_stats() -> Stats:
     """A source's accounting before its first row: the counters tokenize adds to."""
     return Stats(extra={
         "rows_written": 0, "tokens": 0, "supervised_tokens": 0, "rows_truncated": 0,
-        "cross_checked": 0,
+        "cross_checked": 0, "renders": 0, "render_paths": Counter(),
         "strategies": Counter(), "normalizations": Counter(),
         "generation_prompt_kwargs": Counter()})
 
@@ -244,6 +244,8 @@ def tokenize_rows(
         stats.rows_out += 1
         extra = stats.extra
         extra["cross_checked"] += int(made[0].cross_checked)
+        extra["renders"] += made[0].renders  # per written conversation: renders / rows_out
+        extra["render_paths"][made[0].render_path] += 1
         for row in made:
             ids_lists.append(row.input_ids)
             mask_lists.append(row.loss_mask)

@@ -29,6 +29,7 @@ import _signal
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import re
 import signal
@@ -360,6 +361,32 @@ def render_generation_spans(
     return out, spans
 
 
+def render_message_spans(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[tuple[int, int] | None] | None] | None:
+    """The conversation rendered once (no generation prompt), with the character span of each
+    message's iteration of the template's loop over the messages (`_LoopMarks`): where its
+    output starts and where the next message's (or the loop's end) starts. The text is the
+    plain render's. The spans are None where no single loop makes each message's output in
+    order (the caller renders every turn instead); the whole answer is None where the direct
+    renderer is not available. Errors as `render`."""
+    marks = _LoopMarks()
+    with _as_render_errors(), _guarded(messages, tools):
+        direct = (_direct_renderer(tokenizer, chat_template, tools is not None)
+                  if messages else None)
+        if direct is None:
+            return None
+        out = direct(messages, tools, False, kwargs, marks=marks)
+    if not isinstance(out, str):
+        raise RenderError(f"template returned {type(out).__name__}, not text")
+    return out, marks.message_spans()
+
+
 def render_with_transformers(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -418,6 +445,64 @@ def _strftime_render_clock(spec: str) -> str:
     return render_time(_LIMITS[0].clock).strftime(spec)
 
 
+class _LoopMarks:
+    """What a render's loops marked (`loop_mark`): (loop, kind, item, parts made so far) per
+    mark, the parts made and the messages as the template got them (the items are those very
+    objects, so an item is a message by identity, whatever list the loop ran over)."""
+
+    __slots__ = ("chat", "events", "most", "overflow", "parts")
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int, Any, int]] = []
+        self.parts: list[str] = []
+        self.chat: list[Any] = []
+        self.most = 10_000  # marks kept; more (a loop over characters, a spin) gives no spans
+        self.overflow = False
+
+    def message_spans(self) -> list[tuple[int, int] | None] | None:
+        """Per message, the span of its iteration in the text: from its iteration's start to the
+        next one's (or the loop's end). Only from the one loop run whose items are all messages,
+        in order, and that made text; None when there is not exactly one such run (a loop not
+        over the messages, two that print them, one that reorders them)."""
+        runs = None if self.overflow else self._runs()
+        if runs is None:
+            return None
+        index = {id(m): k for k, m in enumerate(self.chat)}
+        offsets = [0]
+        for part in self.parts:
+            offsets.append(offsets[-1] + len(part))
+        found = []
+        for items, end in runs:
+            ks = [index.get(id(item)) for item, _ in items]
+            if items and None not in ks and offsets[end] > offsets[items[0][1]]:
+                found.append((ks, [at for _, at in items] + [end]))
+        if len(found) != 1:
+            return None
+        ks, bounds = found[0]
+        if any(b <= a for a, b in itertools.pairwise(ks)):
+            return None
+        spans: list[tuple[int, int] | None] = [None] * len(self.chat)
+        for n, k in enumerate(ks):
+            spans[k] = (offsets[bounds[n]], offsets[bounds[n + 1]])
+        return spans
+
+    def _runs(self) -> list[tuple[list[tuple[Any, int]], int]] | None:
+        """Each loop run: its items with the parts made before each, and the parts made at its
+        end; None when the marks do not nest (never from the generated code)."""
+        stack: list[tuple[int, list[tuple[Any, int]]]] = []
+        runs = []
+        for loop, kind, item, at in self.events:
+            if kind == 0:
+                stack.append((loop, []))
+            elif not stack or stack[-1][0] != loop:
+                return None
+            elif kind == 1:
+                stack[-1][1].append((item, at))
+            else:
+                runs.append((stack.pop()[1], at))
+        return None if stack else runs
+
+
 class _CompiledRenderer:
     """Renders with the inputs transformers gives a template: messages without None values,
     reasoning aliased as transformers aliases it, the special tokens as variables.
@@ -436,9 +521,11 @@ class _CompiledRenderer:
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  add_generation_prompt: bool, kwargs: dict[str, Any] | None,
-                 generation_spans: list[tuple[int, int]] | None = None) -> str:
+                 generation_spans: list[tuple[int, int]] | None = None,
+                 marks: _LoopMarks | None = None) -> str:
         """The text; with `generation_spans`, each {% generation %} block's span is appended
-        to it (transformers' tracker reads the parts made so far)."""
+        to it (transformers' tracker reads the parts made so far); with `marks`, the loops'
+        iterations are recorded in it (`_LoopMarks`)."""
         chat = self.alias([m if None not in m.values() else
                            {k: v for k, v in m.items() if v is not None} for m in messages])
         template = self.template
@@ -453,6 +540,15 @@ class _CompiledRenderer:
             parts: list[str] = []
             with environment.activate_tracker(parts, generation_spans):
                 return self._collect(template.root_render_func(context), parts, budget)
+        if marks is not None:
+            marks.chat = chat
+            marks.most += 16 * len(chat)
+            outer = getattr(_STATE, "marks", None)
+            _STATE.marks = marks
+            try:
+                return self._collect(template.root_render_func(context), marks.parts, budget)
+            finally:
+                _STATE.marks = outer
         if budget is None:
             return environment.concat(template.root_render_func(context))
         return self._collect(template.root_render_func(context), [], budget)
@@ -507,6 +603,17 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
 
     def render_tick(self) -> None:
         _tick()
+
+    def loop_mark(self, loop: int, kind: int, item: Any = None) -> None:
+        """A loop of the template starts (`kind` 0), starts an iteration over `item` (1) or
+        ends (2): recorded where a render asked for its loops' marks (`render_message_spans`),
+        nothing otherwise. The text is not touched: the mark is the number of parts made."""
+        marks = getattr(_STATE, "marks", None)
+        if marks is not None:
+            if len(marks.events) >= marks.most:  # a loop that spins: no marks, and no memory
+                marks.overflow = True
+                return
+            marks.events.append((loop, kind, item, len(marks.parts)))
 
     def wrap_str_format(self, value: Any) -> Any:
         wrapped = super().wrap_str_format(value)
@@ -590,16 +697,31 @@ def _memoizable(kind: type) -> bool:
 
 class _GuardedCodeGenerator(CodeGenerator):
     """Jinja's code generator, plus a deadline check at the top of every loop body and `~`
-    through the sandbox's size check."""
+    through the sandbox's size check; and marks (`loop_mark`) where a loop whose output goes
+    straight to the rendered text (not into a macro's, a `set` block's or a filter's buffer)
+    starts, starts each iteration (with the item) and ends, for `render_message_spans`."""
 
     def visit_For(self, node: nodes.For, frame: Any) -> None:
         self._loop_bodies = getattr(self, "_loop_bodies", set())
         self._loop_bodies.add(id(node.body))  # jinja allows no custom node: marked by identity
+        self._marked_loops: dict[int, tuple[int, str]] = getattr(self, "_marked_loops", {})
+        if (frame.buffer is not None or node.recursive
+                or not isinstance(node.target, nodes.Name)):
+            super().visit_For(node, frame)
+            return
+        loop = len(self._marked_loops)
+        self._marked_loops[id(node.body)] = (loop, node.target.name)
+        self.writeline(f"environment.loop_mark({loop}, 0)")
         super().visit_For(node, frame)
+        self.writeline(f"environment.loop_mark({loop}, 2)")
 
     def blockvisit(self, body: list[nodes.Node], frame: Any) -> None:
         if id(body) in getattr(self, "_loop_bodies", ()):
             self.writeline("environment.render_tick()")
+            marked = getattr(self, "_marked_loops", {}).get(id(body))
+            if marked is not None:
+                self.writeline(f"environment.loop_mark({marked[0]}, 1, "
+                               f"{frame.symbols.ref(marked[1])})")
         super().blockvisit(body, frame)
 
     def visit_Concat(self, node: nodes.Concat, frame: Any) -> None:

@@ -93,9 +93,13 @@ def tokenize_conversations(
         encoded = [_Encoded.join(texts, [next(encodings) for _ in texts])
                    for texts in (plan.pieces() for plan in item.rows)]
         try:
-            results.append(_build_planned(item, tokenizer, probe, policy, encoded))
+            rows = _build_planned(item, tokenizer, probe, policy, encoded)
         except (MaskRefused, RenderError) as exc:
             results.append(_refusal(exc, item.prep, tokenizer, probe, chat_template))
+            continue
+        if rows:  # what rendering it took, on its first row (counted after any fallback)
+            rows[0].renders, rows[0].render_path = item.prep.renders_made, item.prep.render_path
+        results.append(rows)
     if fast and cross_check > 0 and probe.fast_paths:
         for k, conv in enumerate(convs):
             if zlib.crc32(str(conv.get("id")).encode()) < cross_check * 2**32:
@@ -165,6 +169,8 @@ def _cross_checked(
             "template and report it"))
     for row in () if isinstance(result, MaskRefused) else result:
         row.cross_checked = True
+    if not isinstance(result, MaskRefused) and result and not isinstance(slow, MaskRefused):
+        result[0].renders += slow[0].renders  # the cross-check's renders are this row's cost
     return result
 
 

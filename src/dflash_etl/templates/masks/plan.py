@@ -10,6 +10,7 @@ from typing import Any
 
 from dflash_etl.templates.masks.encoding import _Encoded
 from dflash_etl.templates.masks.generation import _generation_row
+from dflash_etl.templates.masks.one_render import _turns_from_one_render
 from dflash_etl.templates.masks.per_turn import _render_turn, _Turn
 from dflash_etl.templates.masks.policy import (
     FILTER_CODES,
@@ -23,7 +24,12 @@ from dflash_etl.templates.masks.policy import (
 )
 from dflash_etl.templates.masks.prepare import _Prepared
 from dflash_etl.templates.masks.render_diff import _single_row
-from dflash_etl.templates.masks.renders import FAST_GENERATION
+from dflash_etl.templates.masks.renders import (
+    FAST_GENERATION,
+    FAST_ONE_RENDER,
+    RENDER_PATH_EVERY,
+    RENDER_PATH_TAGS,
+)
 from dflash_etl.templates.masks.rows import _build_row, _RowPlan
 from dflash_etl.templates.probe_record import (
     STRATEGY_GENERATION,
@@ -83,6 +89,7 @@ def _plan(
         row = _generation_row(tokenizer, probe, prep, policy, template, planner.targets,
                               planner.ordinals)
         if row is not None:
+            prep.render_path = RENDER_PATH_TAGS
             return _Planned(prep, [row], planner.per_turn if auto else lambda _why: _plan(
                 prep, tokenizer, probe, policy, template, fast=False).rows)
     single, single_failure = planner.single_row(strategy)
@@ -142,29 +149,46 @@ class _Planner:
         return {i: k for k, i in enumerate(self.prep.assistant_idx)}
 
     def turns_for(self, base: dict[str, Any]) -> list[_Turn]:
-        """The target turns rendered under `base` kwargs, the last first (its prompt gives the
-        one before's end); the first turn's refusal, as when rendered in order."""
+        """The target turns under `base` kwargs: read off one render where the probe allowed
+        it and the marks hold (`one_render`), on a template prefix-stable under them or for
+        the last turn alone (its prompt is then the only text read off the full render); else
+        rendered turn by turn."""
         key = json.dumps(base, sort_keys=True)
         if key not in self.rendered:
             probe = self.probe
             stable = probe.prefix_stable if not base else base == probe.stable_kwargs
-            ordinals = self.ordinals
-            made: list[_Turn | Exception] = []
-            following: int | None = None
-            for i in reversed(self.targets):
-                try:
-                    made.append(_render_turn(
-                        self.tokenizer, probe, self.prep, ordinals[i], i, base, self.policy,
-                        self.template, following if self.fast and stable else None))
-                except (MaskRefused, RenderError) as exc:
-                    made.append(exc)
-                following = i
-            made.reverse()
-            for turn in made:
-                if isinstance(turn, Exception):
-                    raise turn
-            self.rendered[key] = made  # type: ignore[assignment]
+            made = None
+            if (self.fast and (stable or len(self.targets) == 1)
+                    and probe.fast_paths.get(FAST_ONE_RENDER)):
+                made = _turns_from_one_render(self.tokenizer, probe, self.prep, base,
+                                              self.policy, self.template, self.targets,
+                                              self.ordinals)
+            if made is None:
+                self.prep.render_path = RENDER_PATH_EVERY
+                made = self._render_every_turn(base, self.fast and stable)
+            self.rendered[key] = made
         return self.rendered[key]
+
+    def _render_every_turn(self, base: dict[str, Any], shortcut: bool) -> list[_Turn]:
+        """The target turns rendered under `base` kwargs, the last first (with `shortcut`, its
+        prompt gives the one before's end); the first turn's refusal, as when rendered in
+        order."""
+        ordinals = self.ordinals
+        made: list[_Turn | Exception] = []
+        following: int | None = None
+        for i in reversed(self.targets):
+            try:
+                made.append(_render_turn(
+                    self.tokenizer, self.probe, self.prep, ordinals[i], i, base, self.policy,
+                    self.template, following if shortcut else None))
+            except (MaskRefused, RenderError) as exc:
+                made.append(exc)
+            following = i
+        made.reverse()
+        for turn in made:
+            if isinstance(turn, Exception):
+                raise turn
+        return made  # type: ignore[return-value]
 
     def per_turn(self, why: str) -> list[_RowPlan]:
         """One row per target turn: its prompt, then its reply (encoded apart)."""

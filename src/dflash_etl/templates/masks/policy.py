@@ -142,3 +142,7 @@ class TokenizedRow:
     split_at: int | None = None  # per-turn rows: prompt and reply are encoded separately here
     cross_checked: bool = False  # also made without shortcuts, and equal (`cross_check`)
     prefill: str = ""  # the reasoning opener the prompt ends with; the reply continues after it
+    # on a conversation's first row: the renders its rows took, and how (`render_path`:
+    # "one_render", "generation_tags" or "render_every_turn": N+1 renders for N replies or more)
+    renders: int = 0
+    render_path: str = ""

@@ -37,6 +37,10 @@ class _Prepared:
     renders: dict[tuple[Any, ...], str] = field(default_factory=dict)
     # per message index: the reasoning the policy supervises, rendered by the template or not
     raw_reasoning: dict[int, str] = field(default_factory=dict)
+    # what rendering it took (stats.json `render_paths`, `renders`): the renders made, and
+    # the path its rows came from (masks.plan's RENDER_PATH_* names)
+    renders_made: int = 0
+    render_path: str = "render_every_turn"
 
 
 def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> _Prepared:

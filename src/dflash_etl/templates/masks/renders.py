@@ -24,6 +24,11 @@ from dflash_etl.templates.render import (
 # the shortcuts, by the names probe.fast_paths records them under
 FAST_GENERATION = "generation_one_render"  # a tag template's mask from one render
 FAST_TURN_END = "turn_end_from_next_prompt"  # render diff: N+1 renders for N replies
+FAST_ONE_RENDER = "one_render"  # render diff: turns read off the full render's message marks
+# how a conversation's rows were rendered (TokenizedRow.render_path, stats.json render_paths)
+RENDER_PATH_ONE = "one_render"
+RENDER_PATH_TAGS = "generation_tags"
+RENDER_PATH_EVERY = "render_every_turn"
 
 
 def _render_prefix(
@@ -38,6 +43,7 @@ def _render_prefix(
     render is the full conversation's render, and each render is the stage's largest cost."""
     key = _render_key(n, generation_prompt, kwargs)
     if key not in prep.renders:
+        prep.renders_made += 1
         prep.renders[key] = render(
             tokenizer, prep.messages[:n], chat_template=template, tools=prep.tools,
             add_generation_prompt=generation_prompt, kwargs=kwargs,
@@ -136,6 +142,7 @@ def _tagged_turns(
                                    tools=prep.tools, kwargs=dict(probe.render_kwargs))
     if made is None:
         return None
+    prep.renders_made += 1
     full, blocks = made
     if len(blocks) != len(prep.assistant_idx):
         return None
@@ -158,6 +165,7 @@ def _hf_assistant_mask(
 ) -> tuple[list[int], list[int]]:
     """The conversation's ids and HF's {% generation %} assistant mask over them, made by
     transformers; a failure is a refusal."""
+    prep.renders_made += 1
     try:
         out = guarded_call(
             prep.messages, prep.tools, tokenizer.apply_chat_template,

@@ -9,7 +9,7 @@ from typing import Any
 
 from dflash_etl.templates.masks.conversations import _outcome, tokenize_conversations
 from dflash_etl.templates.masks.policy import MaskPolicy
-from dflash_etl.templates.masks.renders import FAST_GENERATION, FAST_TURN_END
+from dflash_etl.templates.masks.renders import FAST_GENERATION, FAST_ONE_RENDER, FAST_TURN_END
 from dflash_etl.templates.probe_record import STRATEGY_GENERATION, TemplateProbe
 from dflash_etl.templates.render import RenderLimitExceeded
 
@@ -28,7 +28,12 @@ def _sample_conversations(probe: TemplateProbe) -> list[dict[str, Any]]:
          turn("assistant", "Four."), turn("user", "Times three?"), turn("assistant", "Twelve.")],
         [turn("user", "Think first: 7 * 6?"), turn("assistant", "42.", reasoning="7 * 6 = 42."),
          turn("user", "And 6 * 9?"), turn("assistant", "54.", reasoning="6 * 9 = 54.")],
+        # reasoning on some turns only: the turns take other thinking-mode kwargs
+        [turn("user", "Hi there."), turn("assistant", "Hello!"),
+         turn("user", "Think: 3 + 4?"), turn("assistant", "7.", reasoning="3 + 4 = 7."),
+         turn("user", "Good."), turn("assistant", "Glad to help.")],
     ]
+    tools_at = len(convs)
     if probe.tool_call_args is not None and probe.tool_role == "native":
         call = [{"type": "function", "id": "call_1",
                  "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
@@ -40,7 +45,7 @@ def _sample_conversations(probe: TemplateProbe) -> list[dict[str, Any]]:
              "tools": json.dumps([{"type": "function", "function": {
                  "name": "get_weather", "description": "Weather for a city",
                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])
-             if k == 3 else None} for k, m in enumerate(convs)]
+             if k == tools_at else None} for k, m in enumerate(convs)]
 
 
 def fast_paths_for(tokenizer: Any, probe: TemplateProbe, template: str | None
@@ -51,8 +56,8 @@ def fast_paths_for(tokenizer: Any, probe: TemplateProbe, template: str | None
     convs = _sample_conversations(probe)
     policies = [MaskPolicy(turns=t, include_eot=e) for t in ("all", "last") for e in (True, False)]
     out: dict[str, Any] = {}
-    names = [FAST_TURN_END] + ([FAST_GENERATION] if probe.strategy == STRATEGY_GENERATION
-                               else [])
+    names = [FAST_TURN_END, FAST_ONE_RENDER] + (
+        [FAST_GENERATION] if probe.strategy == STRATEGY_GENERATION else [])
     for name in names:
         trial = dataclasses.replace(probe, fast_paths={name: True})
         try:
