@@ -77,6 +77,12 @@ class IngestSettings:
     near_dedup_ngram: int = setting(3, min=1, help="words per shingle")
     near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
                                     help="compare the user turns, or every message")
+    weight_by: str = setting(
+        "rows", choices=("rows", "supervised_tokens"),
+        help="what the sources' weights are shares of: rows (ingest samples the conversations), "
+             "or supervised tokens, what the drafter trains on (ingest keeps the weighted "
+             "sources whole and tokenize, which counts them, leaves out conversations, "
+             "filtered mix_weight)")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -132,9 +138,12 @@ def normalize_records(
 
 
 def plan_mix(
-    index: pl.DataFrame, sources: tuple[SourceConfig, ...], seed: int, dedup: bool
+    index: pl.DataFrame, sources: tuple[SourceConfig, ...], seed: int, dedup: bool,
+    weight_by: str = "rows",
 ) -> tuple[pl.DataFrame, dict[str, Counter[str]], dict[str, dict[str, Any]]]:
-    """Which rows to keep. `index` has id, source, _unit, _line in output order.
+    """Which rows to keep. `index` has id, source, _unit, _line in output order. Weighted
+    sources are sampled to their shares of rows; with weight_by "supervised_tokens" they are
+    kept whole here (tokenize mixes them by the supervised tokens it counts).
 
     Returns the kept (_unit, _line, _occurrence) keys, the filtered counts per source and
     reason, and what
@@ -158,7 +167,12 @@ def plan_mix(
             ).height - part.height
         parts[source.name] = part
     weighted = [s for s in sources if s.weight is not None]
-    if weighted:
+    if weighted and weight_by == "supervised_tokens":
+        for source in weighted:
+            n = parts[source.name].height
+            mix[source.name] = {"weight": source.weight, "weight_by": weight_by,
+                                "rows_available": n, "rows_kept": n}
+    elif weighted:
         total_weight = sum(s.weight or 0 for s in weighted)
         scale = min(parts[s.name].height / ((s.weight or 0) / total_weight) for s in weighted)
         for k, source in enumerate(sources):
@@ -259,7 +273,9 @@ class IngestStage(BatchStage):
         return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
                 "unit_format": UNIT_FORMAT,
                 "settings": {k: v for k, v in dataclasses.asdict(ctx.settings).items()
-                             if k != "decontaminate"},  # the files' contents, not their paths
+                             # the files' contents, not their paths; weight_by's default
+                             # leaves the fingerprints of earlier runs as they were
+                             if k != "decontaminate" and (k, v) != ("weight_by", "rows")},
                 "benchmarks": [sha256_file(b) for b in benchmarks]}
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
@@ -407,7 +423,8 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
         index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
         index = _near_dedup(index, row_files, settings, partial, per_source)
-    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
+    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup,
+                                   settings.weight_by)
     for name, counts in filtered.items():
         stats = per_source[name]
         for reason, n in counts.items():
@@ -429,6 +446,9 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     doc = stats_document(per_source, "ingest")
     doc["total"]["shards"] = len(list((partial / "conversations").glob("*.parquet")))
     doc["warnings"] = warnings
+    # what the weights are shares of; tokenize reads it (weight_by = "supervised_tokens")
+    doc["mix"] = {"weight_by": settings.weight_by, "seed": config.run.seed,
+                  "weights": {s.name: s.weight for s in config.sources if s.weight is not None}}
     return doc
 
 
