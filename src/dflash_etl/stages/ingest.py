@@ -150,7 +150,6 @@ def plan_mix(
     the mix reached per source. Deterministic for a given seed and input order.
     """
     filtered: dict[str, Counter[str]] = {s.name: Counter() for s in sources}
-    mix: dict[str, dict[str, Any]] = {}
     frame = index.with_row_index("_pos")
     if dedup:
         first = frame.select(pl.col("id").is_first_distinct()).to_series()
@@ -166,6 +165,20 @@ def plan_mix(
                 pl.col("source") == source.name
             ).height - part.height
         parts[source.name] = part
+    mix = _weigh(parts, sources, seed, weight_by, filtered)
+    kept = pl.concat([p for p in parts.values()]).sort("_pos")
+    # Without dedup, repeated conversations stay: number them so ids remain unique.
+    kept = kept.select(
+        "_unit", "_line", pl.col("id").cum_count().over("id").cast(pl.Int32).alias("_occurrence")
+    )
+    return kept, filtered, mix
+
+
+def _weigh(parts: dict[str, pl.DataFrame], sources: tuple[SourceConfig, ...], seed: int,
+           weight_by: str, filtered: dict[str, Counter[str]]) -> dict[str, dict[str, Any]]:
+    """The weighted sources' parts sampled to their shares of rows (in place, the rest counted
+    mix_weight), or by supervised tokens kept whole for tokenize; what each reached."""
+    mix: dict[str, dict[str, Any]] = {}
     weighted = [s for s in sources if s.weight is not None]
     if weighted and weight_by == "supervised_tokens":
         for source in weighted:
@@ -186,12 +199,7 @@ def plan_mix(
                 filtered[source.name][S.F_MIX_WEIGHT] += available - target
             mix[source.name] = {"weight": source.weight, "target_share": round(share, 6),
                                 "rows_available": available, "rows_kept": target}
-    kept = pl.concat([p for p in parts.values()]).sort("_pos")
-    # Without dedup, repeated conversations stay: number them so ids remain unique.
-    kept = kept.select(
-        "_unit", "_line", pl.col("id").cum_count().over("id").cast(pl.Int32).alias("_occurrence")
-    )
-    return kept, filtered, mix
+    return mix
 
 
 def _sample(part: pl.DataFrame, k: int, seed: int, salt: int) -> pl.DataFrame:
@@ -423,15 +431,7 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
         index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
         index = _near_dedup(index, row_files, settings, partial, per_source)
-    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup,
-                                   settings.weight_by)
-    for name, counts in filtered.items():
-        stats = per_source[name]
-        for reason, n in counts.items():
-            stats.filter(reason, n)
-        stats.rows_out -= sum(counts.values())
-        if name in mix:
-            stats.extra["mix"] = mix[name]
+    kept = _apply_mix(index, config, settings, per_source)
     _write_shards(row_files, kept, partial / "conversations", config.run.shard_rows)
     quarantine = pa.concat_tables([pq.read_table(f, schema=S.QUARANTINE) for f in q_files])
     pq.write_table(quarantine, partial / "quarantine.parquet")
@@ -450,6 +450,21 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     doc["mix"] = {"weight_by": settings.weight_by, "seed": config.run.seed,
                   "weights": {s.name: s.weight for s in config.sources if s.weight is not None}}
     return doc
+
+
+def _apply_mix(index: pl.DataFrame, config: PipelineConfig, settings: IngestSettings,
+               per_source: dict[str, Stats]) -> pl.DataFrame:
+    """plan_mix on the index, its filtered rows and mix counted per source; the kept keys."""
+    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup,
+                                   settings.weight_by)
+    for name, counts in filtered.items():
+        stats = per_source[name]
+        for reason, n in counts.items():
+            stats.filter(reason, n)
+        stats.rows_out -= sum(counts.values())
+        if name in mix:
+            stats.extra["mix"] = mix[name]
+    return kept
 
 
 def _benchmark_files(config: PipelineConfig, settings: IngestSettings) -> list[Path]:

@@ -25,6 +25,7 @@ from dflash_etl.models.training.checkpoints import (
     tidy_checkpoints,
 )
 from dflash_etl.models.training.evaluation import TauEvaluator
+from dflash_etl.models.training.labels import final_norm
 from dflash_etl.models.training.loss import (
     DraftVocab,
     block_loss,
@@ -93,11 +94,8 @@ class Trainer:
                                            weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, settings.warmup, settings.steps))
-        self.norm = None  # labels = "target": the target's final norm, before its LM head
-        if settings.labels == "target":
-            from dflash_etl.models.training.labels import final_norm
-
-            self.norm = final_norm(self.target.model)
+        # labels = "target": the target's final norm (before its LM head) gives the labels
+        self.norm = final_norm(self.target.model) if settings.labels == "target" else None
         self.states = extracted or OnlineStates(self.target, last=self.norm is not None)
         self.rows = rows
         self.log_path = out / "log.jsonl"
