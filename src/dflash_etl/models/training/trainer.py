@@ -25,7 +25,7 @@ from dflash_etl.models.training.checkpoints import (
     tidy_checkpoints,
 )
 from dflash_etl.models.training.evaluation import TauEvaluator
-from dflash_etl.models.training.labels import final_norm
+from dflash_etl.models.training.labels import final_norm, target_labels
 from dflash_etl.models.training.loss import (
     DraftVocab,
     block_loss,
@@ -152,8 +152,6 @@ class Trainer:
         "data", the states as they are and None (make_batch reads the rows' tokens)."""
         if self.norm is None:
             return states, None
-        from dflash_etl.models.training.labels import target_labels
-
         labels = target_labels(rows, [st[:, -1] for st in states], picks,
                                self.settings.block_size, self.norm, self.lm_head, self.vocab)
         return [st[:, :-1] for st in states], labels
