@@ -119,6 +119,13 @@ def test_by_supervised_tokens_the_supervised_tokens_take_the_weights(runs):
         assert plan[name]["supervised_kept"] == mix[name]["supervised_tokens"]
         assert "asked_row_share" not in mix[name]
     assert doc["mix"]["max_share_error"] <= tolerance
+    # train's split counts per source the supervised tokens it trains on (held-out rows aside)
+    from dflash_etl.stages import train
+
+    trained, _, split = train._split(rows, train.TrainSettings(eval_prompts=4))
+    for name in WEIGHTS:
+        assert split[name].extra["supervised_tokens"] == sum(
+            sum(r["loss_mask"]) for r in trained if r["source"] == name) > 0
     # ingest kept the weighted sources whole; tokenize left conversations out of the long one
     ingest_doc = json.loads((run / "ingest" / "stats.json").read_text())
     assert ingest_doc["mix"]["weight_by"] == "supervised_tokens"

@@ -286,7 +286,8 @@ def _split(rows: list[dict[str, Any]], settings: TrainSettings
     held = held_out_ids([r["id"] for r in rows], settings.eval_prompts, settings.seed)
     train_rows, prompts, per_source = [], [], {}
     for row in rows:
-        stats = per_source.setdefault(row["source"], Stats(extra={"tokens": 0}))
+        stats = per_source.setdefault(row["source"], Stats(extra={"tokens": 0,
+                                                                  "supervised_tokens": 0}))
         stats.rows_in += 1
         if row["id"] in held:
             stats.filter(F_HELD_OUT)
@@ -298,6 +299,7 @@ def _split(rows: list[dict[str, Any]], settings: TrainSettings
         else:
             stats.rows_out += 1
             stats.extra["tokens"] += len(row["input_ids"])
+            stats.extra["supervised_tokens"] += int(sum(row["loss_mask"]))  # what it trains on
             train_rows.append(row)
     return train_rows, prompts[:settings.eval_prompts], per_source
 
