@@ -19,7 +19,13 @@ The goal (the issue's): our tau >= theirs at equal steps, and our steps/s >= 1.5
 
     python benchmarks/bench_trainer_vs_speculators.py [--run runs/default] [--steps 100]
         [--seeds 0,1,2] [--prompts-from held-out|bench] [--bench FILE,FILE] [--prompts 16]
-        [--new-tokens 32] [--their-defaults] [--out benchmarks/results/trainer_vs_speculators]
+        [--new-tokens 32] [--their-defaults] [--labels data|target] [--ours-only]
+        [--out benchmarks/results/trainer_vs_speculators]
+
+`--labels` sets our trainer's `[train] labels` (default: the run's); `--ours-only` trains and
+measures ours alone (speculators' figures do not depend on our settings), written as a short
+table: e.g. `--ours-only --labels target` against `--ours-only --labels data`
+(benchmarks/results/train_labels.md).
 
 The run must be complete through train (`dflash-etl run`); nothing in it is changed: the
 export and both trainers' drafters go to benchmarks/work/trainer_vs_speculators/. Results:
@@ -136,7 +142,8 @@ def train_ours(settings: Any, rows: list[dict[str, Any]], extracted: Any, index:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     states = ExtractedStates(extracted.stage_dir, len(extracted.layers), index,
-                             hidden_size=extracted.hidden_size)
+                             hidden_size=extracted.hidden_size,
+                             last=settings.labels == "target")
     t2d = None
     if settings.head_vocab == "draft":
         from dflash_etl.core.outputs import TokenizedOutput
@@ -416,6 +423,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per turn")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="where the results go: OUT.md and OUT.json (default: %(default)s)")
+    parser.add_argument("--labels", choices=("data", "target"),
+                        help="our trainer's [train] labels (default: the run's setting)")
+    parser.add_argument("--ours-only", action="store_true",
+                        help="train and measure our trainer only (e.g. one [train] setting "
+                             "against another: speculators' figures do not change with ours)")
     parser.add_argument("--their-defaults", action="store_true",
                         help="also train speculators with its DFlash loss defaults (D-PACE "
                              "weighting instead of our fixed decay)")
@@ -430,6 +442,8 @@ def main() -> None:
     base = run_settings(run)
     if args.steps:
         base = replace(base, steps=args.steps)  # the run's warm-up rule (default: 4%)
+    if args.labels:
+        base = replace(base, labels=args.labels)
     data = WORK / "speculators-data"
     doc = export(run, "speculators", data, progress=False)
     split = int(doc["rows_in"] * TRAIN_RATIO)
@@ -439,7 +453,8 @@ def main() -> None:
     seq_len = max(max(lengths), round(base.batch_rows * sum(lengths) / len(lengths)))
     bench = TauBench(run, run / "train" / "drafter", args.prompts_from, args.prompts,
                      args.new_tokens, held, [Path(f) for f in args.bench.split(",") if f])
-    variants = ["matched", *(["defaults"] if args.their_defaults else [])]
+    variants = [] if args.ours_only else ["matched",
+                                          *(["defaults"] if args.their_defaults else [])]
     print(f"export, rows, target: {time.perf_counter() - clock:.0f} s", flush=True)
     results = []
     for seed in seeds:
@@ -464,6 +479,9 @@ def main() -> None:
         results.append(row)
         print(f"seed {seed}: {json.dumps(_brief(row))} ({time.perf_counter() - clock:.0f} s)",
               flush=True)
+    if args.ours_only:
+        write_ours(args, base, results, time.perf_counter() - clock)
+        return
     write_results(args, run, base, doc, rows, seq_len, results, variants,
                   time.perf_counter() - clock, bench.prompts or bench.items)
 
@@ -533,9 +551,13 @@ def settings_table(v: dict[str, Any]) -> list[str]:
          f"{v['anchors']} per packed batch: any supervised token (not the last "
          f"{v['block']} of the sequence)", "**no**: per batch, not per row"),
         ("block size", f"{v['block']}", f"`--block-size {v['block']}`", "yes"),
-        ("loss labels", "the **data token** at anchor+k",
+        ("loss labels", "the **target's argmax** at anchor+k (`labels = target`: the stored "
+         "last-layer states through the target's norm and head)" if v["labels"] == "target"
+         else "the **data token** at anchor+k (`labels = data`)",
          "`--loss-fn ce`: the **target's argmax** at anchor+k (its stored last-layer states "
-         "through the target's norm and head, over the draft vocabulary)", "**no**"),
+         "through the target's norm and head, over the draft vocabulary)",
+         "yes (ours over the whole head unless `head_vocab = draft`)"
+         if v["labels"] == "target" else "**no**"),
         ("loss weights", f"exp(-(k-1)/{v['gamma']}) / the batch's weight total",
          f"`--per-position-loss-weight fixed-exp-decay --dflash-decay-gamma {v['gamma']}` "
          "(its default: D-PACE) / the supervised count", "decay yes; normaliser no"),
@@ -553,6 +575,36 @@ def settings_table(v: dict[str, Any]) -> list[str]:
     ]
     return ["## Settings", "", "| setting | ours | speculators | matched |", "|---|---|---|---|",
             *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)]
+
+
+def write_ours(args: argparse.Namespace, settings: Any, results: list[dict[str, Any]],
+               seconds: float) -> None:
+    """--ours-only: OUT.json and a short OUT.md, our trainer's tau and speed per seed."""
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    command = (f"python benchmarks/bench_trainer_vs_speculators.py --run {_shown(args.run)} "
+               f"--steps {settings.steps} --seeds {args.seeds} --prompts-from "
+               f"{args.prompts_from} --prompts {args.prompts} --new-tokens {args.new_tokens} "
+               f"--ours-only --labels {settings.labels} --out {_shown(args.out)}")
+    ours = [r["ours"] for r in results]
+    summary = {"ours_tau": _mean([o["tau"] for o in ours]),
+               "tau_untrained": _mean([r["tau_untrained"] for r in results]),
+               "ours_steps_per_s": _mean([o["median_steps_per_s"] for o in ours])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"date": date, "command": command, "seconds": round(seconds, 1),
+         "labels": settings.labels, "head_vocab": settings.head_vocab, "steps": settings.steps,
+         "summary": summary, "seeds": results}, indent=2) + "\n")
+    lines = [f"# our trainer, labels = {settings.labels} — {date}", "",
+             f"Command: `{command}` ({seconds / 60:.1f} min).", "",
+             "| seed | our tau | untrained tau | our steps/s | final loss |",
+             "|---|---:|---:|---:|---:|",
+             *(f"| {r['seed']} | {o['tau']:.3f} | {r['tau_untrained']:.3f} | "
+               f"{o['median_steps_per_s']:.2f} | {o['final_loss']} |"
+               for r, o in zip(results, ours, strict=True)),
+             f"| **mean** | {summary['ours_tau']:.3f} | {summary['tau_untrained']:.3f} | "
+             f"{summary['ours_steps_per_s']:.2f} | |", ""]
+    args.out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[str, Any],
@@ -590,6 +642,7 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
                f"--steps {settings.steps} --seeds {args.seeds} --prompts-from "
                f"{args.prompts_from} --prompts {args.prompts} --new-tokens {args.new_tokens}"
                + (" --their-defaults" if args.their_defaults else "")
+               + (f" --labels {args.labels}" if args.labels else "")
                + ("" if args.out == DEFAULT_OUT else f" --out {_shown(args.out)}"))
     per_batch = _mean([t["rows_per_batch"] for t in theirs])
     result = {
@@ -602,6 +655,7 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
         "max_anchors": anchors, "total_seq_len": seq_len, "rows_per_batch": per_batch,
         "block_size": settings.block_size, "gamma": settings.gamma,
         "head_vocab": settings.head_vocab, "draft_vocab_size": doc["draft_vocab_size"],
+        "labels": settings.labels,
         "train_rows": len(rows), "prompts": args.prompts, "new_tokens": args.new_tokens,
         "summary": summary, "seeds": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -647,6 +701,7 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
                   "apr": settings.anchors_per_row, "anchors": anchors, "seq_len": seq_len,
                   "per_batch": per_batch, "block": settings.block_size,
                   "gamma": settings.gamma, "head_vocab": settings.head_vocab,
+                  "labels": settings.labels,
                   "draft_vocab": doc["draft_vocab_size"], "clip": settings.grad_clip,
                   "ratio": TRAIN_RATIO, "train_rows": len(rows)}), ""]
     previous = args.out.with_suffix(".md")

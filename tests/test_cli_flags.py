@@ -257,9 +257,19 @@ def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
                                "strict_sources": None, "decontaminate": None,
                                "decontaminate_ngram": None, "near_dedup": None,
                                "near_dedup_threshold": None, "near_dedup_ngram": None,
-                               "near_dedup_scope": None}
+                               "near_dedup_scope": None, "weight_by": None}
     assert calls["tokenize"]["workers"] == 3 and calls["tokenize"]["seq_length"] is None
     # extract is a batch stage too (its shards are work items: one process locally, whatever
     # --workers says, as its declared resources cap it; actors on Ray); train is not
     assert calls["extract"]["workers"] == 3 and calls["extract"]["model"] is None
     assert "workers" not in calls["train"] and "executor" not in calls["train"]
+
+
+def test_the_mix_and_label_settings_are_flags():
+    """[ingest] weight_by and [train] labels, as every stage key, are flags of their stage."""
+    parsers = _subparsers(build_parser())
+    weight_by = _flags(parsers["ingest"])["--weight-by"]
+    labels = _flags(parsers["train"])["--labels"]
+    assert tuple(weight_by.choices) == ("rows", "supervised_tokens")
+    assert tuple(labels.choices) == ("data", "target")
+    assert "--labels" not in _flags(parsers["tokenize"])

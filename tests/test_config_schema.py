@@ -107,6 +107,10 @@ def test_a_section_of_the_wrong_kind(tmp_path):
     (SOURCE + "[train]\nblock_size = 1\n",
      "[train] block_size = 1: must be an integer in [2, 256] (a block needs the anchor"),
     (SOURCE + "[train]\ndevice = 'gpu'\n", '[train] device = "gpu": must be one of "auto"'),
+    (SOURCE + "[train]\nlabels = 'argmax'\n",
+     '[train] labels = "argmax": must be one of "data", "target"'),
+    (SOURCE + "[ingest]\nweight_by = 'tokens'\n",
+     '[ingest] weight_by = "tokens": must be one of "rows", "supervised_tokens"'),
     (SOURCE + "[regenerate]\ntimeout_s = 0\n",
      "[regenerate] timeout_s = 0: must be a number > 0"),
     (SOURCE + "[regenerate]\nbackend = 'tgi'\n",
@@ -157,10 +161,14 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
 def test_what_is_allowed_is_accepted(tmp_path):
     config = _load(tmp_path, "[run]\nmax_quarantine_rate = 0\nworkers = 0\n" + SOURCE
-                   + "[train]\nlr = 1\ndevice = 'cuda:1'\n[tokenize]\nchat_template = 't.jinja'\n"
+                   + "[train]\nlr = 1\ndevice = 'cuda:1'\nlabels = 'target'\n"
+                   "[ingest]\nweight_by = 'supervised_tokens'\n"
+                   "[tokenize]\nchat_template = 't.jinja'\n"
                    "[target]\ntiny = { hidden_size = 8 }\n"
                    "[expectations.max_quarantine_rate_per_source]\na = 1\n")
     assert config.run.max_quarantine_rate == 0 and config.section("train")["lr"] == 1
+    assert config.section("train")["labels"] == "target"
+    assert config.section("ingest")["weight_by"] == "supervised_tokens"
 
 
 def test_the_existing_messages_still_hold(tmp_path):

@@ -760,3 +760,112 @@ def test_corrupt_inputs_are_named_before_they_crash_a_run(extracted, untied_targ
     with pytest.raises(StageError, match=rf"{shard.name}: the hidden states of row \d+ .* are "
                        r"\[\d+, \d+, 32\], expected \[\d+, >= 1, 64\]"):
         train.run(None, run_dir, progress=False, target=str(untied_target), **SMALL)
+
+
+def test_target_labels_are_the_targets_greedy_tokens_from_a_real_forward(extracted,
+                                                                         untied_target):
+    """labels = "target": at every supervised position a block predicts, the label is the
+    argmax of the target's logits there (a real forward of the tiny target, its final norm and
+    LM head), read off the extract output's last layer and off the online target alike; the
+    anchor and the other positions keep the row's tokens; with a draft vocabulary, the argmax
+    over its rows. Passing the rows' own tokens as labels reproduces the data labels exactly."""
+    from dflash_etl.core.outputs import HiddenStatesOutput
+    from dflash_etl.core.rundir import RunDir
+    from dflash_etl.models.target import Target, TargetSpec
+    from dflash_etl.models.training.labels import final_norm, predicted_positions, target_labels
+    from dflash_etl.models.training.states import ExtractedStates, OnlineStates
+
+    rows = train._load_rows(RunDir(extracted))[0][:6]
+    output = HiddenStatesOutput.read(extracted / "extract")
+    assert output.stored_layers == [2, 3]
+    target = Target(TargetSpec(model=str(untied_target), layers="2"))
+    norm, head = final_norm(target.model), target.model.get_output_embeddings()
+    picks = training_loss.sample_anchors(rows, 8, np.random.default_rng(0))
+    logits = target.forward([r["input_ids"] for r in rows], logits=True)[0]
+    stored = ExtractedStates(extracted / "extract", 1, train._read_index(output.index_file),
+                             last=True)(rows)
+    online = OnlineStates(target, last=True)(rows)
+    changed = 0
+    for states in (stored, online):
+        assert all(s.shape[1] == 2 for s in states)  # the chosen layer, then the last
+        labels = target_labels(rows, [s[:, -1] for s in states], picks, 8, norm, head)
+        for row, got, p, row_logits in zip(rows, labels, picks, logits, strict=True):
+            ids = np.asarray(row["input_ids"])
+            at = predicted_positions(row["loss_mask"], p, 8)
+            assert len(at) and (at >= 1).all()
+            assert (got[at] == row_logits[at - 1].argmax(-1).numpy()).all()
+            rest = np.setdiff1d(np.arange(len(ids)), at)
+            assert (got[rest] == ids[rest]).all()
+            changed += int((got[at] != ids[at]).sum())
+    assert changed > 0  # the target's tokens are not simply the data's here
+    states = [s[:, :-1] for s in stored]
+    batch = training_loss.make_batch(rows, states, picks, 8, 1226, labels)
+    data = training_loss.make_batch(rows, states, picks, 8, 1226)
+    assert torch.equal(batch["block_ids"], data["block_ids"])  # anchors: the rows' tokens
+    assert torch.equal(batch["label_ok"], data["label_ok"])
+    assert batch["labels_changed"] == int(((batch["labels"] != data["labels"])
+                                           & data["label_ok"]).sum()) > 0
+    same = training_loss.make_batch(rows, states, picks, 8, 1226,
+                                    [np.asarray(r["input_ids"]) for r in rows])
+    assert all(torch.equal(same[k], data[k]) for k in data)
+    # over a draft vocabulary: the argmax among its rows, as target token ids
+    inside = np.zeros(head.weight.shape[0], dtype=bool)
+    inside[::3] = True
+    vocab = training_loss.DraftVocab(inside, head.weight.shape[0])
+    drafted = target_labels(rows, [s[:, -1] for s in online], picks, 8, norm, head, vocab)
+    for row, got, p, row_logits in zip(rows, drafted, picks, logits, strict=True):
+        at = predicted_positions(row["loss_mask"], p, 8)
+        masked = row_logits[at - 1].clone()
+        masked[:, ~torch.as_tensor(inside)] = -torch.inf
+        assert (got[at] == masked.argmax(-1).numpy()).all() and inside[got[at]].all()
+
+
+def test_training_on_the_targets_labels_offline_online_and_served(extracted, untied_target,
+                                                                  tmp_path, copy_run):
+    """--labels target trains the same drafter from the extract output, online and from a
+    states server (each gives the last layer), counts the labels the target changed, and is
+    refused, with the rerun, on an extract that did not store the last layer; --labels data
+    (the default) leaves the fingerprint and the drafter as they were."""
+    from safetensors.torch import load_file
+
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    settings = {**SMALL, "steps": 3, "eval_prompts": 2, "eval_new_tokens": 4, "labels": "target"}
+    offline = copy_run(extracted, tmp_path / "offline", "*train*", "docs")
+    doc = train.run(None, offline, progress=False, target=str(untied_target), **settings)
+    counted = doc["total"]["labels_from_target"]
+    assert doc["total"]["labels"] == "target"
+    assert 0 < counted["changed"] < counted["supervised"]
+    log = [json.loads(line) for line in (offline / "train" / "log.jsonl").read_text().splitlines()]
+    assert counted["changed"] == sum(r["labels_changed"] for r in log)
+    online = copy_run(extracted, tmp_path / "online", "*train*", "docs")
+    shutil.rmtree(online / "extract")
+    train.run(None, online, progress=False, target=str(untied_target), online=True,
+              layers="2", **settings)
+    served = copy_run(extracted, tmp_path / "served", "*train*", "docs")
+    shutil.rmtree(served / "extract")
+    states = tmp_path / "server-states"
+    with DevServer(str(untied_target), extract_layers=vllm_layer_ids([2], 4),
+                   states_dir=str(states)) as server:
+        train.run(None, served, progress=False, target=str(untied_target), online=True,
+                  layers="2", states_from="server", states_endpoint=server.url,
+                  states_dir=str(states), **settings)
+    a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
+    for other in (online, served):
+        b = load_file(str(other / "train" / "drafter" / "model.safetensors"))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), other.parent.name
+    data = copy_run(extracted, tmp_path / "data", "*train*", "docs")
+    train.run(None, data, progress=False, target=str(untied_target),
+              **{**settings, "labels": "data"})
+    b = load_file(str(data / "train" / "drafter" / "model.safetensors"))
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # other labels, another drafter
+    payload = train._fingerprint_payload(train.TrainSettings(target=str(untied_target)), [], None)
+    assert "labels" not in payload["settings"]  # runs made before the setting are not redone
+    old = copy_run(extracted, tmp_path / "old", "*train*", "docs")
+    stats = json.loads((old / "extract" / "stats.json").read_text())
+    stats["total"]["stored_layers"] = [2]
+    (old / "extract" / "stats.json").write_text(json.dumps(stats))
+    with pytest.raises(StageError, match=r"labels = \"target\" needs the target's last layer "
+                       r"\(3\) .* rerun `dflash-etl extract --force`"):
+        train.run(None, old, progress=False, target=str(untied_target), **settings)

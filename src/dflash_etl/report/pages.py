@@ -122,6 +122,15 @@ def eos_appended_note(probe: dict[str, Any], settings: dict[str, Any] | None) ->
             f"{esc(eos.get('why'))}</p>")
 
 
+def _asked(mix: dict[str, Any]) -> str:
+    """A weighted source's asked share: of rows (ingest sampled them; its section shows the
+    share reached), or of the weighted sources' supervised tokens, with the share reached."""
+    if "asked_supervised_share" in mix:
+        return (f"{mix['asked_supervised_share']:.1%} of supervised tokens "
+                f"({mix['achieved_supervised_share']:.1%})")
+    return f"{mix['asked_row_share']:.1%} of rows" if "asked_row_share" in mix else ""
+
+
 def tokenize_section(stage: StageInfo) -> str:
     html = ""
     if stage.probe:
@@ -135,11 +144,10 @@ def tokenize_section(stage: StageInfo) -> str:
     if mix:
         html += ("<h3>What the drafter learns from, per source</h3>" + table(
             ["source", "rows", "share", "tokens", "share", "supervised tokens", "share",
-             "rows asked"],
+             "weight asked (reached)"],
             [(name, m["rows_written"], f"{m['rows_written_share']:.1%}", m["tokens"],
               f"{m['tokens_share']:.1%}", m["supervised_tokens"],
-              f"{m['supervised_tokens_share']:.1%}",
-              f"{m['asked_row_share']:.1%}" if "asked_row_share" in m else "")
+              f"{m['supervised_tokens_share']:.1%}", _asked(m))
              for name, m in mix.items()]))
     html += _row_views(stage)
     strategies = (stage.stats or {}).get("total", {}).get("strategies")

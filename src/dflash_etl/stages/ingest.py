@@ -77,6 +77,12 @@ class IngestSettings:
     near_dedup_ngram: int = setting(3, min=1, help="words per shingle")
     near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
                                     help="compare the user turns, or every message")
+    weight_by: str = setting(
+        "rows", choices=("rows", "supervised_tokens"),
+        help="what the sources' weights are shares of: rows (ingest samples the conversations), "
+             "or supervised tokens, what the drafter trains on (ingest keeps the weighted "
+             "sources whole and tokenize, which counts them, leaves out conversations, "
+             "filtered mix_weight)")
 
     @classmethod
     def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
@@ -132,16 +138,18 @@ def normalize_records(
 
 
 def plan_mix(
-    index: pl.DataFrame, sources: tuple[SourceConfig, ...], seed: int, dedup: bool
+    index: pl.DataFrame, sources: tuple[SourceConfig, ...], seed: int, dedup: bool,
+    weight_by: str = "rows",
 ) -> tuple[pl.DataFrame, dict[str, Counter[str]], dict[str, dict[str, Any]]]:
-    """Which rows to keep. `index` has id, source, _unit, _line in output order.
+    """Which rows to keep. `index` has id, source, _unit, _line in output order. Weighted
+    sources are sampled to their shares of rows; with weight_by "supervised_tokens" they are
+    kept whole here (tokenize mixes them by the supervised tokens it counts).
 
     Returns the kept (_unit, _line, _occurrence) keys, the filtered counts per source and
     reason, and what
     the mix reached per source. Deterministic for a given seed and input order.
     """
     filtered: dict[str, Counter[str]] = {s.name: Counter() for s in sources}
-    mix: dict[str, dict[str, Any]] = {}
     frame = index.with_row_index("_pos")
     if dedup:
         first = frame.select(pl.col("id").is_first_distinct()).to_series()
@@ -157,8 +165,27 @@ def plan_mix(
                 pl.col("source") == source.name
             ).height - part.height
         parts[source.name] = part
+    mix = _weigh(parts, sources, seed, weight_by, filtered)
+    kept = pl.concat([p for p in parts.values()]).sort("_pos")
+    # Without dedup, repeated conversations stay: number them so ids remain unique.
+    kept = kept.select(
+        "_unit", "_line", pl.col("id").cum_count().over("id").cast(pl.Int32).alias("_occurrence")
+    )
+    return kept, filtered, mix
+
+
+def _weigh(parts: dict[str, pl.DataFrame], sources: tuple[SourceConfig, ...], seed: int,
+           weight_by: str, filtered: dict[str, Counter[str]]) -> dict[str, dict[str, Any]]:
+    """The weighted sources' parts sampled to their shares of rows (in place, the rest counted
+    mix_weight), or by supervised tokens kept whole for tokenize; what each reached."""
+    mix: dict[str, dict[str, Any]] = {}
     weighted = [s for s in sources if s.weight is not None]
-    if weighted:
+    if weighted and weight_by == "supervised_tokens":
+        for source in weighted:
+            n = parts[source.name].height
+            mix[source.name] = {"weight": source.weight, "weight_by": weight_by,
+                                "rows_available": n, "rows_kept": n}
+    elif weighted:
         total_weight = sum(s.weight or 0 for s in weighted)
         scale = min(parts[s.name].height / ((s.weight or 0) / total_weight) for s in weighted)
         for k, source in enumerate(sources):
@@ -172,12 +199,7 @@ def plan_mix(
                 filtered[source.name][S.F_MIX_WEIGHT] += available - target
             mix[source.name] = {"weight": source.weight, "target_share": round(share, 6),
                                 "rows_available": available, "rows_kept": target}
-    kept = pl.concat([p for p in parts.values()]).sort("_pos")
-    # Without dedup, repeated conversations stay: number them so ids remain unique.
-    kept = kept.select(
-        "_unit", "_line", pl.col("id").cum_count().over("id").cast(pl.Int32).alias("_occurrence")
-    )
-    return kept, filtered, mix
+    return mix
 
 
 def _sample(part: pl.DataFrame, k: int, seed: int, salt: int) -> pl.DataFrame:
@@ -259,7 +281,9 @@ class IngestStage(BatchStage):
         return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
                 "unit_format": UNIT_FORMAT,
                 "settings": {k: v for k, v in dataclasses.asdict(ctx.settings).items()
-                             if k != "decontaminate"},  # the files' contents, not their paths
+                             # the files' contents, not their paths; weight_by's default
+                             # leaves the fingerprints of earlier runs as they were
+                             if k != "decontaminate" and (k, v) != ("weight_by", "rows")},
                 "benchmarks": [sha256_file(b) for b in benchmarks]}
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
@@ -407,14 +431,7 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
         index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
         index = _near_dedup(index, row_files, settings, partial, per_source)
-    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
-    for name, counts in filtered.items():
-        stats = per_source[name]
-        for reason, n in counts.items():
-            stats.filter(reason, n)
-        stats.rows_out -= sum(counts.values())
-        if name in mix:
-            stats.extra["mix"] = mix[name]
+    kept = _apply_mix(index, config, settings, per_source)
     _write_shards(row_files, kept, partial / "conversations", config.run.shard_rows)
     quarantine = pa.concat_tables([pq.read_table(f, schema=S.QUARANTINE) for f in q_files])
     pq.write_table(quarantine, partial / "quarantine.parquet")
@@ -429,7 +446,25 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     doc = stats_document(per_source, "ingest")
     doc["total"]["shards"] = len(list((partial / "conversations").glob("*.parquet")))
     doc["warnings"] = warnings
+    # what the weights are shares of; tokenize reads it (weight_by = "supervised_tokens")
+    doc["mix"] = {"weight_by": settings.weight_by, "seed": config.run.seed,
+                  "weights": {s.name: s.weight for s in config.sources if s.weight is not None}}
     return doc
+
+
+def _apply_mix(index: pl.DataFrame, config: PipelineConfig, settings: IngestSettings,
+               per_source: dict[str, Stats]) -> pl.DataFrame:
+    """plan_mix on the index, its filtered rows and mix counted per source; the kept keys."""
+    kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup,
+                                   settings.weight_by)
+    for name, counts in filtered.items():
+        stats = per_source[name]
+        for reason, n in counts.items():
+            stats.filter(reason, n)
+        stats.rows_out -= sum(counts.values())
+        if name in mix:
+            stats.extra["mix"] = mix[name]
+    return kept
 
 
 def _benchmark_files(config: PipelineConfig, settings: IngestSettings) -> list[Path]:

@@ -29,10 +29,10 @@ from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import register_section, setting, stage_settings
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.schema import numeric_array, string_array
+from dflash_etl.core.schema import F_MIX_WEIGHT, numeric_array, string_array
 from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
 from dflash_etl.io.torch_pickle import save_plain_dict
-from dflash_etl.mix.shares import learning_shares
+from dflash_etl.mix.shares import learning_shares, plan_supervised_mix
 from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
 from dflash_etl.stages.shell import stage_runner
@@ -403,9 +403,13 @@ class TokenizeStage(BatchStage):
                          probe_doc=probe_doc)
         # the tokenizer's and template's identities, not their paths (a moved run is not redone)
         kept = {k: v for k, v in asdict(settings).items() if k not in ("model", "chat_template")}
-        return {"settings": kept, "inputs": [sha256_file(f) for f in files],
-                "tokenizer": tokenizer_identity(settings.model),
-                "template": probe_doc["template_sha256"]}
+        payload = {"settings": kept, "inputs": [sha256_file(f) for f in files],
+                   "tokenizer": tokenizer_identity(settings.model),
+                   "template": probe_doc["template_sha256"]}
+        mix = ingest_mix(ctx.run.root)
+        if mix.get("weight_by") == "supervised_tokens":  # weights change no ingest output
+            payload["mix"] = mix
+        return payload
 
     def begin(self, ctx: StageContext) -> None:
         probe_doc = ctx.state["probe_doc"]
@@ -468,7 +472,9 @@ def _check_on_policy(run: RunDir, settings: TokenizeSettings, doc: dict[str, Any
             and stats.is_file():
         generated = json.loads(stats.read_text()).get("generation")
     total = doc["total"]
-    report = on_policy_report(generated, settings.supervise_reasoning, total["rows_written"],
+    # the prompt kwargs count every row tokenized, those the mix then left out included
+    rows = total["rows_written"] + (doc.get("mix") or {}).get("rows_left_out", 0)
+    report = on_policy_report(generated, settings.supervise_reasoning, rows,
                               total.get("generation_prompt_kwargs") or {},
                               settings.max_off_policy_share)
     doc["on_policy"] = report
@@ -505,7 +511,11 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
             f"({probe_doc['reason']}). See {partial / 'quarantine.parquet'}; "
             "'needs_response' means the conversations have no reply yet (run regenerate)."
         )
-    counts = _save_dataset(row_files, partial / "dataset", fingerprint)
+    mix = ingest_mix(partial.parent)
+    supervised_mix, dropped = None, None
+    if mix.get("weight_by") == "supervised_tokens" and mix.get("weights"):
+        dropped, supervised_mix = _mix_by_supervised_tokens(row_files, mix, per_source)
+    counts = _save_dataset(row_files, partial / "dataset", fingerprint, drop=dropped)
     tokens = np.flatnonzero(counts)
     freq: Counter[int] = Counter(dict(zip(tokens.tolist(), counts[tokens].tolist(),
                                           strict=True)))
@@ -516,11 +526,77 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
     write_json_atomic(partial / "settings.json",
                       {**asdict(settings), **_contract_params(vocab_size, settings)})
     doc = stats_document(per_source, "tokenize")
-    doc["learning_mix"] = learning_shares(doc["sources"], _asked_shares(partial.parent))
+    doc["learning_mix"] = learning_shares(doc["sources"], _asked_shares(partial.parent),
+                                          supervised_mix)
+    if supervised_mix is not None:
+        doc["mix"] = {"weight_by": "supervised_tokens", "sources": supervised_mix,
+                      "rows_left_out": sum(m.get("rows_left_out", 0)
+                                           for m in supervised_mix.values()),
+                      "max_share_error": max(abs(m["achieved_share"] - m["asked_share"])
+                                             for m in supervised_mix.values())}
     doc["total"]["vocab_size"] = vocab_size
     doc["total"]["model_vocab_size"] = model_vocab
     doc["total"]["draft_vocab"] = draft
     return doc
+
+
+def ingest_mix(run_root: Path) -> dict[str, Any]:
+    """ingest's mix (stats.json `mix`: weight_by, seed, weights; {} for a run made before
+    ingest recorded it, whose weights were shares of rows)."""
+    try:
+        return dict(json.loads((run_root / "ingest" / "stats.json").read_text()).get("mix") or {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _conversation_counts(row_files: list[Path]) -> Any:
+    """Per conversation (id): its source, rows, tokens and supervised tokens, over its rows (a
+    polars frame; polars is imported here, in the parent after the workers, never before a
+    fork: its thread pool does not survive one)."""
+    import polars as pl
+
+    frames = [pl.read_parquet(f, columns=["id", "source", "seq_len", "loss_mask"])
+              for f in row_files]
+    return pl.concat(frames).group_by("id", maintain_order=True).agg(
+        pl.col("source").first(), pl.len().alias("rows"),
+        pl.col("seq_len").cast(pl.Int64).sum().alias("tokens"),
+        pl.col("loss_mask").list.eval(pl.element().cast(pl.Int64)).list.sum().sum()
+        .alias("supervised"))
+
+
+def _mix_by_supervised_tokens(row_files: list[Path], mix: dict[str, Any],
+                              per_source: dict[str, Stats]
+                              ) -> tuple[pa.Array, dict[str, dict[str, Any]]]:
+    """[ingest] weight_by = "supervised_tokens": the conversations the mix leaves out (their
+    ids), each filtered mix_weight in its source's accounting (its rows, tokens and supervised
+    tokens taken off what the source wrote), and the mix per weighted source."""
+    import polars as pl
+
+    conversations = _conversation_counts(row_files)
+    weights = {k: float(v) for k, v in mix["weights"].items()}
+    empty = [name for name in sorted(weights)
+             if not conversations.filter(pl.col("source") == name)["supervised"].sum()]
+    if empty:
+        raise StageError(
+            f"[ingest] weight_by = \"supervised_tokens\": the weighted source(s) {empty} have no "
+            "supervised tokens after tokenize, so their weights leave the other weighted "
+            "sources none: remove their weights, or see quarantine.parquet for why their rows "
+            "were refused")
+    ids, plan = plan_supervised_mix(conversations, weights, int(mix.get("seed", 0)))
+    left_out = conversations.join(pl.DataFrame({"id": ids.tolist()}, schema={"id": pl.String}),
+                                  on="id", how="semi")
+    for name, n, rows, tokens, supervised in left_out.group_by("source").agg(
+            pl.len(), pl.col("rows").sum(), pl.col("tokens").sum(),
+            pl.col("supervised").sum()).iter_rows():
+        stats = per_source[name]
+        stats.filter(F_MIX_WEIGHT, n)
+        stats.rows_out -= n
+        stats.extra["rows_written"] -= rows
+        stats.extra["tokens"] -= tokens
+        stats.extra["supervised_tokens"] -= supervised
+        plan[name].update(conversations_left_out=n, rows_left_out=rows,
+                          supervised_left_out=supervised)
+    return pa.array(ids.tolist(), pa.string()), plan
 
 
 def _asked_shares(run_root: Path) -> dict[str, float | None]:
@@ -546,7 +622,7 @@ SHARD_BYTES = 500 * 2**20  # datasets' own default max_shard_size for save_to_di
 
 
 def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
-                  shard_bytes: int = SHARD_BYTES) -> np.ndarray:
+                  shard_bytes: int = SHARD_BYTES, drop: pa.Array | None = None) -> np.ndarray:
     """A `datasets` save_to_disk directory (Arrow stream shards, dataset_info.json, state.json),
     written with pyarrow from the chunk files as they are read: one copy of the rows, and no
     `datasets` import (Dataset.from_parquet + save_to_disk wrote them twice, ~1 s of the stage's
@@ -560,6 +636,8 @@ def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
     counts = np.zeros(0, np.int64)
     for path in row_files:
         table = pq.read_table(path, schema=ROWS).replace_schema_metadata(schema.metadata)
+        if drop is not None and len(drop):  # the conversations the mix left out
+            table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=drop)))
         if writer is None or (in_shard and in_shard + table.nbytes > shard_bytes):
             if writer is not None:
                 writer.close()

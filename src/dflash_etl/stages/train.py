@@ -123,6 +123,11 @@ class TrainSettings:
                                    "its rows of tokenize's draft vocabulary (t2d, as "
                                    "speculators' --draft-vocab-size; labels outside it are left "
                                    "out of the loss and counted)")
+    labels: str = setting("data", choices=("data", "target"),
+                          help="what each block position learns to predict: the row's token "
+                               "(data), or the target's greedy token there (target: the argmax "
+                               "of its final norm and LM head over its last layer's state, as "
+                               "speculators trains; the anchor stays the row's token)")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target and the drafter run")
     device_map: str = setting("none", choices=("none", "auto"),
@@ -240,7 +245,17 @@ def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
     return HiddenStatesOutput.read(out), info.get("fingerprint")
 
 
-def _server_states(settings: TrainSettings, target: Any, extract: Any) -> Any:
+def _require_last_layer(extracted: HiddenStatesOutput) -> None:
+    """labels = "target" reads the last decoder layer's states, stored after the chosen ones."""
+    if extracted.stored_layers != [*extracted.layers, extracted.n_layers - 1]:
+        raise StageError(
+            f"[train] labels = \"target\" needs the target's last layer ({extracted.n_layers - 1})"
+            f" in the extract output, which stores layers {extracted.stored_layers} (an extract "
+            "made before it stored the last one): rerun `dflash-etl extract --force`, train "
+            "--online, or use labels = \"data\"")
+
+
+def _server_states(settings: TrainSettings, target: Any, extract: Any, last: bool = False) -> Any:
     """train --online --states-from server: the batches' states from hidden-states servers,
     through extract's server client (its checks, the fleet client's failover, retries and
     deadlines), with [extract]'s limits and served model (`extract`: its settings)."""
@@ -255,7 +270,8 @@ def _server_states(settings: TrainSettings, target: Any, extract: Any) -> Any:
                                              target.layers, target.n_layers,
                                              settings.states_dir),
           file=sys.stderr, flush=True)
-    return ServerStates(ServerTarget(client, target.layers, target.n_layers, target.hidden))
+    return ServerStates(ServerTarget(client, target.layers, target.n_layers, target.hidden),
+                        last=last)
 
 
 # settings that do not change the trained drafter: a resumed run may change them; and the
@@ -269,6 +285,8 @@ def _fingerprint_payload(settings: TrainSettings, files: list[Path],
                          extract_fp: str | None, layers: list[int] | None = None
                          ) -> dict[str, Any]:
     kept = {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED}
+    if kept.get("labels") == "data":  # the behaviour before the setting: runs are not redone
+        del kept["labels"]
     payload = {"settings": kept, "inputs": [sha256_file(f) for f in files],
                "extract": extract_fp, "model": model_identity(settings.target)}
     if layers is not None:  # online: [extract] may choose them (offline: extract_fp covers them)
@@ -282,7 +300,8 @@ def _split(rows: list[dict[str, Any]], settings: TrainSettings
     held = held_out_ids([r["id"] for r in rows], settings.eval_prompts, settings.seed)
     train_rows, prompts, per_source = [], [], {}
     for row in rows:
-        stats = per_source.setdefault(row["source"], Stats(extra={"tokens": 0}))
+        stats = per_source.setdefault(row["source"], Stats(extra={"tokens": 0,
+                                                                  "supervised_tokens": 0}))
         stats.rows_in += 1
         if row["id"] in held:
             stats.filter(F_HELD_OUT)
@@ -294,6 +313,7 @@ def _split(rows: list[dict[str, Any]], settings: TrainSettings
         else:
             stats.rows_out += 1
             stats.extra["tokens"] += len(row["input_ids"])
+            stats.extra["supervised_tokens"] += int(sum(row["loss_mask"]))  # what it trains on
             train_rows.append(row)
     return train_rows, prompts[:settings.eval_prompts], per_source
 
@@ -331,6 +351,8 @@ class TrainStage(Stage):
                         "hidden states are of other rows than the tokenized ones (tokenize "
                         f"was redone since?); rerun `dflash-etl extract --run {ctx.run.root} "
                         "--force`")
+        if extracted is not None and settings.labels == "target":
+            _require_last_layer(extracted)
         layers, layers_from = target_layers(ctx, settings, extracted)
         ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
                          layers_from=layers_from, t2d=t2d)
@@ -352,14 +374,16 @@ class TrainStage(Stage):
                              "before its first supervised token; raise --eval-prompts (now "
                              f"{settings.eval_prompts}) or check the tokenize stage's masks")
         states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), ctx.state["index"],
-                                  hidden_size=extracted.hidden_size) if extracted else None)
+                                  hidden_size=extracted.hidden_size,
+                                  last=settings.labels == "target") if extracted else None)
         trainer = Trainer(settings, train_rows, states, ctx.state["layers"], ctx.partial,
                           ctx.rank, ctx.world, draft_vocab=ctx.state["t2d"],
                           mask_token=resolve_mask_token)
         trainer.layers_from = ctx.state["layers_from"]
         if settings.online and settings.states_from == "server":
             trainer.states = _server_states(settings, trainer.target, settings_of(
-                "extract", ctx.config, ctx.run.root, {"model": settings.target}))
+                "extract", ctx.config, ctx.run.root, {"model": settings.target}),
+                last=settings.labels == "target")
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)
@@ -447,8 +471,14 @@ def _stats_document(trainer: Trainer, settings: TrainSettings, per_source: dict[
         "block_size": settings.block_size, "target_layers": trainer.target.layers,
         "target_layers_from": trainer.layers_from,
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
-        "drafter_parameters": parameter_count(trainer.drafter),
+        "drafter_parameters": parameter_count(trainer.drafter), "labels": settings.labels,
     })
+    if settings.labels == "target":  # the supervised labels the target's tokens changed
+        changed = sum(e.get("labels_changed", 0.0) for e in logged)
+        total = sum(e.get("labels_total", 0.0) for e in logged)
+        doc["total"]["labels_from_target"] = {
+            "changed": int(changed), "supervised": int(total),
+            "share_changed": round(changed / total, 6) if total else 0.0}
     if trainer.vocab is not None:  # the labels the loss left out, over every logged step
         outside = sum(e.get("outside_draft_vocab", 0.0) for e in logged)
         inside = sum(e.get("inside_draft_vocab", 0.0) for e in logged)

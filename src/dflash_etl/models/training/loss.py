@@ -49,9 +49,12 @@ def loss_weight_total(rows: list[dict[str, Any]], anchors: list[np.ndarray],
 
 
 def make_batch(rows: list[dict[str, Any]], states: list[Any], picks: list[np.ndarray],
-               block_size: int, mask_token_id: int) -> dict[str, Any]:
+               block_size: int, mask_token_id: int,
+               label_ids: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Pad the rows and lay out their blocks at the given anchors; returns the tensors
-    `block_loss` takes."""
+    `block_loss` takes. The labels are the rows' tokens, or `label_ids` (per row, as long as
+    it: the target's tokens, labels.target_labels) with `labels_changed` counting the
+    supervised labels that differ from the row's; a block's anchor is the row's token."""
     import torch
 
     b, t = len(rows), max(len(r["input_ids"]) for r in rows)
@@ -80,8 +83,15 @@ def make_batch(rows: list[dict[str, Any]], states: list[Any], picks: list[np.nda
     supervised = torch.gather(mask[:, None].expand(-1, n, -1), 2, clipped)
     block_ids = torch.full((b, n, block_size), mask_token_id, dtype=torch.long)
     block_ids[..., 0] = labels[..., 0]
-    return {"hidden": hidden, "valid": valid, "block_ids": block_ids, "anchors": anchors,
-            "labels": labels, "label_ok": keep[..., None] & inside & supervised & (offsets > 0)}
+    batch = {"hidden": hidden, "valid": valid, "block_ids": block_ids, "anchors": anchors,
+             "labels": labels, "label_ok": keep[..., None] & inside & supervised & (offsets > 0)}
+    if label_ids is not None:
+        chosen = torch.zeros((b, t), dtype=torch.long)
+        for k, row_labels in enumerate(label_ids):
+            chosen[k, :len(row_labels)] = torch.as_tensor(np.asarray(row_labels, np.int64))
+        batch["labels"] = torch.gather(chosen[:, None].expand(-1, n, -1), 2, clipped)
+        batch["labels_changed"] = int(((batch["labels"] != labels) & batch["label_ok"]).sum())
+    return batch
 
 
 class DraftVocab:

@@ -31,6 +31,7 @@ class TrainingSettings(Protocol):
     device: str
     device_map: str
     max_memory: str
+    labels: str
 
     @property
     def warmup(self) -> int: ...

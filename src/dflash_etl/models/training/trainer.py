@@ -25,6 +25,7 @@ from dflash_etl.models.training.checkpoints import (
     tidy_checkpoints,
 )
 from dflash_etl.models.training.evaluation import TauEvaluator
+from dflash_etl.models.training.labels import final_norm, target_labels
 from dflash_etl.models.training.loss import (
     DraftVocab,
     block_loss,
@@ -93,7 +94,9 @@ class Trainer:
                                            weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, settings.warmup, settings.steps))
-        self.states = extracted or OnlineStates(self.target)
+        # labels = "target": the target's final norm (before its LM head) gives the labels
+        self.norm = final_norm(self.target.model) if settings.labels == "target" else None
+        self.states = extracted or OnlineStates(self.target, last=self.norm is not None)
         self.rows = rows
         self.log_path = out / "log.jsonl"
         self.layers_from = "train layers"  # where the target layers came from (the stats say)
@@ -104,18 +107,24 @@ class Trainer:
         rows, anchors = self.batch(step)
         # DDP averages the ranks' gradients: each rank divides its share by the whole batch's
         # weight total / world, so a step equals one process training on the whole batch
+        # the target's labels are argmaxes over the head's (draft) rows: inside it, all
+        inside = self.vocab.inside if self.vocab and self.norm is None else None
         normalizer = loss_weight_total(rows, anchors, self.weights.cpu().numpy(),
-                                       self.vocab.inside if self.vocab else None) / self.world
+                                       inside) / self.world
         share = list(range(self.rank, len(rows), self.world))
         mine = [rows[k] for k in share or [0]]  # a rank without rows still joins the all-reduce
         states = self.states(mine)
         if hasattr(self.states, "prefetch") and step + 1 < s.steps:  # asked while this trains
             ahead = self.batch(step + 1)[0]
             self.states.prefetch([ahead[k] for k in share or [0]])
-        batch = make_batch(mine, states, [anchors[k] for k in share or [0]],
-                           s.block_size, self.mask_token_id)
+        picks = [anchors[k] for k in share or [0]]
+        states, labels = self._labels(mine, states, picks)
+        batch = make_batch(mine, states, picks, s.block_size, self.mask_token_id, labels)
         loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights,
                                    normalizer=max(normalizer, 1e-6), vocab=self.vocab)
+        if labels is not None:  # how many of the supervised labels the target changed
+            metrics["labels_changed"] = float(batch["labels_changed"] if share else 0)
+            metrics["labels_total"] = float(batch["label_ok"].sum() if share else 0)
         if not share:
             loss = loss * 0.0
         if self.world > 1:  # log the whole batch's loss, not this rank's share of it
@@ -124,12 +133,28 @@ class Trainer:
             whole = loss.detach().clone()
             dist.all_reduce(whole)
             metrics["loss"] = float(whole) / self.world
+            if labels is not None:
+                counts = self.torch.tensor([metrics["labels_changed"], metrics["labels_total"]],
+                                           device=whole.device)
+                dist.all_reduce(counts)
+                metrics["labels_changed"], metrics["labels_total"] = map(float, counts.tolist())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = self.torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), s.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         return {**metrics, "grad_norm": float(norm), "lr": self.scheduler.get_last_lr()[0]}
+
+    def _labels(self, rows: list[dict[str, Any]], states: list[Any], picks: list[np.ndarray]
+                ) -> tuple[list[Any], list[np.ndarray] | None]:
+        """(the chosen layers' states, the labels): with labels = "target" the states end with
+        the last layer's, which give the target's greedy tokens and are then dropped; with
+        "data", the states as they are and None (make_batch reads the rows' tokens)."""
+        if self.norm is None:
+            return states, None
+        labels = target_labels(rows, [st[:, -1] for st in states], picks,
+                               self.settings.block_size, self.norm, self.lm_head, self.vocab)
+        return [st[:, :-1] for st in states], labels
 
     def batch(self, step: int) -> tuple[list[dict[str, Any]], list[Any]]:
         """The step's rows and anchors: seeded by the step alone, so every rank and rerun (and
