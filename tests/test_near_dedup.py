@@ -165,3 +165,41 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
     done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_the_batch_words_are_the_rule_s_words_and_arrow_rows_sign_as_text_of():
+    """split_words (a byte table over the Arrow buffer) gives exactly contamination's words of
+    each text, whatever the text holds: Unicode letters, the two characters whose lower case is
+    ASCII (U+0130, the Kelvin sign), digits, words that touch a text's ends, null and empty
+    texts; word_hashes hashes each word by its bytes; message_signatures of a `messages` column
+    equals signatures of text_of, both scopes."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dflash_etl.core import schema as S
+    from dflash_etl.mix.contamination import words
+    from dflash_etl.mix.near_dedup import message_signatures, signatures
+    from dflash_etl.mix.ngrams import split_words, word_hashes
+
+    rng = random.Random(5)
+    alphabet = "abcXYZ0189 ,.\n\t-_'\u0130\u212a\u00e9\u2019\u00df\u00c5\u03a3\u4e2d"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+             for _ in range(3000)]
+    texts += ["", "!!!", "a", "end\u0130", "\u212a", "Caf\u00e9 au LAIT", "x" * 300]
+    found = split_words(texts)
+    dictionary = found.dictionary.to_pylist()
+    assert [dictionary[i] for i in found.ids] == [w for t in texts for w in words(t)]
+    assert found.counts.tolist() == [len(words(t)) for t in texts]
+    assert split_words(pa.array([None, "A b"])).counts.tolist() == [0, 2]
+    hashes, counts = word_hashes(["one two one", "two"])
+    assert counts.tolist() == [3, 1] and hashes[0] == hashes[2] and hashes[1] == hashes[3]
+    rows = [_conv(row)["messages"] for row in _planted()[:30]]
+    rows += [[{"role": "user", "content": None}], [],
+             [{"role": "system", "content": "Only a system"}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "more"}]]
+    full = [[{f.name: m.get(f.name) for f in S.MESSAGE} for m in r] for r in rows]
+    column = pa.array(full, pa.list_(S.MESSAGE))
+    for scope in ("prompt", "conversation"):
+        got = message_signatures(column, scope, 3)
+        want = signatures([text_of(r, scope) for r in rows], 3)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), scope

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from dflash_etl.mix.contamination import words
 from dflash_etl.mix.ngrams import gram_hashes, word_hashes
@@ -48,12 +50,35 @@ def text_of(messages: Iterable[dict[str, Any]], scope: str) -> str:
 def signatures(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
     """(each text's MinHash digest of its shingles, uint32 [n, NUM_PERM]; whether it has any
     word: a text without one has nothing to compare, and its row is zeros)."""
+    hashes, counts = word_hashes(texts)
+    return _digests(hashes, counts, ngram)
+
+
+def message_signatures(messages: pa.Array | pa.ChunkedArray, scope: str, ngram: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """`signatures` of each row's `text_of` (a canonical `messages` column), from Arrow."""
+    if isinstance(messages, pa.ChunkedArray):
+        messages = messages.combine_chunks()
+    flat = pc.list_flatten(messages)
+    owner = pc.list_parent_indices(messages).to_numpy(zero_copy_only=False)
+    contents = pc.struct_field(flat, "content")
+    if scope != "conversation":
+        user = pc.fill_null(pc.equal(pc.struct_field(flat, "role"), "user"), False)
+        contents = contents.filter(user)
+        owner = owner[user.to_numpy(zero_copy_only=False)]
+    hashes, counts = word_hashes(contents)
+    # the texts' words in order are the rows' words in order: each row's texts are adjacent
+    per_row = np.bincount(owner, weights=counts, minlength=len(messages)).astype(np.int64)
+    return _digests(hashes, per_row, ngram)
+
+
+def _digests(hashes: np.ndarray, counts: np.ndarray, ngram: int
+             ) -> tuple[np.ndarray, np.ndarray]:
     import rensa
 
-    hashes, counts = word_hashes(texts)
     grams, per_text = gram_hashes(hashes, counts, ngram, whole_short=True)
     has = per_text > 0
-    digests = np.zeros((len(texts), NUM_PERM), dtype=np.uint32)
+    digests = np.zeros((len(counts), NUM_PERM), dtype=np.uint32)
     if has.any():
         offsets = np.zeros(int(has.sum()) + 1, dtype=np.uint64)
         np.cumsum(per_text[has], out=offsets[1:])

@@ -297,7 +297,7 @@ class IngestStage(BatchStage):
                 row["_unit"] = item.index
                 row["_line"] = row["line"]
             table = pa.Table.from_pylist(rows, schema=UNIT_SCHEMA)
-            for name, column in zip(_MIX.names, self._mix_columns(rows), strict=True):
+            for name, column in zip(_MIX.names, self._mix_columns(table), strict=True):
                 table = table.append_column(_MIX.field(name), column)
             tables.append(table)
             q_tables.append(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE))
@@ -314,23 +314,21 @@ class IngestStage(BatchStage):
                            else S.QUARANTINE.empty_table(),
                            {source.name: stats}, {"file": unit.path, "records": n_records})
 
-    def _mix_columns(self, rows: list[dict[str, Any]]) -> list[pa.Array]:
-        """The rows' `_MIX` columns: what the driver's filters need, found here in parallel."""
-        n = len(rows)
+    def _mix_columns(self, table: pa.Table) -> list[pa.Array]:
+        """The rows' `_MIX` columns: what the driver's filters need, found here in parallel
+        (from the rows' Arrow `messages`: no Python object per message or word)."""
+        n = table.num_rows
         bench: list[list[str | None]] = [[None] * n for _ in range(3)]
-        if self.contamination is not None:
-            found = self.contamination.match_many(
-                [[m["content"] or "" for m in row["messages"]] for row in rows])
-            for k, hit in enumerate(found):
-                if hit is not None:
-                    bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
+        if self.contamination is not None and n:
+            for k, hit in self.contamination.match_messages(table.column("messages")).items():
+                bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
         columns = [pa.array(values, pa.string()) for values in bench]
         if not self.near_dedup_ngram or not n:
             return columns + [pa.nulls(n, _MIX.field(f).type) for f in ("_minhash", "_bands")]
-        from dflash_etl.mix.near_dedup import band_keys, signatures, text_of
+        from dflash_etl.mix.near_dedup import band_keys, message_signatures
 
-        digests, has = signatures([text_of(r["messages"], self.near_dedup_scope) for r in rows],
-                                  self.near_dedup_ngram)
+        digests, has = message_signatures(table.column("messages"), self.near_dedup_scope,
+                                          self.near_dedup_ngram)
         valid = pa.py_buffer(np.packbits(has, bitorder="little").tobytes())
         for values, field in ((digests, "_minhash"), (band_keys(digests), "_bands")):
             data = pa.py_buffer(np.ascontiguousarray(values).astype("<u8" if field == "_bands"
