@@ -125,16 +125,18 @@ class ContaminationIndex:
         count = np.zeros(len(ids) + 1, dtype=np.int64)
         np.cumsum(ids >= 0, out=count[1:])
         starts = np.flatnonzero(count[MIN_WORDS:] - count[:-MIN_WORDS] == MIN_WORDS)
-        starts = starts[words.text[starts] == words.text[starts + MIN_WORDS - 1]]
+        text = words.text_of(starts)
+        starts = starts[text == words.text_of(starts + MIN_WORDS - 1)]
         keys = combine(word_hash[ids[starts[:, None] + np.arange(MIN_WORDS)]].ravel(),
                        np.arange(len(starts)) * MIN_WORDS, MIN_WORDS)
         at = np.minimum(np.searchsorted(known_prefixes, keys), len(known_prefixes) - 1)
-        return np.unique(owner[words.text[starts[known_prefixes[at] == keys]]])
+        return np.unique(owner[words.text_of(starts[known_prefixes[at] == keys])])
 
     def _prefix_table(self) -> tuple[pa.Array, np.ndarray, np.ndarray]:
-        vocabulary = pa.array(sorted({w for p in self.prefixes for w in p}), pa.large_string())
-        number = {w: k for k, w in enumerate(vocabulary.to_pylist())}
+        encoded = pc.dictionary_encode(pa.array([w for p in self.prefixes for w in p],
+                                                pa.large_string()))
+        vocabulary = encoded.dictionary
         word_hash = hash_strings(vocabulary)
-        ids = np.array([number[w] for p in self.prefixes for w in p], dtype=np.int64)
+        ids = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         keys = combine(word_hash[ids], np.arange(len(self.prefixes)) * MIN_WORDS, MIN_WORDS)
         return vocabulary, word_hash, np.unique(keys)

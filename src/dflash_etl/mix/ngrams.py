@@ -33,12 +33,15 @@ _LOWER_TO_ASCII = "[\u0130\u212a]"  # non-ASCII characters whose str.lower() hol
 @dataclass(frozen=True)
 class Words:
     """The words of a batch of texts: `ids[k]` numbers the k-th word in `dictionary` (its
-    distinct words), `text[k]` is the text it is in; `counts` words per text."""
+    distinct words); `counts` words per text, in order."""
 
     dictionary: pa.Array
     ids: np.ndarray
-    text: np.ndarray
     counts: np.ndarray
+
+    def text_of(self, words: np.ndarray) -> np.ndarray:
+        """The text each of `words` (positions in `ids`) is in."""
+        return np.searchsorted(np.cumsum(self.counts), words, side="right")
 
 
 def split_words(texts: list[str] | pa.Array | pa.ChunkedArray) -> Words:
@@ -49,24 +52,31 @@ def split_words(texts: list[str] | pa.Array | pa.ChunkedArray) -> Words:
     data = _data(array, offsets)
     offsets = offsets - offsets[0]
     word = _WORD_BYTE[data]
-    first, last = offsets[:-1], offsets[1:] - 1  # each text's first and last byte
-    first, last = first[first < len(data)], last[last >= 0]
-    start = word.copy()  # a word starts after a non-word byte or at a text's start
-    start[1:] &= ~word[:-1]
-    start[first] = word[first]
-    end = word.copy()  # and ends before a non-word byte or at a text's end
-    end[:-1] &= ~word[1:]
-    end[last] = word[last]
-    starts, ends = np.flatnonzero(start), np.flatnonzero(end) + 1
-    del start, end
+    starts, ends = _runs(word, offsets)
     word_offsets = np.zeros(len(starts) + 1, dtype=np.int64)
     np.cumsum(ends - starts, out=word_offsets[1:])
     words = pa.LargeStringArray.from_buffers(
         len(starts), pa.py_buffer(word_offsets), pa.py_buffer(np.ascontiguousarray(data[word])))
     encoded = pc.dictionary_encode(words)
     counts = np.diff(np.searchsorted(starts, offsets)).astype(np.int64)
-    return Words(encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False),
-                 np.repeat(np.arange(len(counts)), counts), counts)
+    return Words(encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False), counts)
+
+
+def _runs(word: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of each run of word bytes, a run cut where one text ends and the next
+    begins."""
+    if not len(word):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    change = np.flatnonzero(word[1:] != word[:-1]) + 1
+    change = np.concatenate([[0] if word[0] else [], change, [len(word)] if word[-1] else []]
+                            ).astype(np.int64)
+    starts, ends = change[0::2], change[1::2]
+    inner = np.unique(offsets[(offsets > 0) & (offsets < len(word))])
+    cross = inner[word[inner - 1] & word[inner]]  # a word touching the next text's word
+    if len(cross):
+        starts = np.insert(starts, np.searchsorted(starts, cross), cross)
+        ends = np.insert(ends, np.searchsorted(ends, cross), cross)
+    return starts, ends
 
 
 def _data(array: pa.LargeStringArray, offsets: np.ndarray) -> np.ndarray:
@@ -80,7 +90,7 @@ def _lowered(texts: list[str] | pa.Array | pa.ChunkedArray) -> pa.LargeStringArr
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     array = pc.fill_null(array.cast(pa.large_string()), "")
-    if _has_special(array):
+    if not pc.all(pc.string_is_ascii(array)).as_py() and _has_special(array):
         special = pc.match_substring_regex(array, _LOWER_TO_ASCII).to_pylist()
         array = pa.array([v.lower() if s else v for v, s in
                           zip(array.to_pylist(), special, strict=True)], pa.large_string())
