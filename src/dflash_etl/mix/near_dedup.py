@@ -100,7 +100,7 @@ def band_keys(digests: np.ndarray) -> np.ndarray:
 
 def candidates(keys: np.ndarray, has: np.ndarray) -> np.ndarray:
     """The rows (of those with a signature) sharing some band's bucket with another row."""
-    return np.flatnonzero(_shares_a_bucket(np.where(has[:, None], keys, np.uint64(0))) & has)
+    return np.flatnonzero(_shares_a_bucket(keys, has) & has)
 
 
 def near_duplicates(keys: np.ndarray, digests: np.ndarray, threshold: float
@@ -149,18 +149,26 @@ def _first_twins(keys: np.ndarray, digests: np.ndarray) -> np.ndarray:
     return twin_of
 
 
-def _shares_a_bucket(keys: np.ndarray) -> np.ndarray:
-    return (_shared_groups(keys) >= 0).any(axis=1)
+def _shares_a_bucket(keys: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """Whether a row's bucket in some band holds another row (rows without a signature share
+    bucket 0): one band at a time, no copy of the whole key matrix."""
+    shared = np.zeros(len(keys), dtype=bool)
+    for b in range(keys.shape[1]):
+        column = np.where(has, keys[:, b], np.uint64(0))
+        order = np.argsort(column, kind="stable")
+        same = column[order[1:]] == column[order[:-1]]
+        shared[order[1:][same]] = True
+        shared[order[:-1][same]] = True
+    return shared
 
 
 def _shared_groups(keys: np.ndarray) -> np.ndarray:
     """Each row's bucket in each band, numbered across bands, where another row shares it;
     else -1: int64 [n, bands]."""
     groups = np.full(keys.shape, -1, dtype=np.int64)
-    columns = np.ascontiguousarray(keys.T)
     base = 0
-    for b, column in enumerate(columns):
-        _, inverse, count = np.unique(column, return_inverse=True, return_counts=True)
+    for b in range(keys.shape[1]):
+        _, inverse, count = np.unique(keys[:, b], return_inverse=True, return_counts=True)
         inverse = inverse.reshape(-1)
         groups[:, b] = np.where(count[inverse] > 1, inverse + base, -1)
         base += len(count)
