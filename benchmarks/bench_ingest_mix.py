@@ -153,20 +153,33 @@ def markdown(res: dict[str, Any], rows: int, small: int) -> str:
     def met(ok: bool | None) -> str:
         return "n/a" if ok is None else "yes" if ok else "no"
 
+    # a wall-time comparison is void where the machine ran other work: a run's 1-minute load
+    # before it above the CPU count (the CPU-second shares beside it still say something)
+    loads = [x for named in res["runs"].values() for r in named.values()
+             for x in (r.get("loadavg_before") if isinstance(r.get("loadavg_before"), list)
+                       else [r.get("loadavg_before", 0)])]
+    busy = max(loads, default=0) > float(m.get("nproc") or 1)
+
+    def met_wall(ok: bool) -> str:
+        return f"unknown (load up to {max(loads):.1f})" if busy else met(ok)
+
     lines += ["", "| goal | value | target | met |", "|---|---:|---|---|",
               f"| decontaminate (3 benchmarks) adds (wall) | "
               f"{100 * g['decontaminate_added_share']:.0f}% (CPU "
               f"{100 * g['decontaminate_added_cpu_share']:.0f}%) | <= 30% | "
-              f"{met(g['decontaminate_added_share'] <= 0.30)} |",
+              f"{met_wall(g['decontaminate_added_share'] <= 0.30)} |",
               f"| near_dedup adds (wall) | {100 * g['near_dedup_added_share']:.0f}% (CPU "
               f"{100 * g['near_dedup_added_cpu_share']:.0f}%) | <= 50% | "
-              f"{met(g['near_dedup_added_share'] <= 0.50)} |",
+              f"{met_wall(g['near_dedup_added_share'] <= 0.50)} |",
               f"| near_dedup peak RSS at {rows:,} | {rss:.2f} GiB | <= 2.5 GB | "
               f"{met(rss <= 2.5e9 / 2**30)} |",
               f"| near_dedup added CPU s per row, {rows:,} / {small:,} | "
               f"{'n/a' if growth is None else f'{growth:.2f}x'} (wall: "
               f"{'n/a' if growth_wall is None else f'{growth_wall:.2f}x'}) | <= 1.3x | "
-              f"{met(None if growth is None else growth <= 1.3)} |"]
+              f"{met(None if growth is None else growth <= 1.3)} |", "",
+              "Near-dedup's added figures are net of what it saves after it (the rows it filters "
+              "are not written: on this dataset 12.5% of them at 100k, 32% at 1M), so its growth "
+              "per row can come out below 1."]
     return "\n".join(lines) + "\n"
 
 

@@ -404,8 +404,7 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     if settings.decontaminate and index.height:
         index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
-        index = _near_dedup(index, row_files, [r.get("file") for r in results],
-                            settings, partial, per_source)
+        index = _near_dedup(index, row_files, results, settings, partial, per_source)
     kept, filtered, mix = plan_mix(index, config.sources, config.run.seed, config.run.dedup)
     for name, counts in filtered.items():
         stats = per_source[name]
@@ -469,7 +468,7 @@ def _fixed_width(column: pa.ChunkedArray, dtype: str, width: int) -> np.ndarray:
     return data[array.offset * width:(array.offset + len(array)) * width].reshape(-1, width)
 
 
-def _near_dedup(index: pl.DataFrame, row_files: list[str], unit_files: list[str | None],
+def _near_dedup(index: pl.DataFrame, row_files: list[str], results: list[dict[str, Any]],
                 settings: IngestSettings, partial: Path, per_source: dict[str, Stats]
                 ) -> pl.DataFrame:
     """The index less the near-duplicates of earlier rows (source, file, line order), each
@@ -491,7 +490,8 @@ def _near_dedup(index: pl.DataFrame, row_files: list[str], unit_files: list[str 
     ids = order["id"]
     frame = pl.DataFrame({
         "id": ids.gather(at), "source": order["source"].gather(at),
-        "file": pl.Series([unit_files[u] for u in units[at].tolist()], dtype=pl.String),
+        "file": pl.Series([results[u].get("file") for u in units[at].tolist()],
+                          dtype=pl.String),
         "line": pl.Series(lines[at], dtype=pl.Int64),
         "kept_id": ids.gather(rows[[k for _, k, _ in pairs]]),
         "similarity": pl.Series([round(sim, 4) for _, _, sim in pairs], dtype=pl.Float64)})
