@@ -9,6 +9,7 @@ import pickle
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 import pytest
 
 from dflash_etl.core.config import load_config
@@ -126,6 +127,9 @@ def test_the_batch_prefilter_finds_exactly_what_the_word_search_finds(evalsets):
     assert expected[0] is not None and expected[1] is not None and expected[2] is not None
     assert expected[4] is None  # 12 words: short of a 13-word run
     assert sum(e is not None for e in expected) >= 3
+    column = pa.array([[{"role": "user", "content": t} for t in texts] for texts in planted],
+                      pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
+    assert index.match_messages(column) == {k: e for k, e in enumerate(expected) if e}
     restored = pickle.loads(pickle.dumps(index))  # what a worker receives
     assert restored._prefix_hashes is None and restored.match_many(planted) == expected
     with pytest.raises(ValueError, match="at least MIN_WORDS"):

@@ -165,3 +165,91 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
     done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_the_batch_words_are_the_rule_s_words_and_arrow_rows_sign_as_text_of():
+    """split_words (a byte table over the Arrow buffer) gives exactly contamination's words of
+    each text, whatever the text holds: Unicode letters, the two characters whose lower case is
+    ASCII (U+0130, the Kelvin sign), digits, words that touch a text's ends, null and empty
+    texts; word_hashes hashes each word by its bytes; message_signatures of a `messages` column
+    equals signatures of text_of, both scopes."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dflash_etl.core import schema as S
+    from dflash_etl.mix.contamination import words
+    from dflash_etl.mix.near_dedup import message_signatures, signatures
+    from dflash_etl.mix.ngrams import split_words, word_hashes
+
+    rng = random.Random(5)
+    alphabet = "abcXYZ0189 ,.\n\t-_'\u0130\u212a\u00e9\u2019\u00df\u00c5\u03a3\u4e2d"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+             for _ in range(3000)]
+    texts += ["", "!!!", "a", "end\u0130", "\u212a", "Caf\u00e9 au LAIT", "x" * 300]
+    found = split_words(texts)
+    dictionary = found.dictionary.to_pylist()
+    assert [dictionary[i] for i in found.ids] == [w for t in texts for w in words(t)]
+    assert found.counts.tolist() == [len(words(t)) for t in texts]
+    assert split_words(pa.array([None, "A b"])).counts.tolist() == [0, 2]
+    hashes, counts = word_hashes(["one two one", "two"])
+    assert counts.tolist() == [3, 1] and hashes[0] == hashes[2] and hashes[1] == hashes[3]
+    rows = [_conv(row)["messages"] for row in _planted()[:30]]
+    rows += [[{"role": "user", "content": None}], [],
+             [{"role": "system", "content": "Only a system"}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "more"}]]
+    full = [[{f.name: m.get(f.name) for f in S.MESSAGE} for m in r] for r in rows]
+    column = pa.array(full, pa.list_(S.MESSAGE))
+    for scope in ("prompt", "conversation"):
+        got = message_signatures(column, scope, 3)
+        want = signatures([text_of(r, scope) for r in rows], 3)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), scope
+
+
+def _greedy_reference(keys, digests, threshold):
+    """The greedy pass as the spec words it, row by row over every kept row in its buckets."""
+    import numpy as np
+
+    buckets: list[dict[int, list[int]]] = [{} for _ in range(keys.shape[1])]
+    found = []
+    for row, row_keys in enumerate(keys.tolist()):
+        others = sorted({k for b, key in enumerate(row_keys) for k in buckets[b].get(key, ())})
+        best = None
+        if others:
+            similarity = (digests[others] == digests[row]).mean(axis=1)
+            at = int(np.argmax(similarity))  # the first of the highest
+            if similarity[at] >= threshold:
+                best = (others[at], float(similarity[at]))
+        if best is None:
+            for b, key in enumerate(row_keys):
+                buckets[b].setdefault(key, []).append(row)
+        else:
+            found.append((row, best[0], best[1]))
+    return found
+
+
+def test_the_greedy_pass_equals_the_row_by_row_reference_on_families_and_twins():
+    """near_duplicates (first twins, shared buckets only) gives the reference's verdicts, kept
+    rows and similarities: families of near-copies at several distances, exact twins of kept
+    and of filtered rows interleaved with later kept rows, rows alone."""
+    import numpy as np
+
+    from dflash_etl.mix.near_dedup import NUM_PERM, band_keys, near_duplicates
+
+    rng = np.random.default_rng(11)
+    for trial in range(4):
+        bases = rng.integers(0, 2**32, size=(40, NUM_PERM), dtype=np.uint32)
+        rows = []
+        for _ in range(1500):
+            if rows and rng.random() < 0.3:  # a twin of an earlier row
+                rows.append(rows[int(rng.integers(len(rows)))].copy())
+                continue
+            row = bases[int(rng.integers(len(bases)))].copy()
+            changed = rng.choice(NUM_PERM, size=int(rng.integers(0, 60)), replace=False)
+            row[changed] = rng.integers(0, 2**32, size=len(changed), dtype=np.uint32)
+            rows.append(row)
+        digests = np.stack(rows)
+        keys = band_keys(digests)
+        for threshold in (0.5, 0.8, 1.0):
+            want = _greedy_reference(keys, digests, threshold)
+            assert near_duplicates(keys, digests, threshold) == want, (trial, threshold)
+    assert near_duplicates(keys[:0], digests[:0], 0.8) == []

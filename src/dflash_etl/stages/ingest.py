@@ -321,7 +321,7 @@ class IngestStage(BatchStage):
                 row["_unit"] = item.index
                 row["_line"] = row["line"]
             table = pa.Table.from_pylist(rows, schema=UNIT_SCHEMA)
-            for name, column in zip(_MIX.names, self._mix_columns(rows), strict=True):
+            for name, column in zip(_MIX.names, self._mix_columns(table), strict=True):
                 table = table.append_column(_MIX.field(name), column)
             tables.append(table)
             q_tables.append(pa.Table.from_pylist(quarantine, schema=S.QUARANTINE))
@@ -338,23 +338,21 @@ class IngestStage(BatchStage):
                            else S.QUARANTINE.empty_table(),
                            {source.name: stats}, {"file": unit.path, "records": n_records})
 
-    def _mix_columns(self, rows: list[dict[str, Any]]) -> list[pa.Array]:
-        """The rows' `_MIX` columns: what the driver's filters need, found here in parallel."""
-        n = len(rows)
+    def _mix_columns(self, table: pa.Table) -> list[pa.Array]:
+        """The rows' `_MIX` columns: what the driver's filters need, found here in parallel
+        (from the rows' Arrow `messages`: no Python object per message or word)."""
+        n = table.num_rows
         bench: list[list[str | None]] = [[None] * n for _ in range(3)]
-        if self.contamination is not None:
-            found = self.contamination.match_many(
-                [[m["content"] or "" for m in row["messages"]] for row in rows])
-            for k, hit in enumerate(found):
-                if hit is not None:
-                    bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
+        if self.contamination is not None and n:
+            for k, hit in self.contamination.match_messages(table.column("messages")).items():
+                bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
         columns = [pa.array(values, pa.string()) for values in bench]
         if not self.near_dedup_ngram or not n:
             return columns + [pa.nulls(n, _MIX.field(f).type) for f in ("_minhash", "_bands")]
-        from dflash_etl.mix.near_dedup import band_keys, signatures, text_of
+        from dflash_etl.mix.near_dedup import band_keys, message_signatures
 
-        digests, has = signatures([text_of(r["messages"], self.near_dedup_scope) for r in rows],
-                                  self.near_dedup_ngram)
+        digests, has = message_signatures(table.column("messages"), self.near_dedup_scope,
+                                          self.near_dedup_ngram)
         valid = pa.py_buffer(np.packbits(has, bitorder="little").tobytes())
         for values, field in ((digests, "_minhash"), (band_keys(digests), "_bands")):
             data = pa.py_buffer(np.ascontiguousarray(values).astype("<u8" if field == "_bands"
@@ -430,7 +428,7 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     if settings.decontaminate and index.height:
         index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
-        index = _near_dedup(index, row_files, settings, partial, per_source)
+        index = _near_dedup(index, row_files, results, settings, partial, per_source)
     kept = _apply_mix(index, config, settings, per_source)
     _write_shards(row_files, kept, partial / "conversations", config.run.shard_rows)
     quarantine = pa.concat_tables([pq.read_table(f, schema=S.QUARANTINE) for f in q_files])
@@ -505,48 +503,63 @@ def _fixed_width(column: pa.ChunkedArray, dtype: str, width: int) -> np.ndarray:
     return data[array.offset * width:(array.offset + len(array)) * width].reshape(-1, width)
 
 
-def _near_dedup(index: pl.DataFrame, row_files: list[str], settings: IngestSettings,
-                partial: Path, per_source: dict[str, Stats]) -> pl.DataFrame:
+def _near_dedup(index: pl.DataFrame, row_files: list[str], results: list[dict[str, Any]],
+                settings: IngestSettings, partial: Path, per_source: dict[str, Stats]
+                ) -> pl.DataFrame:
     """The index less the near-duplicates of earlier rows (source, file, line order), each
     filtered near_duplicate and listed in near_duplicates.parquet with the row it repeats.
     Exact duplicates are left to dedup (counted `duplicate`): of each id the first row alone
-    takes part. Only the band keys of every row are read; the digests, of the candidates."""
-    from dflash_etl.mix.near_dedup import BANDS, NUM_PERM, candidates, near_duplicates
+    takes part. Only the band keys of every row are read; the digests, of the candidates; a
+    unit's source file is its result's, its lines are the rows' `line`."""
+    from dflash_etl.mix.near_dedup import candidates, near_duplicates
 
-    order = (index.select("_unit", "_line", "id").sort("_unit", "_line")
+    order = (index.select("_unit", "_line", "id", "source").sort("_unit", "_line")
              .unique("id", keep="first", maintain_order=True))
-    keys, has = [], []
-    for k, path in enumerate(row_files):
-        table = pq.read_table(path, columns=["_line", "_bands"])
-        lines = order.filter(pl.col("_unit") == k)["_line"].to_numpy()
-        at = np.searchsorted(table.column("_line").to_numpy(), lines)  # lines ascend in a unit
-        keys.append(_fixed_width(table.column("_bands"), "<u8", BANDS)[at])
-        has.append(table.column("_bands").is_valid().to_numpy(zero_copy_only=False)[at])
-    all_keys, all_has = np.concatenate(keys), np.concatenate(has)
-    rows = candidates(all_keys, all_has)
-    chosen = order.select(pl.all().gather(pl.Series(rows, dtype=pl.Int64))).with_row_index("_row")
-    digests = np.zeros((len(rows), NUM_PERM), dtype=np.uint32)
-    for (unit,), part in chosen.partition_by("_unit", as_dict=True).items():
-        table = pq.read_table(row_files[unit], columns=["_line", "_minhash"])
-        at = np.searchsorted(table.column("_line").to_numpy(), part["_line"].to_numpy())
-        digests[part["_row"].to_numpy()] = _fixed_width(table.column("_minhash"), "<u4",
-                                                        NUM_PERM)[at]
-    pairs = near_duplicates(all_keys[rows], digests, settings.near_dedup_threshold)
-    ids = chosen["id"]
-    verdicts = pl.DataFrame({"_row": [r for r, _, _ in pairs],
-                             "kept_id": [ids[k] for _, k, _ in pairs],
-                             "similarity": [round(sim, 4) for _, _, sim in pairs]},
-                            schema={"_row": pl.UInt32, "kept_id": pl.String,
-                                    "similarity": pl.Float64})
-    found = chosen.join(verdicts, on="_row").drop("_row", "id")
-    frame = (pl.scan_parquet(row_files).select("id", "source", "file", "line", "_unit", "_line")
-             .join(found.lazy(), on=["_unit", "_line"], how="inner").sort("_unit", "_line")
-             .collect())
-    frame.drop("_unit", "_line").write_parquet(partial / "near_duplicates.parquet")
+    units, lines = order["_unit"].to_numpy(), order["_line"].to_numpy()
+    bounds = np.searchsorted(units, np.arange(len(row_files) + 1))  # units ascend in order
+    keys, has = _unit_columns(row_files, lines, bounds, "_bands")
+    rows = candidates(keys, has)
+    digests, _ = _unit_columns(row_files, lines, bounds, "_minhash", rows)
+    pairs = near_duplicates(keys[rows], digests, settings.near_dedup_threshold)
+    at = rows[[r for r, _, _ in pairs]]
+    ids = order["id"]
+    frame = pl.DataFrame({
+        "id": ids.gather(at), "source": order["source"].gather(at),
+        "file": pl.Series([results[u].get("file") for u in units[at].tolist()],
+                          dtype=pl.String),
+        "line": pl.Series(lines[at], dtype=pl.Int64),
+        "kept_id": ids.gather(rows[[k for _, k, _ in pairs]]),
+        "similarity": pl.Series([round(sim, 4) for _, _, sim in pairs], dtype=pl.Float64)})
+    frame.write_parquet(partial / "near_duplicates.parquet")
     for name, n in frame.group_by("source").len().iter_rows():
         per_source[name].filter(S.F_NEAR_DUPLICATE, n)
         per_source[name].rows_out -= n
-    return index.join(frame.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
+    found = pl.DataFrame({"_unit": pl.Series(units[at], dtype=pl.Int32),
+                          "_line": pl.Series(lines[at], dtype=pl.Int64)})
+    return index.join(found, on=["_unit", "_line"], how="anti")
+
+
+def _unit_columns(row_files: list[str], lines: np.ndarray, bounds: np.ndarray, column: str,
+                  rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed-width mix column (`_bands` or `_minhash`) of the ordered rows (or of `rows`
+    among them) read from the unit files, as [n, width] (null rows zeros), and its validity."""
+    from dflash_etl.mix.near_dedup import BANDS, NUM_PERM
+
+    dtype, width = ("<u8", BANDS) if column == "_bands" else ("<u4", NUM_PERM)
+    wanted = np.arange(len(lines)) if rows is None else rows
+    out = np.zeros((len(wanted), width), dtype=dtype)
+    valid = np.zeros(len(wanted), dtype=bool)
+    cuts = np.searchsorted(wanted, bounds)
+    for k, path in enumerate(row_files):
+        mine = wanted[cuts[k]:cuts[k + 1]]
+        if not len(mine):
+            continue
+        table = pq.read_table(path, columns=["_line", column])
+        at = np.searchsorted(table.column("_line").to_numpy(), lines[mine])  # lines ascend
+        out[cuts[k]:cuts[k + 1]] = _fixed_width(table.column(column), dtype, width)[at]
+        valid[cuts[k]:cuts[k + 1]] = table.column(column).is_valid().to_numpy(
+            zero_copy_only=False)[at]
+    return out, valid
 
 
 def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_rows: int) -> None:
