@@ -86,6 +86,10 @@ def test_planted_items_are_filtered_with_the_item_named_and_the_rest_kept(evalse
     assert sorted(kept["line"].to_list()) == sorted(lines[k] for k in clean)
     assert doc["sources"]["mix"]["contamination"] == {"gsm8k_test": 2,
                                                       "mt_bench_question": 1, "humaneval": 1}
+    report = (tmp_path / "run" / "docs" / "index.html").read_text()
+    section = report[report.index('data-key="ingest-contamination"'):]
+    assert "<td>gsm8k_test</td><td>mix</td><td class=\"num\">2</td>" in section
+    assert "HumanEval/7" in section
 
 
 def test_a_short_item_needs_all_its_words_and_a_missing_file_is_named(tmp_path):

@@ -4,6 +4,7 @@ a shared system prompt alone does not make two conversations duplicates; every r
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import random
@@ -88,6 +89,17 @@ def test_planted_near_copies_are_found_like_brute_force_jaccard(tmp_path):
     bases = [k for k in range(0, 4 * len(TOPICS), 4)]
     assert all(b + 1 in set(kept["line"].to_list()) for b in bases)
     assert all(_jaccard(texts[a], texts[b]) < 0.8 for a, b in itertools.combinations(bases, 2))
+    # the report shows the clusters, the removals per source and the least alike pair, with
+    # the removed row's source line and the kept row's text
+    report = (tmp_path / "run" / "docs" / "index.html").read_text()
+    section = report[report.index('data-key="ingest-near-duplicates"'):]
+    clusters = removed["kept_id"].n_unique()
+    assert f"{removed.height} rows removed in {clusters} clusters" in section
+    least = removed.sort("similarity").row(0, named=True)
+    assert f"{least['similarity']:.3f}" in section
+    kept_text = _conv(rows[kept.filter(pl.col("id") == least["kept_id"])["line"][0] - 1])
+    assert html.escape(kept_text["messages"][1]["content"][:60]) in section
+    assert html.escape(json.dumps(_conv(rows[least["line"] - 1]))[:60]) in section
 
 
 def test_scope_conversation_sees_the_shared_system_prompt(tmp_path):

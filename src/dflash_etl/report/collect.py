@@ -44,6 +44,7 @@ class StageInfo:
     evaluation: dict[str, Any] | None = None
     train_log: list[dict[str, Any]] = field(default_factory=list)
     quarantine: list[dict[str, Any]] = field(default_factory=list)
+    mix_filters: dict[str, Any] = field(default_factory=dict)
 
     @property
     def gate_passed(self) -> bool | None:
@@ -103,6 +104,7 @@ def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo
         token_freq=_json(directory / "token_freq.json"),
         evaluation=_json(directory / "eval.json"), train_log=_jsonl(directory / "log.jsonl"),
         quarantine=quarantine_examples(directory / "quarantine.parquet"),
+        mix_filters=mix_filters(directory) if name == "ingest" else {},
     )
 
 
@@ -127,3 +129,64 @@ def coverage_curve(token_freq: dict[str, Any], points: int = 60) -> list[tuple[f
         if k % step == 0 or k == len(counts):
             curve.append((float(k), running / total))
     return curve
+
+
+MIX_EXAMPLES = 5
+
+
+def mix_filters(ingest_dir: Path) -> dict[str, Any]:
+    """What ingest's mix filters removed (contamination.parquet, near_duplicates.parquet):
+    counts per benchmark or per source, and the first few removals, each near-duplicate with
+    the text of the row it repeats (read from the conversations ingest wrote)."""
+    out: dict[str, Any] = {}
+    path = ingest_dir / "contamination.parquet"
+    if path.is_file():
+        frame = pl.read_parquet(path)
+        out["contamination"] = {
+            "per": frame.group_by("benchmark", "source").len()
+            .sort("benchmark", "source").rows(),
+            "examples": frame.head(MIX_EXAMPLES).to_dicts()}
+    path = ingest_dir / "near_duplicates.parquet"
+    if path.is_file():
+        frame = pl.read_parquet(path)
+        examples = frame.sort("similarity").head(MIX_EXAMPLES)  # the least alike first
+        kept = _kept_rows(ingest_dir / "conversations", examples["kept_id"].to_list())
+        out["near_duplicates"] = {
+            "rows": frame.height, "clusters": frame["kept_id"].n_unique(),
+            "per_source": frame.group_by("source").len().sort("source").rows(),
+            "examples": [{**ex, "kept": kept.get(ex["kept_id"]),
+                          "raw": source_line(ex["file"], ex["line"])}
+                         for ex in examples.to_dicts()]}
+    return out
+
+
+def source_line(path: str | None, line: int | None, max_bytes: int = 65536) -> str | None:
+    """A removed row's line in its JSONL source (its first `max_bytes`), or None: the row is
+    not in any output, only in its source."""
+    if not path or not line or not str(path).endswith(".jsonl"):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            for number, raw in enumerate(fh, 1):
+                if number == line:
+                    return raw[:max_bytes].decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    return None
+
+
+def _kept_rows(conversations: Path, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The kept rows' source, origin and first user message, by id."""
+    if not ids or not any(conversations.glob("*.parquet")):
+        return {}
+    try:
+        frame = (pl.scan_parquet(conversations / "*.parquet")
+                 .filter(pl.col("id").is_in(ids)).select("id", "source", "file", "line",
+                                                          "messages").collect())
+    except Exception:  # a cut or foreign file: the counts still show
+        return {}
+    rows = {}
+    for row in frame.to_dicts():
+        users = [m["content"] for m in row.pop("messages") if m["role"] == "user"]
+        rows[row["id"]] = {**row, "text": users[0] if users else ""}
+    return rows

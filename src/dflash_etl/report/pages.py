@@ -94,6 +94,36 @@ def quarantine_section(stage: StageInfo) -> str:
     return "".join(parts)
 
 
+def mix_filters_section(stage: StageInfo) -> str:
+    """What decontamination and near-dedup removed: counts, and the first removals with what
+    they matched (a benchmark item's shared words; the kept row and the similarity)."""
+    found, html = stage.mix_filters, ""
+    if "contamination" in found:
+        c = found["contamination"]
+        html += ('<h3>Benchmark contamination</h3><div data-key="ingest-contamination">'
+                 + table(["benchmark", "source", "rows removed"], c["per"])
+                 + table(["source", "where", "benchmark", "item", "shared words"], [
+                     [ex["source"], f"{ex['file']}:{ex['line']}", ex["benchmark"], ex["item"],
+                      truncate(ex["shared"], 200)] for ex in c["examples"]]) + "</div>")
+    if "near_duplicates" in found:
+        n = found["near_duplicates"]
+        rows = []
+        for ex in n["examples"]:
+            kept = ex.get("kept") or {}
+            rows.append([f"{ex['similarity']:.3f}", f"{ex['source']} {ex['file']}:{ex['line']}",
+                         truncate(ex.get("raw"), 240),
+                         f"{kept.get('source', '')} {kept.get('file', '')}:{kept.get('line', '')}",
+                         truncate(kept.get("text"), 240)])
+        html += ('<h3>Near-duplicates</h3><div data-key="ingest-near-duplicates">'
+                 f"<p>{n['rows']} rows removed in {n['clusters']} clusters (each kept row with "
+                 "the rows that repeat it)</p>"
+                 + table(["source", "rows removed"], n["per_source"])
+                 + "<p>The least similar removals (estimated Jaccard):</p>"
+                 + table(["similarity", "removed (where)", "removed (source line)", "kept (where)",
+                          "kept (first user message)"], rows) + "</div>")
+    return html
+
+
 def charts_section(stage: StageInfo) -> str:
     profile = (stage.validation or {}).get("profile") or {}
     if not profile:
@@ -335,6 +365,7 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
             f"{badge(s.status == 'complete', s.status.upper())}</h2>{failed}"
             + (f'<p class="muted">{timing} s</p>' if timing is not None else "")
             + "<h3>Row accounting</h3>" + accounting_section(s)
+            + (mix_filters_section(s) if s.name == "ingest" else "")
             + (tokenize_section(s) if s.name == "tokenize" else "")
             + (extract_section(s) if s.name == "extract" else "")
             + (train_section(s) if s.name == "train" else "")
