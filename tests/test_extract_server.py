@@ -305,3 +305,28 @@ def test_every_server_dead_stops_the_stage_naming_them(fleet, default_tokenized,
                       **_fleet_kw([again]))
     assert doc["total"]["rows_out"] == doc["total"]["rows_in"]
     _assert_same_states(hooks_run, run)
+
+
+def test_the_fleet_keeps_both_servers_busy_and_the_stats_say_how_busy(
+        fleet, default_tokenized, copy_run, tmp_path, tiny_target):
+    from dflash_etl.stages import extract
+
+    a, b = fleet(2)
+    run = copy_run(default_tokenized, tmp_path / "busy")
+    doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                      **_fleet_kw([a, b], concurrency=2))
+    total, servers = doc["total"], doc["total"]["servers"]
+    assert set(servers) == {a.url, b.url}
+    # every row once, and each shard's reference re-run (one row alone) once more
+    assert sum(s["served"] for s in servers.values()) == (
+        total["rows_in"] + doc["health"]["reference_rows"])
+    for url, s in servers.items():
+        assert s["served"] > 0 and s["requests"] == s["served"] and s["failed"] == 0, url
+        assert 0 < s["busy_share"] <= 1 and 0 < s["mean_in_flight"] <= 2, url
+    assert "servers" not in _extract_stats(run)  # timing: the run's record, not data
+
+
+def _extract_stats(run: Path) -> dict:
+    import json
+
+    return json.loads((run / "extract" / "stats.json").read_text())["total"]

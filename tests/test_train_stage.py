@@ -363,6 +363,9 @@ def test_online_training_with_states_from_a_server_trains_the_offline_drafter(
                         states_dir=str(states), **settings)
         asked = server.requests
     assert doc["total"]["online"] is True and asked >= 3 * SMALL["batch_rows"]
+    (load,) = doc["total"]["states_server"].pop("servers").values()  # the one server's
+    assert load["served"] == load["requests"] == 3 * SMALL["batch_rows"] and load["failed"] == 0
+    assert 0 < load["busy_share"] <= 1 and load["mean_in_flight"] > 0
     # every step after the first found its rows already asked for
     assert doc["total"]["states_server"] == {"rows_requested": 3 * SMALL["batch_rows"],
                                              "rows_prefetched": 2 * SMALL["batch_rows"]}

@@ -49,10 +49,41 @@ class _Server:
         self.failed = 0  # requests it failed in a row in one way (failure_kind), after retries
         self.failure_kind = ""
         self.broken = False  # out for the rest of the stage (the breaker: see _count_failure)
+        self.use = _Use()  # what it was sent and served, and how busy it was (server_figures)
 
     def why(self) -> str:
         return f"{self.url}: {self.problem}" + (
             f"; then {self.probe_problem}" if self.probe_problem else "")
+
+
+class _Use:
+    """One server's load, for the stats (apart from `_Server`'s counts, which the breaker and
+    failover read): requests sent, served, failed, and over the time the fleet had any request
+    outstanding (`active_s`, the fleet's) the integral of its requests in flight and the time it
+    had one at least. Reset by `Fleet.take_use` (extract: per shard)."""
+
+    def __init__(self) -> None:
+        self.requests = self.served = self.failed = 0
+        self.in_flight_s = self.busy_s = 0.0
+
+
+def use_figures(totals: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per server URL: requests, served, failed, the time-weighted mean of its requests in
+    flight while the fleet was working and the share of that time it had one at least, from
+    `Fleet.take_use`'s raw totals (several of them added up by `add_use`)."""
+    return {url: {"requests": t["requests"], "served": t["served"], "failed": t["failed"],
+                  "mean_in_flight": round(t["in_flight_s"] / t["active_s"], 3)
+                  if t["active_s"] else 0.0,
+                  "busy_share": round(t["busy_s"] / t["active_s"], 4) if t["active_s"] else 0.0}
+            for url, t in totals.items()}
+
+
+def add_use(into: dict[str, dict[str, Any]], totals: dict[str, dict[str, Any]]) -> None:
+    """`totals` (one `take_use`'s) added to `into`, server by server."""
+    for url, t in totals.items():
+        mine = into.setdefault(url, dict.fromkeys(t, 0))
+        for key, value in t.items():
+            mine[key] += value
 
 
 class Fleet:
@@ -86,6 +117,8 @@ class Fleet:
         self.retried = 0
         self.failovers = 0  # requests moved to another server after theirs failed
         self._turn = 0  # round-robin position among equally loaded servers
+        self.active_s = 0.0  # time with any request in flight (for `_Use`'s means)
+        self._ticked = time.monotonic()
         self.listed: list[str] = []
         # made once: building it per batch (httpx's default) cost ~90 ms a batch on a busy
         # machine, more than the requests of a small batch
@@ -160,6 +193,7 @@ class Fleet:
         changed = asyncio.Condition()  # in-flight counts and health: the dispatcher's state
         for server in self.servers:  # an interrupted batch may have left counts behind
             server.in_flight, server.probing = 0, False
+        self._ticked = time.monotonic()  # the time between batches is nobody's
         limits = self.httpx.Limits(max_connections=self.settings.concurrency * len(self.servers))
         async with self.httpx.AsyncClient(timeout=self.settings.timeout_s, limits=limits,
                                           verify=self.tls) as client:
@@ -198,11 +232,14 @@ class Fleet:
                 reply, problem, kind = await self._request(client, server.url, body)
             finally:
                 async with changed:
+                    self._tick()
                     server.in_flight -= 1
                     changed.notify_all()
             if reply is not None:
                 server.served += 1
+                server.use.served += 1
                 return reply
+            server.use.failed += 1
             async with changed:
                 self._count_failure(server, problem, kind)
                 changed.notify_all()
@@ -261,7 +298,9 @@ class Fleet:
                     k = min((k for k in free if self.servers[k].in_flight == low),
                             key=lambda k: (k - self._turn) % n)
                     self._turn = (k + 1) % n
+                    self._tick()
                     self.servers[k].in_flight += 1
+                    self.servers[k].use.requests += 1
                     return k, self.servers[k]
                 wait = 1.0  # re-checked at least this often
                 if not any(self.servers[k].healthy for k in left):
@@ -279,6 +318,33 @@ class Fleet:
                         return None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), wait)
+
+    def _tick(self) -> None:
+        """The time since the last change of an in-flight count, added to the load figures
+        (called before every change)."""
+        now = time.monotonic()
+        elapsed, self._ticked = now - self._ticked, now
+        if any(s.in_flight for s in self.servers):
+            self.active_s += elapsed
+            for server in self.servers:
+                server.use.in_flight_s += server.in_flight * elapsed
+                server.use.busy_s += elapsed if server.in_flight else 0.0
+
+    def take_use(self, reset: bool = True) -> dict[str, dict[str, Any]]:
+        """Per server URL, the raw load totals since the last reset (`use_figures` turns them
+        into means and shares; `add_use` adds up several): requests, served, failed,
+        in_flight_s, busy_s and the fleet's active_s."""
+        totals = {s.url: {**vars(s.use), "active_s": self.active_s} for s in self.servers}
+        if reset:
+            self.active_s = 0.0
+            for server in self.servers:
+                server.use = _Use()
+        return totals
+
+    def server_figures(self) -> dict[str, dict[str, Any]]:
+        """Per server URL since the last reset: requests, served, failed, mean_in_flight and
+        busy_share (`use_figures`)."""
+        return use_figures(self.take_use(reset=False))
 
     def _take_out(self, server: _Server, problem: str) -> None:
         if server.healthy:

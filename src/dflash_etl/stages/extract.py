@@ -436,9 +436,11 @@ class ExtractStage(BatchStage):
             else:
                 stats.rows_out += 1
                 stats.extra["tokens"] += len(row["input_ids"])
+        fleet = getattr(self.target, "fleet", None)  # the server backend's: its load, per shard
         return BatchOutput(rows=pa.Table.from_pylist(index, schema=INDEX),
                            quarantine=pa.Table.from_pylist(quarantined, schema=QUARANTINE),
-                           stats=per_source, extra={"padded": padded, "health": health})
+                           stats=per_source, extra={"padded": padded, "health": health,
+                                                    "servers": fleet.take_use() if fleet else {}})
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:
@@ -466,6 +468,8 @@ class ExtractStage(BatchStage):
                              "dtype": settings.dtype, "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
         doc["health"] = _health_document(results, settings.dtype)
+        if settings.backend == "server":  # the fleet's load: a run's record (timing), not data
+            ctx.call_totals["servers"] = _server_load(results)
         return doc
 
     def contract_params(self, ctx: StageContext) -> dict[str, Any]:
@@ -481,6 +485,17 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _server_load(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per server URL over the shards (this call's and those it resumed from): requests, served,
+    failed, mean requests in flight while the client had any outstanding, busy share."""
+    from dflash_etl.models.fleet import add_use, use_figures
+
+    totals: dict[str, dict[str, Any]] = {}
+    for result in results:
+        add_use(totals, result.get("servers") or {})
+    return use_figures(totals)
 
 
 def _health_document(results: list[dict[str, Any]], dtype: str) -> dict[str, Any]:

@@ -265,6 +265,8 @@ class RegenerateStage(Stage):
         with progress_bar("regenerate", total=total, enabled=ctx.progress) as bar:
             kept, quarantine, per_source, finish, turns = regenerate_conversations(
                 conversations, ctx.state["backend"], cache, settings, bar)
+        if figures := getattr(ctx.state["backend"], "server_figures", None):  # the fleet's load
+            ctx.call_totals["servers"] = figures()  # a run's record (timing), not data
         doc = stats_document(per_source, STAGE)
         doc["total"]["finish_reasons"] = dict(finish)
         doc["total"]["truncation"], warnings = truncation(doc["total"],

@@ -393,7 +393,8 @@ class TrainStage(Stage):
             served = getattr(trainer.states, "requested", None)
             if served is not None:  # this call's: how much of the server's work came ahead
                 ctx.call_totals["states_server"] = {
-                    "rows_requested": served, "rows_prefetched": trainer.states.prefetched}
+                    "rows_requested": served, "rows_prefetched": trainer.states.prefetched,
+                    "servers": trainer.states.server.fleet.server_figures()}
             return doc
         finally:
             trainer.states.close()
