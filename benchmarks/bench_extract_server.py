@@ -9,7 +9,12 @@ from its process, the client's (requests, token-id and file checks, the copy int
 health checks, the contract) from this process during `extract.run`. Issue goal: the client's
 CPU per row <= 10% of the server's compute per row.
 
-    python benchmarks/bench_extract_server.py [--concurrency 2]
+With `--servers 2` the server backend runs against two dev servers (the fleet client's
+least-loaded balancing): the server CPU is both processes', and the per-server load (requests,
+served, mean requests in flight, busy share) goes to results/extract_server_2servers.json and
+the output; results/extract_server.{json,md} are left to the one-server run.
+
+    python benchmarks/bench_extract_server.py [--concurrency 2] [--servers 2]
 """
 
 from __future__ import annotations
@@ -53,7 +58,45 @@ def _wait_ready(url: str, process: subprocess.Popen, seconds: float = 120.0) -> 
     raise SystemExit(f"the dev server at {url} did not answer in {seconds:g} s")
 
 
-def _client_loop(run: Path, url: str, states: Path, model: Path, concurrency: int,
+def _start_servers(n: int, model: Path, states: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """n hidden-states dev servers sharing `states` (as vLLM servers share storage)."""
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    processes, urls = [], []
+    for _ in range(n):
+        port = _free_port()
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "dflash_etl.models.devserver", "--model", str(model),
+             "--port", str(port), "--extract-hidden-states",
+             ",".join(map(str, vllm_layer_ids([1, 2], 4))), "--states-dir", str(states)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}/v1")
+    for url, process in zip(urls, processes, strict=True):
+        _wait_ready(url, process)
+    return processes, urls
+
+
+class _Watched:
+    """The server processes' CPU seconds together (psutil's cpu_times, user + system)."""
+
+    def __init__(self, processes: list[subprocess.Popen]) -> None:
+        import psutil
+
+        self.processes = [psutil.Process(p.pid) for p in processes]
+
+    def cpu_times(self) -> tuple[float, float]:
+        times = [p.cpu_times() for p in self.processes]
+        return sum(t.user for t in times), sum(t.system for t in times)
+
+
+def _fleet_table(servers: dict[str, dict]) -> list[str]:
+    return ["| server | requests | served | failed | mean in flight | busy share |",
+            "|---|---:|---:|---:|---:|---:|",
+            *(f"| {url} | {s['requests']} | {s['served']} | {s['failed']} | "
+              f"{s['mean_in_flight']} | {s['busy_share']} |" for url, s in servers.items())]
+
+
+def _client_loop(run: Path, urls: list[str], states: Path, model: Path, concurrency: int,
                  watched: object, me: object) -> dict[str, float]:
     """The client alone, the stage's fixed costs left out: every row requested, its token ids
     and file checked and read (ServerTarget.forward), nothing written."""
@@ -65,7 +108,7 @@ def _client_loop(run: Path, url: str, states: Path, model: Path, concurrency: in
     rows = datasets.load_from_disk(str(run / "tokenize" / "dataset")).with_format(None)[
         "input_ids"]
     client = ServerTarget(ExtractSettings(
-        model=str(model), backend="server", endpoint=url, states_dir=str(states),
+        model=str(model), backend="server", endpoints=tuple(urls), states_dir=str(states),
         request_deadline_s=60.0, concurrency=concurrency, retries=0), [1, 2], 4, 256)
     server0, client0 = sum(watched.cpu_times()[:2]), sum(me.cpu_times()[:2])
     for k in range(0, len(rows), 16):
@@ -77,6 +120,7 @@ def _client_loop(run: Path, url: str, states: Path, model: Path, concurrency: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--servers", type=int, default=1, help="dev servers (a fleet: 2)")
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
     import psutil
@@ -85,7 +129,6 @@ def main() -> None:
     from bench_extract import target
 
     from dflash_etl.core.config import load_config
-    from dflash_etl.models.states_server import vllm_layer_ids
     from dflash_etl.stages import extract, ingest, tokenize
 
     model = target(WORK / "target")
@@ -105,40 +148,44 @@ def main() -> None:
     hooks_s = time.perf_counter() - start
     rows = doc["total"]["rows_out"]
 
-    states, port = WORK / "server-states", _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dflash_etl.models.devserver", "--model", str(model),
-         "--port", str(port), "--extract-hidden-states",
-         ",".join(map(str, vllm_layer_ids([1, 2], 4))), "--states-dir", str(states)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/v1"
+    states = WORK / "server-states"
+    processes: list[subprocess.Popen] = []
     try:
-        _wait_ready(url, server)
-        watched, me = psutil.Process(server.pid), psutil.Process()
+        processes, urls = _start_servers(args.servers, model, states)
+        watched, me = _Watched(processes), psutil.Process()
         server_cpu0, client_cpu0 = sum(watched.cpu_times()[:2]), sum(me.cpu_times()[:2])
         start = time.perf_counter()
-        extract.run(None, runs["server"], progress=False, model=str(model), layers=LAYERS,
-                    backend="server", endpoint=url, states_dir=str(states),
-                    concurrency=args.concurrency)
+        served = extract.run(None, runs["server"], progress=False, model=str(model),
+                             layers=LAYERS, backend="server", endpoints=urls,
+                             states_dir=str(states), concurrency=args.concurrency)
         server_s = time.perf_counter() - start
         server_cpu = sum(watched.cpu_times()[:2]) - server_cpu0
         client_cpu = sum(me.cpu_times()[:2]) - client_cpu0
-        loop = _client_loop(runs["server"], url, states, model, args.concurrency, watched, me)
+        loop = _client_loop(runs["server"], urls, states, model, args.concurrency, watched, me)
     finally:
-        server.terminate()
-        server.wait(30)
+        for server in processes:
+            server.terminate()
+            server.wait(30)
     share = client_cpu / server_cpu
     result = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
               "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
-              "rows": rows, "concurrency": args.concurrency,
+              "rows": rows, "concurrency": args.concurrency, "n_servers": args.servers,
               "hooks_stage_s": round(hooks_s, 3), "server_stage_s": round(server_s, 3),
               "server_cpu_s": round(server_cpu, 3), "client_cpu_s": round(client_cpu, 3),
               "server_cpu_ms_per_row": round(1000 * server_cpu / rows, 3),
               "client_cpu_ms_per_row": round(1000 * client_cpu / rows, 3),
               "client_share": round(share, 4),
               "client_alone": {k: round(v, 3) for k, v in loop.items()},
-              "client_alone_share": round(loop["client_cpu_s"] / loop["server_cpu_s"], 4)}
+              "client_alone_share": round(loop["client_cpu_s"] / loop["server_cpu_s"], 4),
+              # the whole stage's requests, per server (the fleet client's figures)
+              "servers": served["total"].get("servers", {})}
     out = HERE / "results"
+    if args.servers > 1:  # the one-server run's results stay
+        (out / f"extract_server_{args.servers}servers.json").write_text(
+            json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2), "\n".join(_fleet_table(result["servers"])),
+              sep="\n")
+        return
     (out / "extract_server.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# extract --backend server benchmark — {result['date']}", "",
              f"{os.cpu_count()} cores, Python {platform.python_version()}; the embedded default "
