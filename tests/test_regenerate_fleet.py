@@ -72,6 +72,8 @@ def test_two_servers_give_the_same_rows_as_one(servers, ingested, tmp_path, copy
     assert doc["total"]["rows_out"] == N_PROMPTS + 1 and _accounted(doc["total"])
     assert a.requests > 0 and b.requests > 0
     assert a.requests + b.requests == one.requests == N_PROMPTS
+    load = doc["total"]["servers"]  # the fleet client's own count, per server
+    assert [load[s.url]["served"] for s in (a, b)] == [a.requests, b.requests]
     convs, _ = _outputs(fleet_run)  # each reply is the one for its own prompt (request order)
     replies = {c["messages"][0]["content"]: c["messages"][-1]["content"] for c in convs}
     probe = DevServer(None, instant=True)
