@@ -126,7 +126,9 @@ def test_a_guarded_transformers_render_takes_every_keyword(project_tok):
     with render_limits(SMALL):
         text = guarded_call(MESSAGES, [], project_tok.apply_chat_template, MESSAGES, tools=[],
                             chat_template=CHATML, tokenize=False)
-        assert text == render(project_tok, MESSAGES, chat_template=CHATML, tools=[])
+    # the reference render (its first compiles the template) outside the 0.5 s limit: on a
+    # loaded machine the compile alone passed it
+    assert text == render(project_tok, MESSAGES, chat_template=CHATML, tools=[])
 
 
 def test_limits_leave_real_templates_and_big_ranges_alone(project_tok):
