@@ -183,7 +183,7 @@ def _start_default_run() -> None:
         [sys.executable, "-m", "dflash_etl", "run"], cwd=cwd, env=env, stdout=stdout,
         stderr=stderr, text=True,
     )
-    _DEFAULT_RUN.update(cwd=cwd, process=process, stdout=stdout, stderr=stderr)
+    _DEFAULT_RUN.update(cwd=cwd, process=process, stdout=stdout, stderr=stderr, env=env)
 
 
 def _uses_default_run(item: pytest.Item) -> bool:
@@ -273,6 +273,15 @@ def default_tokenized(tmp_path_factory) -> Path:
     ingest.run(config, run_dir, progress=False)
     tokenize.run(config, run_dir, progress=False)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def default_run_env(default_cli_run) -> dict[str, str]:
+    """The environment the session's default run was started with, as it was then: a test that
+    runs the default again to compare with it must run it in the same one. Tests change this
+    process's environment on the way (a launcher sets OMP_NUM_THREADS=1 in it), and training's
+    floating-point sums depend on the thread count."""
+    return dict(_DEFAULT_RUN.get("env") or {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")})
 
 
 @pytest.fixture

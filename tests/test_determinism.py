@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,15 +16,16 @@ try:
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     from run_compare import differing_files
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_two_runs_of_the_default_give_byte_identical_data_files(default_run_dir, tmp_path):
+def test_two_runs_of_the_default_give_byte_identical_data_files(default_run_dir, default_run_env,
+                                                               tmp_path):
     """`dflash-etl run` twice (the session's shared run in <cwd>/runs/default, and one more into
-    another directory): every data file of every stage is byte-identical."""
+    another directory, in the environment the first ran in: training's sums depend on the
+    thread count, OMP_NUM_THREADS): every data file of every stage is byte-identical."""
     second = tmp_path / "elsewhere" / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = default_run_env
     result = subprocess.run([sys.executable, "-m", "dflash_etl", "run", "--run", str(second)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=2400)
     assert result.returncode == 0, result.stderr[-3000:]
