@@ -278,9 +278,10 @@ def default_tokenized(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_run_env(default_cli_run) -> dict[str, str]:
     """The environment the session's default run was started with, as it was then: a test that
-    runs the default again to compare with it must run it in the same one. Tests change this
-    process's environment on the way (a launcher sets OMP_NUM_THREADS=1 in it), and training's
-    floating-point sums depend on the thread count."""
+    runs the default again to compare with it must run it in the same one. This process's
+    environment changes on the way (CI saw OMP_NUM_THREADS=1 in it by the suite's end; which
+    test leaves it is not pinned down), and training's floating-point sums depend on the
+    thread count."""
     return dict(_DEFAULT_RUN.get("env") or {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")})
 
 
