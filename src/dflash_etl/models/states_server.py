@@ -33,6 +33,7 @@ from dflash_etl.models.generation.completions import (
     Retry,
     excerpt,
     read_capped,
+    refusal,
 )
 
 Q_TOKEN_MISMATCH = "state_token_mismatch"
@@ -78,12 +79,9 @@ class StatesFleet(Fleet):
             status = response.status_code
             text = (await read_capped(response, cap, f"{len(body['prompt'])} prompt tokens")
                     ).decode("utf-8", "replace")
-        if status == 429 or status >= 500:
-            raise Retry(f"HTTP {status}: {excerpt(text)}")
-        if status >= 400:  # the request itself is wrong: no other server would take it
-            return _Failed(f"{url} refused the request: HTTP {status}: {excerpt(text, 500)}")
-        if status != 200:
-            raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
+        refused = refusal(url, status, text)
+        if refused:
+            return _Failed(refused)
         try:
             reply = json.loads(text)
         except ValueError:

@@ -82,6 +82,19 @@ def stream_choice(data: str) -> dict[str, Any] | None:
     return choices[0]
 
 
+def refusal(url: str, status: int, text: str) -> str | None:
+    """An HTTP answer's status read the one way every fleet request reads it: None for a reply
+    (200), the refusal for a 4xx (the request itself is wrong: no other server would take it),
+    Retry for 429, 5xx and anything else that is not a reply."""
+    if status == 429 or status >= 500:
+        raise Retry(f"HTTP {status}: {excerpt(text)}")
+    if status >= 400:
+        return f"{url} refused the request: HTTP {status}: {excerpt(text, 500)}"
+    if status != 200:
+        raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
+    return None
+
+
 def reply_from_completion(text: str) -> Reply:
     """A chat-completion body; anything malformed raises Retry with the body's excerpt."""
     try:

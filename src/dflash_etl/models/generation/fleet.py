@@ -20,6 +20,7 @@ from dflash_etl.models.generation.completions import (
     Retry,
     excerpt,
     read_capped,
+    refusal,
     reply_from_completion,
     stream_choice,
     text_of,
@@ -78,14 +79,8 @@ class OpenAIBackend(Fleet):
                 return await self._streamed(response)
             text = (await read_capped(response, self._byte_cap(False), self._cap_source)
                     ).decode("utf-8", "replace")
-        if status == 429 or status >= 500:
-            raise Retry(f"HTTP {status}: {excerpt(text)}")
-        if status >= 400:  # the request itself is wrong: no retry
-            return Reply("", "", 0, error=f"{url} refused the request: HTTP {status}: "
-                         f"{excerpt(text, 500)}")
-        if status != 200:
-            raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
-        return reply_from_completion(text)
+        refused = refusal(url, status, text)
+        return Reply("", "", 0, error=refused) if refused else reply_from_completion(text)
 
     @property
     def _cap_source(self) -> str:
