@@ -4,7 +4,6 @@ stage with a message that names the expectation, the column, sample values and t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -288,41 +287,6 @@ def _without_timing(value):
 
 VARYING = {"seconds", "run_id", "run_time", "validation_time", "batch_id", "active_batch_id",
            "checkpoint_id", "batch_spec", "batch_markers"}
-
-
-def test_the_gate_in_the_helper_process_gives_the_in_process_result(default_run_dir, tmp_path,
-                                                                    copy_run):
-    thresholds = suites.Thresholds.from_section(DEFAULT_LIMITS)
-    good = copy_run(default_run_dir / "tokenize", tmp_path / "good")
-    bad = copy_run(default_run_dir / "tokenize", tmp_path / "bad")
-
-    def one_token(frame: pl.DataFrame) -> pl.DataFrame:
-        masks = frame["loss_mask"].to_list()
-        masks[0] = [0] * (len(masks[0]) - 1) + [1]
-        return frame.with_columns(pl.Series("loss_mask", masks))
-
-    _rewrite_dataset(bad, one_token)
-    suite_helper.stop()
-    suite_helper._launch()
-    try:
-        helper_pid = suite_helper._PROCESS[0].pid
-        for stage in (good, bad):
-            in_process = suites.run_suite(stage, "tokenized", thresholds)
-            from_helper = suite_helper.run_suite(stage, "tokenized",
-                                                 dataclasses.asdict(thresholds))
-            assert from_helper is not None, "the helper did not answer"
-            assert _without_timing(from_helper) == _without_timing(in_process)
-        # the gate takes the helper's verdict: a failing suite stops the stage, with the rows
-        with pytest.raises(suites.SuiteError, match="longest_supervised_run"):
-            suites.gate("tokenize", bad, tmp_path, thresholds)
-        assert suite_helper.running() and suite_helper._PROCESS[0].pid == helper_pid
-        # a helper that died is not waited on: the gate validates in-process
-        suite_helper._PROCESS[0].kill()
-        suite_helper._PROCESS[0].wait()
-        assert suites.gate("tokenize", good, tmp_path, thresholds)["passed"]
-        assert not suite_helper.running()
-    finally:
-        suite_helper.stop()
 
 
 def test_ge_loads_without_the_modules_it_never_uses_here(default_run_dir):

@@ -23,7 +23,7 @@ from dflash_etl.executors import get_executor
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.stages import STAGES
 from dflash_etl.validation import suite_helper, suites
-from dflash_etl.validation.contracts import validate_output
+from dflash_etl.validation.contracts import start_output_validation
 from dflash_etl.validation.model_outputs import validate_model_output
 
 
@@ -45,8 +45,9 @@ def settings_of(stage: str, config: PipelineConfig | None, run_dir: Path,
 
 
 def _start_gate(stage: str) -> None:
-    """A stage with a great-expectations suite: its helper imports GE on an idle core while
-    the stage does its first, single-core work."""
+    """A gated stage: the gate helper (great_expectations and pandera imported once, shared by
+    every stage process) is found, or started to import them on an idle core while the stage
+    does its first, single-core work."""
     spec = STAGES.get(stage)
     if spec is not None and spec.suite:
         suite_helper.start()
@@ -54,8 +55,8 @@ def _start_gate(stage: str) -> None:
 
 def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any]) -> None:
     """stats.json, then the contract and the suite the registry names, before the output is
-    published. extract's and train's contracts (hidden states, a drafter) are code, not a
-    contract file, and they have no suite."""
+    published (in the gate helper when one runs). extract's and train's contracts (hidden
+    states, a drafter) are code, not a contract file, and they have no suite."""
     spec = STAGES.get(ctx.name)
     if spec is None:
         return
@@ -65,13 +66,14 @@ def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any
         return
     thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
                   else suites.Thresholds.from_manifest(ctx.run.root))
-    if not spec.contract_beside_suite:
-        validate_output(spec.contract, ctx.partial, contract_params)
+    finish_contract = start_output_validation(spec.contract, ctx.partial, contract_params)
+    if not spec.contract_beside_suite:  # the suite only reads an output that kept its contract
+        finish_contract()
         suites.gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
         return
     finish_suite = suites.start_gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
     try:
-        validate_output(spec.contract, ctx.partial, contract_params)
+        finish_contract()
     except BaseException:
         with contextlib.suppress(Exception):  # the contract's failure is the one raised
             finish_suite(in_process=False)  # the helper's answer, if it is computing one

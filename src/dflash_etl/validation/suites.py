@@ -5,8 +5,8 @@ neither flat nor small. So the per-row features a suite needs (role order valid,
 supervised tokens, longest supervised run, supervised fraction, seq_len, source) are computed here
 with polars/numpy, and the per-source aggregates (quarantine rate, share of the mix) from
 stats.json; GE then checks those small flat frames. great_expectations is imported only inside
-`run_suite` (the import alone takes seconds, minutes on slow machines): in the suite helper process
-a stage starts first thing (`validation/suite_helper.py`), else ahead of the gate by `warming_up`
+`run_suite` (the import alone takes seconds, minutes on slow machines): in the gate helper process
+that stays between stages (`validation/suite_helper.py`), else ahead of the gate by `warming_up`
 while the stage's worker processes are busy.
 """
 
@@ -596,8 +596,8 @@ def report_path(run_root: Path, stage: str) -> Path:
 
 @contextlib.contextmanager
 def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
-    """Yields `start()`: import `modules` and, unless the suite helper process has them,
-    great_expectations and the GE context in a thread, for the end of the stage.
+    """Yields `start()`: unless the gate helper has them, import `modules` (the contract's)
+    and great_expectations with the GE context in a thread, for the end of the stage.
 
     A stage calls `start()` once its worker processes are forked: the parent then only waits on
     them, so the minutes these imports take on a slow 2-core machine overlap the work instead of
@@ -609,10 +609,11 @@ def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
 
     def warm() -> None:
         try:
+            if suite_helper.running():
+                return
             for name in modules:
                 importlib.import_module(name)
-            if not suite_helper.running():
-                _batch_definition()
+            _batch_definition()
         except Exception:  # the gate itself reports what is wrong
             pass
 
