@@ -477,3 +477,25 @@ def test_no_row_ever_holds_a_special_token_its_template_did_not_write(tok, qprob
     for row in rows:
         assert row.input_ids.count(starts) == 2
         assert not any(m and t == starts for t, m in zip(row.input_ids, row.loss_mask))
+
+
+_TEXT = st.lists(st.sampled_from(["a", "<|", "|>", "im_end", "<|im_end|>", "\0", "é"]),
+                 max_size=6).map("".join)
+_VALUE = st.recursive(st.none() | _TEXT | st.integers(0, 3),
+                      lambda inner: st.lists(inner, max_size=3)
+                      | st.dictionaries(st.sampled_from(["content", "name", "x"]), inner,
+                                        max_size=3), max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages=st.lists(st.dictionaries(st.sampled_from(["role", "content", "tool_calls"]),
+                                         _VALUE, max_size=3), max_size=3),
+       tools=_VALUE, specials=st.sampled_from([("<|im_end|>",), ("<|im_end|>", "é"), ()]))
+def test_the_one_search_for_special_tokens_finds_what_the_walk_finds(messages, tools, specials):
+    """`_any_special` (every text joined, one search) says a conversation holds a special
+    token's string exactly when the walk over every text, which names where, finds one."""
+    from dflash_etl.templates.masks.conversations import _any_special, _texts
+
+    conversation = {"messages": messages, "tools": tools}
+    walked = any(token in text for _, text in _texts(conversation) for token in specials)
+    assert _any_special(conversation, specials) == walked

@@ -34,7 +34,14 @@ from dflash_etl.core.config import (
 )
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import sha256_file
-from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
+from dflash_etl.core.stage import (
+    BatchOutput,
+    BatchStage,
+    StageContext,
+    WorkItem,
+    item_paths,
+    read_item_file,
+)
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
 from dflash_etl.mix.contamination import MIN_WORDS, ContaminationIndex
@@ -431,7 +438,7 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
         index = _near_dedup(index, row_files, results, settings, partial, per_source)
     kept = _apply_mix(index, config, settings, per_source)
     _write_shards(row_files, kept, partial / "conversations", config.run.shard_rows)
-    quarantine = pa.concat_tables([pq.read_table(f, schema=S.QUARANTINE) for f in q_files])
+    quarantine = pa.concat_tables([read_item_file(f, S.QUARANTINE) for f in q_files])
     pq.write_table(quarantine, partial / "quarantine.parquet")
     empty = [n for n, s in per_source.items() if s.rows_out == 0 and s.rows_quarantined]
     if kept.height == 0 or empty:
@@ -554,7 +561,7 @@ def _unit_columns(row_files: list[str], lines: np.ndarray, bounds: np.ndarray, c
         mine = wanted[cuts[k]:cuts[k + 1]]
         if not len(mine):
             continue
-        table = pq.read_table(path, columns=["_line", column])
+        table = read_item_file(path, columns=["_line", column])
         at = np.searchsorted(table.column("_line").to_numpy(), lines[mine])  # lines ascend
         out[cuts[k]:cuts[k + 1]] = _fixed_width(table.column(column), dtype, width)[at]
         valid[cuts[k]:cuts[k + 1]] = table.column(column).is_valid().to_numpy(

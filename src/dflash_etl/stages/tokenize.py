@@ -29,8 +29,15 @@ from dflash_etl.core.accounting import Stats, stats_document
 from dflash_etl.core.config import register_section, setting, stage_settings
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.schema import F_MIX_WEIGHT, numeric_array, string_array
-from dflash_etl.core.stage import BatchOutput, BatchStage, StageContext, WorkItem, item_paths
+from dflash_etl.core.schema import F_MIX_WEIGHT, flat_values, numeric_array, string_array
+from dflash_etl.core.stage import (
+    BatchOutput,
+    BatchStage,
+    StageContext,
+    WorkItem,
+    item_paths,
+    read_item_file,
+)
 from dflash_etl.io.torch_pickle import save_plain_dict
 from dflash_etl.mix.shares import learning_shares, plan_supervised_mix
 from dflash_etl.models.identity import tokenizer_identity
@@ -501,7 +508,7 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
     paths = [item_paths(units_dir, r["index"]) for r in results]
     row_files = [rows for rows, _, _ in paths]
     q_files = [q for _, q, _ in paths]
-    quarantine = pa.concat_tables([pq.read_table(f, schema=QUARANTINE) for f in q_files])
+    quarantine = pa.concat_tables([read_item_file(f, QUARANTINE) for f in q_files])
     pq.write_table(quarantine, partial / "quarantine.parquet")
     if not total.extra.get("rows_written", 0):
         reasons = (total.quarantine_reasons + total.rows_filtered).most_common(4)
@@ -635,7 +642,7 @@ def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
     rows = size = in_shard = 0
     counts = np.zeros(0, np.int64)
     for path in row_files:
-        table = pq.read_table(path, schema=ROWS).replace_schema_metadata(schema.metadata)
+        table = read_item_file(path, ROWS).replace_schema_metadata(schema.metadata)
         if drop is not None and len(drop):  # the conversations the mix left out
             table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=drop)))
         if writer is None or (in_shard and in_shard + table.nbytes > shard_bytes):
@@ -645,8 +652,8 @@ def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
             writer = pa.ipc.new_stream(str(shards[-1]), schema)
             in_shard = 0
         writer.write_table(table, max_chunksize=1000)  # datasets' writer batch size
-        ids = pc.list_flatten(table.column("input_ids")).to_numpy()
-        supervised = pc.list_flatten(table.column("loss_mask")).to_numpy().astype(bool)
+        ids = flat_values(table.column("input_ids"))
+        supervised = flat_values(table.column("loss_mask")).astype(bool)
         counts = _add_counts(counts, np.bincount(ids[supervised]))
         rows += table.num_rows
         size += table.nbytes

@@ -588,7 +588,11 @@ class _CachingSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         budget = _budget()
         if budget is not None:
-            _check_binop(budget, operator, left, right)
+            if operator == "+" and type(left) is str and type(right) is str:  # most binops
+                if budget.over(size := len(left) + len(right)):
+                    raise budget.too_large("a sequence (+)", size)
+            else:
+                _check_binop(budget, operator, left, right)
         return self.binop_table[operator](left, right)
 
     def checked_concat(self, parts: tuple[Any, ...]) -> str:

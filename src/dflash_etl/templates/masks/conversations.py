@@ -121,7 +121,7 @@ def refuse_special_token_text(conv: dict[str, Any], specials: tuple[str, ...]) -
     """MaskRefused when any text of the conversation (a message's content, reasoning, tool
     calls, the tools) holds a special token's string: the template's markup alone may make
     special tokens, or a reply could supervise a fake turn through them."""
-    if not specials:
+    if not specials or not _any_special(conv, specials):
         return
     for where, text in _texts(conv):
         for token in specials:
@@ -131,6 +131,31 @@ def refuse_special_token_text(conv: dict[str, Any], specials: tuple[str, ...]) -
                     "real token (a fake turn in the context, or supervised in a reply); clean "
                     "the source, or set [tokenize] special_tokens_in_content = \"keep\" to "
                     "tokenize it as it is"))
+
+
+def _any_special(conv: dict[str, Any], specials: tuple[str, ...]) -> bool:
+    """Whether any text holds a special token's string: one search of all the texts joined,
+    the common case (none) without naming where each text is."""
+    if any("\0" in token for token in specials):
+        return True
+    texts: list[str] = []
+    stack: list[Any] = [*(conv.get("messages") or []), conv.get("tools") or []]
+    while stack:
+        value = stack.pop()
+        if type(value) is dict:  # a message: mostly strings and None, read without the stack
+            for item in value.values():
+                if type(item) is str:
+                    texts.append(item)
+                elif item is not None:
+                    stack.append(item)
+        elif isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    joined = "\0".join(texts)  # no special token holds NUL, so none matches across two texts
+    return any(token in joined for token in specials)
 
 
 def _texts(conv: dict[str, Any]) -> Any:
