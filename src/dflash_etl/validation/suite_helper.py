@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["--status"]:
         found = status()
         where = paths()
-        print(f"gate helper {found['pid']}: {found['validations']} validations, log "
+        print(f"gate helper {found['pid']}: {found['validations']} validations, "
+              f"{found.get('rss_mb')} MB resident (peak {found.get('peak_rss_mb')} MB), log "
               f"{where['log'] if where else '?'}" if found else "no gate helper is running")
         return 0
     print("usage: python -m dflash_etl.validation.suite_helper --status | --stop",

@@ -128,8 +128,17 @@ def _contract(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hello(request: dict[str, Any]) -> dict[str, Any]:
-    """Who answers: tests and `suite_helper --status` read it."""
-    return {"pid": os.getpid(), "validations": _STATE["validations"]}
+    """Who answers, and the memory it holds between stages: `suite_helper --status`."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        now = round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        now = None
+    return {"pid": os.getpid(), "validations": _STATE["validations"], "rss_mb": now,
+            "peak_rss_mb": round(peak, 1)}
 
 
 HANDLERS = {"suite": _suite, "contract": _contract, "hello": _hello}
