@@ -156,9 +156,12 @@ def test_an_idle_helper_exits_and_removes_its_socket(own_helper, monkeypatch):
 
 
 def test_a_folder_others_can_open_is_not_used(own_helper, default_tokenized, tmp_path,
-                                              copy_run):
+                                              copy_run, monkeypatch, capsys):
     os.chmod(own_helper, 0o777)
+    monkeypatch.setattr(suite_helper, "_WARNED", [])
     assert suite_helper.helper_dir() is None
+    assert "open to other users" in capsys.readouterr().err  # said, once
+    assert suite_helper.helper_dir() is None and not capsys.readouterr().err
     suite_helper.start()
     assert not suite_helper.running() and not list(own_helper.iterdir())
     params = {"vocab_size": 10**6, "seq_length": 8192, "min_supervised_tokens": 2}

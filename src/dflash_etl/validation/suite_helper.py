@@ -41,6 +41,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 START_DEADLINE_S = 10.0  # a new helper binds its socket before its heavy imports
 _CONNECTION: list[socket.socket] = []  # this process's connection to the helper, when open
 _READER: list[Any] = []  # its line reader
+_WARNED: list[Path] = []  # a helper folder found unsafe, said once
 
 
 def enabled() -> bool:
@@ -75,6 +76,11 @@ def helper_dir() -> Path | None:
     except OSError:
         return None
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        if not _WARNED:
+            _WARNED.append(path)
+            print(f"note: the gates run in this process, not in the gate helper: {path} is "
+                  "open to other users or not yours (set DFLASH_ETL_SUITE_HELPER_DIR to a "
+                  "private folder)", file=sys.stderr)
         return None
     return path
 
@@ -157,12 +163,14 @@ def _launch(where: dict[str, Path]) -> subprocess.Popen[bytes]:
     it), its output to its log, no descriptor of this process kept open."""
     with contextlib.suppress(FileNotFoundError):
         where["sock"].unlink()  # a dead helper's
+    path = os.pathsep.join(p for p in (str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH"))
+                           if p)  # the package this process runs, wherever it came from
     with open(where["log"], "a") as log:
         return subprocess.Popen(
             [sys.executable, "-c", "from dflash_etl.validation.suite_server import serve; serve()",
              str(where["sock"]), str(idle_seconds())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            close_fds=True, cwd="/",
+            close_fds=True, cwd="/", env={**os.environ, "PYTHONPATH": path},
         )
 
 
