@@ -26,6 +26,7 @@ tokenizer).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as dt
 import json
 import os
@@ -223,15 +224,35 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
             "peak_own_rss_mb": round(peak_own / 2**20, 1), "log": out}
 
 
-GATES = tempfile.mkdtemp(prefix="bench-gates-")  # the stage runs' gate helper folder
+_GATES: list[str] = []  # the stage runs' gate helper folder, made on first use
+
+
+def _gates() -> str:
+    """A gate helper folder of this benchmark's own, its helpers ended and the folder removed
+    when the benchmark ends."""
+    if not _GATES:
+        _GATES.append(tempfile.mkdtemp(prefix="bench-gates-"))
+        atexit.register(_end_gates)
+    return _GATES[0]
+
+
+def _end_gates() -> None:
+    for src in _SOURCES:
+        subprocess.run([sys.executable, "-m", "dflash_etl.validation.suite_helper", "--stop"],
+                       env=stage_env(src), stdout=subprocess.DEVNULL, check=False)
+    shutil.rmtree(_GATES[0], ignore_errors=True)
+
+
+_SOURCES: set[Path] = set()  # the package trees whose helpers ran
 
 
 def stage_env(src: Path = REPO / "src") -> dict[str, str]:
     """The environment a stage run gets: Python's bytecode caches on, as an installed package
     has them (pip compiles at install; PYTHONDONTWRITEBYTECODE, set on some machines, made every
     run compile its imports again: ~1.5 s of a 13 s run), and the benchmark's gate helper."""
+    _SOURCES.add(src)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return {**env, "PYTHONPATH": str(src), "DFLASH_ETL_SUITE_HELPER_DIR": GATES}
+    return {**env, "PYTHONPATH": str(src), "DFLASH_ETL_SUITE_HELPER_DIR": _gates()}
 
 
 def warm_up(src: Path = REPO / "src") -> None:
@@ -308,8 +329,8 @@ def main() -> None:
     config = WORK / "bench.toml"
     config.write_text(f'[[sources]]\nname = "sharegpt"\npath = "{source.name}"\n')
     subprocess.run([sys.executable, "-m", "dflash_etl", "ingest", "--config", str(config),
-                    "--run", str(run_dir)], check=True, env={**os.environ,
-                    "PYTHONPATH": str(REPO / "src")}, stdout=subprocess.DEVNULL)
+                    "--run", str(run_dir)], check=True, env=stage_env(),
+                   stdout=subprocess.DEVNULL)
     results = {"date": dt.date.today().isoformat(), "machine": {
         "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(), "load_avg_at_start": os.getloadavg()[0]},

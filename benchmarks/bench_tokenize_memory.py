@@ -87,8 +87,7 @@ def main() -> None:
                               f'path = "{source.name}"\n')
             subprocess.run([sys.executable, "-m", "dflash_etl", "ingest", "--config",
                             str(config), "--run", str(run_dir)], check=True,
-                           stdout=subprocess.DEVNULL, env={**os.environ,
-                                                           "PYTHONPATH": str(REPO / "src")})
+                           stdout=subprocess.DEVNULL, env=stage_env())
         result = measure(run_dir, model)
         stop_gate_helper()
         results["runs"].append(result)

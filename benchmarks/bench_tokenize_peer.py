@@ -65,7 +65,7 @@ def prepare(peer: Path, n: int) -> tuple[Path, dict[str, Path]]:
                           f'path = "{data / "sharegpt.jsonl"}"\n')
         subprocess.run([sys.executable, "-m", "dflash_etl", "ingest", "--config", str(config),
                         "--run", str(run_dir)], check=True, stdout=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+                       env=stage_env())
     return run_dir, tokenizers
 
 
