@@ -411,6 +411,24 @@ def test_arrow_builders_equal_pa_array():
         assert string_array(values).equals(pa.array(values, pa.string()))
 
 
+def test_list_readers_equal_arrows_own_on_sliced_chunked_and_large_lists():
+    """`flat_values` and `list_lengths` read the buffers themselves (no pandas, no copy of
+    the values): the same numbers as pyarrow's own readers, wherever a slice starts."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from dflash_etl.core.schema import flat_values, list_lengths
+
+    rows = [[1, 2, 3], [], [4], [5, 6], [7, 8, 9, 10], [11]]
+    for kind in (pa.list_(pa.int32()), pa.large_list(pa.int8()), pa.list_(pa.int64())):
+        whole = pa.array(rows, kind)
+        for column in (whole, whole.slice(1, 4), whole.slice(5),
+                       pa.chunked_array([whole.slice(0, 2), whole.slice(3, 3)]),
+                       pa.chunked_array([], kind)):
+            assert list_lengths(column).tolist() == pc.list_value_length(column).to_pylist()
+            assert flat_values(column).tolist() == pc.list_flatten(column).to_pylist()
+
+
 def test_a_worker_writes_its_rows_without_importing_pandas(run_dir):
     """pyarrow's `pa.array` imports pandas on first use (~1 s of CPU in each worker process):
     a worker reads its chunk, tokenizes it and writes its files without it."""

@@ -112,6 +112,19 @@ def flat_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Each row's list length, from the offsets alone: the values are never read (a 1M-row
+    token column combined to count them took 840 MB)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    parts = []
+    for chunk in chunks:
+        width = np.int64 if pa.types.is_large_list(chunk.type) else np.int32
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=width,
+                                count=chunk.offset + len(chunk) + 1)[chunk.offset:]
+        parts.append(np.diff(offsets).astype(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 def string_array(values: list[str]) -> pa.Array:
     """A string Arrow array of non-null `values`, without `pa.array`'s pandas import."""
     encoded = [value.encode() for value in values]

@@ -12,7 +12,7 @@ PER_SOURCE = 2
 MAX_TOKENS = 400  # shown per row (the rest is counted)
 
 
-def pick_rows(sources: list[str], lengths: list[int], seed: int = 0) -> list[int]:
+def pick_rows(sources: list[str], lengths: Any, seed: int = 0) -> list[int]:
     """Row positions to show: PER_SOURCE per source by a seeded draw, then the longest and the
     shortest row; in dataset order, each once."""
     import numpy as np
@@ -26,7 +26,7 @@ def pick_rows(sources: list[str], lengths: list[int], seed: int = 0) -> list[int
         rows = by_source[name]
         chosen.update(int(x) for x in rng.choice(rows, size=min(PER_SOURCE, len(rows)),
                                                   replace=False))
-    if lengths:
+    if len(lengths):
         chosen.add(int(np.argmax(lengths)))
         chosen.add(int(np.argmin(lengths)))
     return sorted(chosen)
@@ -38,6 +38,7 @@ def row_views(stage_dir: Path, tokenizer: Any) -> list[dict[str, Any]]:
     import pyarrow as pa
 
     from dflash_etl.core.outputs import TokenizedOutput
+    from dflash_etl.core.schema import list_lengths
     from dflash_etl.validation.contracts import read_arrow
 
     files = TokenizedOutput.files_of(stage_dir.parent) if stage_dir.name == "tokenize" else []
@@ -45,7 +46,7 @@ def row_views(stage_dir: Path, tokenizer: Any) -> list[dict[str, Any]]:
         return []
     table = pa.concat_tables([read_arrow(f).select(["id", "source", "turn", "input_ids",
                                                     "loss_mask"]) for f in files])
-    lengths = table.column("input_ids").combine_chunks().value_lengths().to_pylist()
+    lengths = list_lengths(table.column("input_ids"))
     views = []
     for k in pick_rows(table.column("source").to_pylist(), lengths):
         row = table.slice(k, 1).to_pylist()[0]
