@@ -103,10 +103,28 @@ def _answer(line: str) -> str:
             _STATE["stop"] = True
             return json.dumps({"ok": True, "result": {"stopping": os.getpid()}})
         result = HANDLERS[request["kind"]](request)
-        _STATE["validations"] += request["kind"] != "hello"
+        if request["kind"] != "hello":
+            _STATE["validations"] += 1
+            _release_memory()
         return json.dumps({"ok": True, "result": result}, default=str)
     except Exception as exc:  # the stage reruns it in-process and raises it there
         return json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _release_memory() -> None:
+    """Give back what a validation freed: the helper waits between stages, and the allocators
+    keep freed pages (after a 1M-row suite it held 310 MB more than after its imports)."""
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import pyarrow
+
+        pyarrow.default_memory_pool().release_unused()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _suite(request: dict[str, Any]) -> dict[str, Any]:
