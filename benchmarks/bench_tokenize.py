@@ -225,6 +225,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
 
 
 _GATES: list[str] = []  # the stage runs' gate helper folder, made on first use
+_SOURCES: set[Path] = set()  # the package trees whose helpers ran
 
 
 def _gates() -> str:
@@ -241,9 +242,6 @@ def _end_gates() -> None:
         subprocess.run([sys.executable, "-m", "dflash_etl.validation.suite_helper", "--stop"],
                        env=stage_env(src), stdout=subprocess.DEVNULL, check=False)
     shutil.rmtree(_GATES[0], ignore_errors=True)
-
-
-_SOURCES: set[Path] = set()  # the package trees whose helpers ran
 
 
 def stage_env(src: Path = REPO / "src") -> dict[str, str]:

@@ -30,8 +30,7 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.models.fleet import Fleet
 from dflash_etl.models.generation.completions import (
     REPLY_BYTES_BASE,
-    Retry,
-    excerpt,
+    json_object,
     read_capped,
     refusal,
 )
@@ -82,13 +81,7 @@ class StatesFleet(Fleet):
         refused = refusal(url, status, text)
         if refused:
             return _Failed(refused)
-        try:
-            reply = json.loads(text)
-        except ValueError:
-            raise Retry(f"a malformed reply (HTTP 200, not JSON): {excerpt(text)}") from None
-        if not isinstance(reply, dict):
-            raise Retry(f"a malformed reply (HTTP 200, not an object): {excerpt(text)}")
-        return reply
+        return json_object(text, "a malformed reply", "HTTP 200, ")
 
     def _failed(self, problem: str) -> _Failed:
         return _Failed(problem)

@@ -241,29 +241,25 @@ def stop() -> None:
 def shutdown(key: str | None = None) -> bool:
     """Ask the helper of `key` (this code's by default) to exit; True when one answered."""
     stop()
-    where = paths(key)
-    connection = _connect(where["sock"]) if where else None
-    if connection is None:
-        return False
-    with connection:
-        connection.settimeout(10.0)
-        try:
-            connection.sendall(b'{"kind": "stop"}\n')
-            return bool(connection.makefile("r").readline())
-        except OSError:
-            return False
+    return _ask_once("stop", key) is not None
 
 
 def status() -> dict[str, Any] | None:
     """The running helper of this code ({"pid", "validations"}), or None; starts nothing."""
-    where = paths()
+    return _ask_once("hello")
+
+
+def _ask_once(kind: str, key: str | None = None) -> dict[str, Any] | None:
+    """One request on a connection of its own (not this process's), answered within 10 s;
+    the answer's result, or None when no helper answered."""
+    where = paths(key)
     connection = _connect(where["sock"]) if where else None
     if connection is None:
         return None
     with connection:
         connection.settimeout(10.0)
         try:
-            connection.sendall(b'{"kind": "hello"}\n')
+            connection.sendall((json.dumps({"kind": kind}) + "\n").encode())
             reply = json.loads(connection.makefile("r").readline() or "null")
         except (OSError, ValueError):
             return None

@@ -64,14 +64,21 @@ def text_of(value: Any, data: str) -> str:
     return value
 
 
+def json_object(text: str, what: str, where: str = "") -> dict[str, Any]:
+    """A server's JSON object; anything else raises Retry saying `what` it was ("a broken
+    stream chunk"), `where` ("HTTP 200, ") and the text's excerpt."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise Retry(f"{what} ({where}not JSON): {excerpt(text)}") from None
+    if not isinstance(value, dict):
+        raise Retry(f"{what} ({where}not an object): {excerpt(text)}")
+    return value
+
+
 def stream_choice(data: str) -> dict[str, Any] | None:
     """The first choice of one SSE chunk; None for a chunk without choices (a usage chunk)."""
-    try:
-        chunk = json.loads(data)
-    except ValueError:
-        raise Retry(f"a broken stream chunk (not JSON): {excerpt(data)}") from None
-    if not isinstance(chunk, dict):
-        raise Retry(f"a broken stream chunk (not an object): {excerpt(data)}")
+    chunk = json_object(data, "a broken stream chunk")
     if "error" in chunk:
         raise Retry(f"the server reported an error mid-stream: {excerpt(data)}")
     choices = chunk.get("choices")
