@@ -97,8 +97,6 @@ wheel-check: setup
 	cd $(WHEEL_TRY)/work/default && $(IN_WHEEL_ENV) dflash-etl tokenize --config pipeline.toml \
 		--run runs/try
 	cd $(WHEEL_TRY)/work/default && $(IN_WHEEL_ENV) dflash-etl check runs/try
-	cd $(WHEEL_TRY)/work && $(IN_WHEEL_ENV) python -m dflash_etl.validation.suite_helper --status
-	cd $(WHEEL_TRY)/work && $(IN_WHEEL_ENV) python -m dflash_etl.validation.suite_helper --stop
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks data setup.py

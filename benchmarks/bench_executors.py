@@ -98,8 +98,6 @@ def label_of(cmd: str) -> str:
     """A short name: Ray's process title (ray::MapWorker(...)), a binary's or script's name."""
     if not cmd:
         return "?"
-    if "suite_helper" in cmd:
-        return "suite helper"
     first = cmd.split()[0]
     if first.startswith("ray::"):  # ray::Class(args).method -> ray::Class(args)
         return first[:first.rindex(")") + 1] if ")" in first else first.split(".")[0]
@@ -110,13 +108,11 @@ def label_of(cmd: str) -> str:
 
 
 def kind_of(pid: int, driver: int, cmd: str, driver_cmd: str) -> str:
-    """driver | workers (the items': forked pool or Ray Data map actors) | suite helper |
+    """driver | workers (the items': forked pool or Ray Data map actors) |
     ray system (gcs, raylet, dashboard, monitors, agents, Ray Data's helper actors, idle
     workers) | other."""
     if pid == driver:
         return "driver"
-    if "suite_helper" in cmd:
-        return "suite helper"
     if cmd == driver_cmd or cmd.startswith("ray::MapWorker"):
         return "workers"
     if cmd.startswith("ray::") or "/ray/" in cmd or any(m in cmd for m in RAY_SYSTEM):
@@ -124,7 +120,7 @@ def kind_of(pid: int, driver: int, cmd: str, driver_cmd: str) -> str:
     return "other"
 
 
-KINDS = ("driver", "workers", "suite helper", "ray system", "other")
+KINDS = ("driver", "workers", "ray system", "other")
 
 
 class RunSampler(threading.Thread):
@@ -244,9 +240,6 @@ def cli_with_timers(out: str, argv: list[str]) -> int:
     spans: dict[str, list[float]] = {}
     extra: dict[str, Any] = {}
 
-    from dflash_etl.validation import suite_helper
-
-    suite_helper.start()  # first, as the CLI's main does before the stage's imports
     import importlib
     import pickle
 
@@ -317,7 +310,7 @@ def phases(timers: dict[str, Any], t0: float, t_end: float) -> dict[str, float]:
     out: dict[str, float] = {}
     if not (stage and mapped):
         return out
-    out["start_up"] = stage[0] - t0  # interpreter, imports, config, suite helper launch
+    out["start_up"] = stage[0] - t0  # interpreter, imports, config
     out["prepare"] = prep[1] - prep[0] if prep else 0.0
     out["plan"] = plan[1] - plan[0] if plan else 0.0
     init = first("ray_init")
@@ -329,7 +322,7 @@ def phases(timers: dict[str, Any], t0: float, t_end: float) -> dict[str, float]:
     out["after_map"] = stage[1] - mapped[1]  # finish, contract, gates, publishing
     accounted = sum(out[k] for k in ("prepare", "plan", "ray_init", "map", "after_map"))
     out["stage_other"] = (stage[1] - stage[0]) - accounted  # begin, fingerprint, listing
-    out["exit"] = t_end - ev["main_end"]  # atexit: Ray's shutdown, the helper's end
+    out["exit"] = t_end - ev["main_end"]  # atexit: Ray's shutdown
     out["after_stage"] = ev["main_end"] - stage[1]  # the CLI's summary lines
     return {k: round(v, 3) for k, v in out.items()}
 
@@ -602,7 +595,7 @@ def stage_section(title: str, res: dict[str, Any]) -> list[str]:
     lines = [f"## {title}", "",
              "| run | wall s | in-stage s | driver peak RSS (during the map) | tree peak RSS | "
              "tree peak PSS | RSS peak: workers / Ray's own | CPU s: all (driver / workers / "
-             "Ray's own / helper) | processes | load avg (mean, max) |",
+             "Ray's own) | processes | load avg (mean, max) |",
              "|---|---:|---:|---:|---:|---:|---|---|---:|---|"]
     for r in runs:
         k, c = r["peak_rss_bytes_by_kind"], r["cpu_s_by_kind"]
@@ -612,7 +605,7 @@ def stage_section(title: str, res: dict[str, Any]) -> list[str]:
             f" | {_mib(r['peak_tree_rss_bytes'])} | "
             f"{_mib(r['peak_tree_pss_bytes'])} | {_mib(k['workers'])} / "
             f"{_mib(k['ray system'])} | {r['cpu_s']:.0f} ({c['driver']:.1f} / {c['workers']:.1f} / "
-            f"{c['ray system']:.1f} / {c['suite helper']:.1f}) | {r['processes']} | "
+            f"{c['ray system']:.1f}) | {r['processes']} | "
             f"{r['loadavg_mean']}, {r['loadavg_max']} |")
     worst_driver = max(r["peak_driver_rss_bytes"] for r in runs if r["executor"] == "ray")
     worst_in_map = max(r.get("peak_driver_rss_in_map_bytes", 0) for r in runs
@@ -734,7 +727,7 @@ def markdown(res: dict[str, Any]) -> str:
               "every process of the run: the driver's session, which Ray's processes inherit "
               "(gcs_server, raylet, dashboard, monitor, log_monitor, the agents, the actors, "
               "Ray Data's helper actors; with ray.init they are also the driver's "
-              "descendants), the suite helper, the forked workers. RSS counts shared pages "
+              "descendants), the forked workers. RSS counts shared pages "
               "(fork, Ray's shared-memory object store) once per process; PSS divides them. "
               "*Ray's own*: every Ray process but the map actors. CPU seconds are each "
               "process's user + system time at its last 100 ms sample.", ""]

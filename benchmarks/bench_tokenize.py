@@ -13,8 +13,8 @@ that git revision runs too, alternating with this tree's (same data, same checks
 effect on the whole process shows within one run. The raw limit also runs with every core (one
 spawned process per core on its share of the conversations). Reports conversations/s, tokens/s,
 the ratio stage/raw against both raw limits (goal >= 0.75), CPU per conversation and the stage's
-peak RSS (summed over its process tree). Stage runs find the gate helper running and
-the imports' bytecode cached, as an earlier stage of the run leaves them (`warm_up`).
+peak RSS (summed over its process tree). Stage runs find the imports' bytecode cached, as an
+installed package has it (`warm_up`); each imports its gates' engines itself.
 Writes benchmarks/results/tokenize.{json,md} (tokenize_N[_TOKENIZER] for other sizes or one
 tokenizer).
 
@@ -26,7 +26,6 @@ tokenizer).
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime as dt
 import json
 import os
@@ -37,7 +36,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -160,7 +158,7 @@ def children_cpu() -> float:
 
 def gate_import_cpu() -> float:
     """CPU seconds a fresh process spends importing great_expectations and building the GE
-    context (a fresh gate helper's first cost, interpreter start included)."""
+    context (every gated stage process pays it once, interpreter start included)."""
     before = children_cpu()
     subprocess.run([sys.executable, "-c", "from dflash_etl.validation import suites; "
                     "suites._batch_definition()"], check=True, env={
@@ -224,48 +222,19 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
             "peak_own_rss_mb": round(peak_own / 2**20, 1), "log": out}
 
 
-_GATES: list[str] = []  # the stage runs' gate helper folder, made on first use
-_SOURCES: set[Path] = set()  # the package trees whose helpers ran
-
-
-def _gates() -> str:
-    """A gate helper folder of this benchmark's own, its helpers ended and the folder removed
-    when the benchmark ends."""
-    if not _GATES:
-        _GATES.append(tempfile.mkdtemp(prefix="bench-gates-"))
-        atexit.register(_end_gates)
-    return _GATES[0]
-
-
-def _end_gates() -> None:
-    for src in _SOURCES:
-        subprocess.run([sys.executable, "-m", "dflash_etl.validation.suite_helper", "--stop"],
-                       env=stage_env(src), stdout=subprocess.DEVNULL, check=False)
-    shutil.rmtree(_GATES[0], ignore_errors=True)
-
-
 def stage_env(src: Path = REPO / "src") -> dict[str, str]:
     """The environment a stage run gets: Python's bytecode caches on, as an installed package
     has them (pip compiles at install; PYTHONDONTWRITEBYTECODE, set on some machines, made every
-    run compile its imports again: ~1.5 s of a 13 s run), and the benchmark's gate helper."""
-    _SOURCES.add(src)
+    run compile its imports again: ~1.5 s of a 13 s run)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return {**env, "PYTHONPATH": str(src), "DFLASH_ETL_SUITE_HELPER_DIR": _gates()}
+    return {**env, "PYTHONPATH": str(src)}
 
 
 def warm_up(src: Path = REPO / "src") -> None:
-    """What an earlier stage of the run leaves a stage, stage by stage: the imports' bytecode
-    cached and the gate helper running (great_expectations and pandera imported there)."""
-    code = ("import transformers, tokenizers, polars, pyarrow.parquet, dflash_etl.stages.tokenize;"
-            " from dflash_etl.validation import suite_helper as h; h.start(); "
-            "assert h.request('hello')(), 'no gate helper'")
+    """The imports' bytecode cached, as an installed package has it (not timed)."""
+    code = ("import transformers, tokenizers, polars, pyarrow.parquet, pandera.polars, "
+            "great_expectations, dflash_etl.stages.tokenize")
     subprocess.run([sys.executable, "-c", code], env=stage_env(src), check=True)
-
-
-def stop_gate_helper(src: Path = REPO / "src") -> None:
-    """A cold start: the next stage run starts (and waits on) its own gate helper."""
-    subprocess.run([sys.executable, "-m", "dflash_etl.validation.suite_helper", "--stop"],
-                   env=stage_env(src), check=True, stdout=subprocess.DEVNULL)
 
 
 def run_stage(run_dir: Path, model: Path, src: Path = REPO / "src") -> dict:
@@ -431,10 +400,9 @@ def main() -> None:
             f"{1000 * raw['cpu_seconds'] / raw['conversations']:.3f} / "
             f"{1000 * raw_all['cpu_seconds'] / raw_all['conversations']:.3f} | "
             f"{1000 * st['cpu_seconds'] / st['conversations']:.3f} |")
-    lines += ["", "CPU seconds (user + system; the stage's process tree: its workers; the gate "
-              "helper, running before the stage as an earlier stage of the run leaves it, is "
-              f"not: a fresh one imports great_expectations in "
-              f"{results['gate_import_cpu_seconds']:.1f} s of CPU, once per run):", "",
+    lines += ["", "CPU seconds (user + system; the stage's process tree: its workers, and its "
+              "gates' imports: great_expectations alone takes "
+              f"{results['gate_import_cpu_seconds']:.1f} s of CPU in a fresh process):", "",
               "| tokenizer | raw limit CPU s (render / batch encode) | stage CPU s | "
               "CPU s the goal allows the stage | of which the raw limit's encode | "
               "left for everything else |",

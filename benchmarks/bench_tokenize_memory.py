@@ -1,5 +1,5 @@
 """Peak memory of `dflash-etl tokenize` as the dataset grows: the whole process tree (the stage,
-its workers, the gate helper it starts) and the stage's own process, sampled every 0.1 s.
+with its gates, and its workers) and the stage's own process, sampled every 0.1 s.
 
 The synthetic conversations of bench_tokenize.py (1-3 turns, 10% system), ingested once per size
 (not measured); the real Qwen3.6 tokenizer (../shared/fixtures) unless --tokenizer bpe8k.
@@ -29,7 +29,6 @@ from bench_tokenize import (  # noqa: E402
     WORK,
     make_data,
     stage_env,
-    stop_gate_helper,
     timed,
     train_bpe,
 )
@@ -38,22 +37,13 @@ MEMORY = WORK.parent / "tokenize_memory"
 
 
 def measure(run_dir: Path, model: Path) -> dict:
-    """One tokenize run that starts its own gate helper: the helper validates this output as
-    the stage's child, so the tree's peak holds it (a helper left by an earlier run would
-    validate outside the tree); its own peak is read from it afterwards."""
+    """One tokenize run, its gates included (they validate in the stage's process)."""
     cmd = [sys.executable, "-m", "dflash_etl", "tokenize", "--run", str(run_dir), "--model",
            str(model), "--force", "--seq-length", "4096"]
-    stop_gate_helper()
     result = timed(cmd, stage_env())
-    status = subprocess.run(
-        [sys.executable, "-c", "import json; from dflash_etl.validation import suite_helper as h;"
-         " print(json.dumps(h.status()))"], env=stage_env(), capture_output=True, text=True,
-        check=True).stdout
-    helper = json.loads(status) or {}
     stats = json.loads((run_dir / "tokenize" / "stats.json").read_text())["total"]
     return {"seconds": round(result["seconds"], 1), "peak_tree_mb": round(result["peak_rss_mb"]),
             "peak_stage_process_mb": round(result["peak_own_rss_mb"]),
-            "peak_gate_helper_mb": helper.get("peak_rss_mb"),
             "conversations": stats["rows_in"], "rows_written": stats["rows_written"],
             "tokens": stats["tokens"]}
 
@@ -89,7 +79,6 @@ def main() -> None:
                             str(config), "--run", str(run_dir)], check=True,
                            stdout=subprocess.DEVNULL, env=stage_env())
         result = measure(run_dir, model)
-        stop_gate_helper()
         results["runs"].append(result)
         print(json.dumps(result), flush=True)
     results["machine"]["load_avg_at_end"] = os.getloadavg()[0]
@@ -100,11 +89,10 @@ def main() -> None:
     lines = [f"# tokenize peak memory ({results['date']}, {m['cores']} cores, load "
              f"{m['load_avg_at_start']:.1f} -> {m['load_avg_at_end']:.1f}, {args.tokenizer})", "",
              "| conversations | tokens | seconds | peak RSS, process tree | peak RSS, stage "
-             "process | peak RSS, gate helper |", "|---:|---:|---:|---:|---:|---:|"]
+             "process |", "|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
         lines.append(f"| {r['conversations']} | {r['tokens']} | {r['seconds']} | "
-                     f"{r['peak_tree_mb']} MB | {r['peak_stage_process_mb']} MB | "
-                     f"{r['peak_gate_helper_mb']} MB |")
+                     f"{r['peak_tree_mb']} MB | {r['peak_stage_process_mb']} MB |")
     lines += ["", f"Growth of the tree's peak from {first['conversations']} to "
               f"{last['conversations']} conversations: **{results['growth']}x** (goal <= 1.2x; "
               "peak <= 2 GB at 1M). Command: `python benchmarks/bench_tokenize_memory.py`."]

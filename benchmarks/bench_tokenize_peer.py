@@ -12,11 +12,11 @@ compared row by row (`compare_masks`).
 
     python benchmarks/bench_tokenize.py --peer PEER [--conversations 20000] [--repeats 3]
 
-Our runs are those of a stage run stage by stage: bytecode cached (as pip leaves an installed
-package) and the gate helper running, as `dflash-etl ingest` leaves them (`bench_tokenize.warm_up`);
-one more run per tokenizer starts with no helper (cold). Writes
-benchmarks/results/tokenize_peer.{json,md}. Goal: >= 2x speculators with the tag tokenizer,
->= 3x with the plain one.
+Each of our runs is a whole `dflash-etl tokenize` process as a user runs it stage by stage:
+bytecode cached (as pip leaves an installed package: `bench_tokenize.warm_up`, not timed),
+nothing resident before it, its gates' imports (great_expectations, pandera) in its own time.
+Writes benchmarks/results/tokenize_peer[_N].{json,md}. Goal: >= 2x speculators with the tag
+tokenizer, >= 3x with the plain one.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ REPO = HERE.parent
 HARNESS = REPO.parent / "shared" / "peer"
 WORK = HERE / "work" / "tokenize_peer"
 sys.path[:0] = [str(HERE), str(REPO / "src")]
-from bench_tokenize import stage_env, stop_gate_helper, timed, warm_up  # noqa: E402
+from bench_tokenize import stage_env, timed, warm_up  # noqa: E402
 
 TOKENIZERS = {"chatml-generation-tags": ["--generation-tags"], "chatml-plain": []}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -154,7 +154,7 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
             continue
         peers, ours = [], []
         peer_out = WORK / f"peer_out_{name}"
-        warm_up()  # as after `dflash-etl ingest`: bytecode cached, the gate helper running
+        warm_up()  # bytecode cached, as pip leaves an installed package (not timed)
         for k in range(repeats):  # alternate, the first one each way round
             order = ("peer", "ours") if k % 2 == 0 else ("ours", "peer")
             for who in order:
@@ -162,21 +162,19 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
                     peers.append(run_peer(peer, tokenizer, data, peer_out))
                 else:
                     ours.append(run_ours(run_dir, tokenizer))
-        stop_gate_helper()  # and once cold: this run starts the helper and waits on it
-        cold = run_ours(run_dir, tokenizer)
         p_median = statistics.median(r["seconds"] for r in peers)
         o_median = statistics.median(r["seconds"] for r in ours)
         results["runs"][name] = {
             "peer": peers, "ours": ours, "peer_median_s": p_median, "ours_median_s": o_median,
-            "speedup": round(p_median / o_median, 2), "ours_gate_helper_cold": cold,
-            "speedup_gate_helper_cold": round(p_median / cold["seconds"], 2),
+            "speedup": round(p_median / o_median, 2),
             "peer_mask_path": peer_mask_path(peer, tokenizer),
             "masks": compare_masks(run_dir, peer_out)}
         print(name, json.dumps({k: v for k, v in results["runs"][name].items()
                                 if k not in ("peer", "ours")}), flush=True)
     results["machine"]["load_avg_at_end"] = os.getloadavg()[0]
     out = HERE / "results"
-    stem = f"tokenize_peer_{only}" if only else "tokenize_peer"
+    stem = "tokenize_peer" + (f"_{conversations}" if conversations != 20000 else "") + (
+        f"_{only}" if only else "")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     m = results["machine"]
     lines = [f"# tokenize vs speculators 0.7.0.2 ({results['date']}, {m['cores']} cores, 1-min "
@@ -184,19 +182,14 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
              "", f"{conversations} synthetic ShareGPT conversations from "
              "../shared/peer/gen_data.py (1-3 turns, 10% system), 8k-BPE ChatML tokenizers "
              "from its make_tokenizer.py; "
-             f"whole process, {repeats} alternating runs each, median. Command: "
-             "`python benchmarks/bench_tokenize.py --peer PEER`.", "",
+             f"whole process, {repeats} alternating runs each, median; nothing resident before "
+             "either (each dflash-etl run imports its gates' engines itself). Command: "
+             f"`python benchmarks/bench_tokenize.py --peer PEER --conversations {conversations}`.",
+             "",
              "| tokenizer | speculators mask path | speculators s (runs) | dflash-etl s (runs) | "
              "speedup (medians) | CPU s peer / ours (median run) | peak RSS peer / ours | "
              "rows peer / ours | rows matched | same loss_mask | supervised tokens peer / ours |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    cold_lines = ["", "dflash-etl runs above: as after `dflash-etl ingest` (the gate helper "
-                  "running, its CPU and memory not in the stage's process tree). Once more with "
-                  "no helper running (the stage starts it and its great_expectations import "
-                  "shares the cores; the helper's memory is counted while it is the stage's "
-                  "child, its CPU is not: it outlives the stage):", "",
-                  "| tokenizer | dflash-etl s, helper cold | speedup | CPU s | peak RSS |",
-                  "|---|---|---|---|---|"]
     for name, r in results["runs"].items():
         pm = sorted(r["peer"], key=lambda x: x["seconds"])[len(r["peer"]) // 2]
         om = sorted(r["ours"], key=lambda x: x["seconds"])[len(r["ours"]) // 2]
@@ -210,9 +203,5 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
             f"{masks['same_input_ids']} of {masks['rows']} | {masks['same_loss_mask']} of "
             f"{masks['rows']} | {masks['peer_supervised_tokens']} / "
             f"{masks['our_supervised_tokens']} |")
-        cold = r["ours_gate_helper_cold"]
-        cold_lines.append(f"| {name} | {cold['seconds']} | **{r['speedup_gate_helper_cold']}x**"
-                          f" | {cold['cpu_seconds']} | {cold['peak_rss_mb']} MB |")
-    lines += cold_lines
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -167,14 +167,6 @@ def ingest_rows(tmp_path) -> Callable[[list[dict], str], Path]:
     return run
 
 
-# The gate helper every stage of the session shares (validation/suite_helper.py), in a folder of
-# the session's own: the tests neither use nor end a helper of the user's. Ended with the session.
-_GATE_HELPER_DIR = None
-if not os.environ.get("DFLASH_ETL_SUITE_HELPER_DIR"):
-    _GATE_HELPER_DIR = tempfile.mkdtemp(prefix="dflash-gates-")
-    os.environ["DFLASH_ETL_SUITE_HELPER_DIR"] = _GATE_HELPER_DIR
-
-
 # ---------------------------------------------------------------- runs shared by the CLI, suite
 # and report tests: one real run of the embedded default per session (great_expectations' import
 # alone takes minutes on a slow machine; each extra process pays it again).
@@ -230,11 +222,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             _DEFAULT_RUN[key].close()  # type: ignore[attr-defined]
     if "cwd" in _DEFAULT_RUN:
         shutil.rmtree(_DEFAULT_RUN["cwd"], ignore_errors=True)
-    if _GATE_HELPER_DIR:
-        from dflash_etl.validation import suite_helper
-
-        suite_helper.shutdown()
-        shutil.rmtree(_GATE_HELPER_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

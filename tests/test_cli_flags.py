@@ -31,12 +31,6 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {o: a for a in parser._actions for o in a.option_strings}
 
 
-@pytest.fixture(autouse=True)
-def _no_suite_helper(monkeypatch):
-    """Nothing here reaches a gate: do not start great_expectations' helper process."""
-    monkeypatch.setenv("DFLASH_ETL_SUITE_HELPER", "0")
-
-
 def test_registry_is_the_pipeline_in_order_and_loads_lazily():
     assert STAGES.names() == PIPELINE
     for spec in STAGES:

@@ -210,7 +210,6 @@ def test_a_flag_gets_the_same_checks():
 def test_the_cli_exits_1_with_the_error_and_no_traceback(tmp_path, monkeypatch, capsys):
     from dflash_etl.cli.main import main
 
-    monkeypatch.setenv("DFLASH_ETL_SUITE_HELPER", "0")
     (tmp_path / "bad.toml").write_text("[run]\nshard_rows = 0\n" + SOURCE + "[tokenise]\n")
     run_dir = tmp_path / "run"
     assert main(["ingest", "--config", str(tmp_path / "bad.toml"), "--run", str(run_dir)]) == 1

@@ -36,7 +36,7 @@ from dflash_etl.core.lock import run_lock
 from dflash_etl.stages import ingest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "DFLASH_ETL_SUITE_HELPER": "0"}
+ENV = {**os.environ, "PYTHONPATH": str(SRC)}
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,6 @@ def no_suite_gate(monkeypatch) -> None:
     """No great_expectations gate (nor its helper process): see the module docstring."""
     from dflash_etl.validation import suites
 
-    monkeypatch.setenv("DFLASH_ETL_SUITE_HELPER", "0")
     monkeypatch.setattr(suites, "gate", lambda *args, **kwargs: {"passed": True})
 
 

@@ -75,7 +75,7 @@ def test_the_wheel_carries_its_data_and_ingests_with_no_checkout(tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site), "DFLASH_ETL_SUITE_HELPER": "0"}
+    env = {**os.environ, "PYTHONPATH": str(site)}
     where = subprocess.run(
         [sys.executable, "-c", "from dflash_etl.core.config import DEFAULT_CONFIG as c; "
          "from dflash_etl.validation.contracts import contracts_dir as d; print(c); print(d())"],

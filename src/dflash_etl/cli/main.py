@@ -13,7 +13,7 @@ from pathlib import Path
 import dflash_etl.cli.stage as stage_command
 from dflash_etl.cli import init
 from dflash_etl.cli.flags import field_help
-from dflash_etl.cli.stage import execute, say, stage_args, stage_parser, start_suite_helper
+from dflash_etl.cli.stage import execute, say, stage_args, stage_parser
 from dflash_etl.core.config import DEFAULT_CONFIG, PipelineConfig, load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.stages import STAGES, StageSpec
@@ -180,7 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    start_suite_helper(command, argv)
     args = build_parser().parse_args(argv)
     if command in {s.name for s in STAGES}:  # its own arguments: what --launcher torchrun reruns
         args.argv = argv[:argv.index(command)] + argv[argv.index(command) + 1:]

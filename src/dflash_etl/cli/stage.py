@@ -222,16 +222,6 @@ def stage_parser(p: argparse.ArgumentParser, spec: StageSpec) -> argparse.Argume
     return p
 
 
-def start_suite_helper(command: str | None, argv: list[str]) -> None:
-    """A gated stage (or `run`) is coming: start the suite helper before anything heavy is
-    imported (building the parser imports the stage modules)."""
-    gated = {s.name for s in STAGES if s.suite} | {"run"}
-    if command in gated and not {"-h", "--help"} & set(argv):
-        from dflash_etl.validation import suite_helper
-
-        suite_helper.start()
-
-
 def module_main(argv: list[str] | None, add_arguments: Any, run_from_args: Any, prog: str,
                 doc: str | None, command: str) -> int:
     """A `python -m` entry of a command that is not a stage (export, eval, show): its parser,
@@ -289,7 +279,6 @@ def stage_main(name: str, argv: list[str] | None = None) -> int:
     """`python -m dflash_etl.stages.<name>`: the stage's subcommand, with only its parser."""
     spec = STAGES[name]
     argv = list(sys.argv[1:] if argv is None else argv)
-    start_suite_helper(name, argv)
     parser = argparse.ArgumentParser(prog=f"python -m {spec.module_path}", description=spec.help)
     args = stage_parser(parser, spec).parse_args(argv)
     args.argv = argv  # what --launcher torchrun runs again

@@ -45,8 +45,6 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     what the layers above lend (see `Shell`); `dflash_etl.stages.shell.run_stage` passes it."""
     shell = shell or Shell()
     rank, world = rank_world()
-    if rank == 0:  # rank 0 alone gates
-        shell.start_gate(stage.name)  # its great_expectations loads meanwhile
     run = RunDir(run_dir)
     options = RunOptions.resolve(config, stage.name, {
         "workers": workers, "executor": executor, "ray_address": ray_address})

@@ -240,7 +240,6 @@ class Shell:
     settings: Callable[[str, PipelineConfig | None, Path, dict[str, Any]], Any] = (
         lambda stage, config, run_dir, overrides: None)
     executor: Callable[[StageContext], Executor] = _no_executor
-    start_gate: Callable[[str], None] = lambda stage: None
     gate: Callable[[StageContext, dict[str, Any], dict[str, Any]], None] = (
         lambda ctx, doc, contract_params: None)
     publish_docs: Callable[[Path], None] = lambda run_root: None

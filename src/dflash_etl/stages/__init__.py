@@ -30,9 +30,6 @@ class StageSpec:
     contract: str  # the contract its output is checked against (validation/contracts.py)
     output: str  # what its output directory holds: the shard directory, or a marker file
     suite: str | None = None  # the great-expectations suite that gates it (None: no suite)
-    # the contract runs here while the suite helper runs the suite (both must pass), instead of
-    # the contract first: tokenize, whose contract takes as long as its suite
-    contract_beside_suite: bool = False
     batch: bool = False  # a BatchStage: --workers / --executor / --ray-address apply
     needs_config: bool = False  # refuses to run without --config (nothing else says what to read)
     # `dflash-etl run` runs it when this setting is configured ([<section>] <requires>, or a
@@ -108,7 +105,7 @@ STAGES = StageRegistry(
         stage_class_name="TokenizeStage", settings_class_name="TokenizeSettings",
         section="tokenize", help="conversations -> input_ids + verified loss masks",
         contract="tokenized", output="dataset", suite="tokenized", batch=True,
-        contract_beside_suite=True, requires="model",
+        requires="model",
     ),
     StageSpec(
         name="extract", module_path="dflash_etl.stages.extract",

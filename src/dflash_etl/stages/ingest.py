@@ -369,7 +369,7 @@ class IngestStage(BatchStage):
         return columns
 
     def while_working(self) -> AbstractContextManager[Callable[[], None]]:
-        return suites.warming_up()  # the gate's imports, while the workers work
+        return suites.warming_up(("pandera.polars",))  # the gate's imports, meanwhile
 
     def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
                ) -> dict[str, Any]:

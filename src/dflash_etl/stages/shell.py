@@ -5,12 +5,11 @@ core, resolved here once for every stage from the stage registry's declarations:
   registry says the stage falls back to it;
 - the executor its work items run on (local or Ray: --executor / [run] executor);
 - its gate: stats.json, then the contract the registry names and, where it gives one, the
-  suite (its helper started early), before the output is published;
+  suite, in this process, before the output is published;
 - the run's HTML report after each stage."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from dflash_etl.core.stage import Shell, Stage, StageContext
 from dflash_etl.executors import get_executor
 from dflash_etl.models.tiny_model import with_target
 from dflash_etl.stages import STAGES
-from dflash_etl.validation import suite_helper, suites
-from dflash_etl.validation.contracts import start_output_validation
+from dflash_etl.validation import suites
+from dflash_etl.validation.contracts import validate_output
 from dflash_etl.validation.model_outputs import validate_model_output
 
 
@@ -44,19 +43,10 @@ def settings_of(stage: str, config: PipelineConfig | None, run_dir: Path,
                                             config.base_dir if config else None)
 
 
-def _start_gate(stage: str) -> None:
-    """A gated stage: the gate helper (great_expectations and pandera imported once, shared by
-    every stage process) is found, or started to import them on an idle core while the stage
-    does its first, single-core work."""
-    spec = STAGES.get(stage)
-    if spec is not None and spec.suite:
-        suite_helper.start()
-
-
 def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any]) -> None:
     """stats.json, then the contract and the suite the registry names, before the output is
-    published (in the gate helper when one runs). extract's and train's contracts (hidden
-    states, a drafter) are code, not a contract file, and they have no suite."""
+    published (the suite reads only an output that kept its contract). extract's and train's
+    contracts (hidden states, a drafter) are code, not a contract file, and have no suite."""
     spec = STAGES.get(ctx.name)
     if spec is None:
         return
@@ -64,21 +54,10 @@ def _gate(ctx: StageContext, doc: dict[str, Any], contract_params: dict[str, Any
     if spec.suite is None:
         validate_model_output(spec.contract, ctx.partial, contract_params)
         return
+    validate_output(spec.contract, ctx.partial, contract_params)
     thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
                   else suites.Thresholds.from_manifest(ctx.run.root))
-    finish_contract = start_output_validation(spec.contract, ctx.partial, contract_params)
-    if not spec.contract_beside_suite:  # the suite only reads an output that kept its contract
-        finish_contract()
-        suites.gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
-        return
-    finish_suite = suites.start_gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
-    try:
-        finish_contract()
-    except BaseException:
-        with contextlib.suppress(Exception):  # the contract's failure is the one raised
-            finish_suite(in_process=False)  # the helper's answer, if it is computing one
-        raise
-    finish_suite()
+    suites.gate(ctx.name, ctx.partial, ctx.run.root, thresholds)
 
 
 def _publish_docs(run_root: Path) -> None:
@@ -87,7 +66,7 @@ def _publish_docs(run_root: Path) -> None:
     publish_docs(run_root)
 
 
-SHELL = Shell(settings=settings_of, executor=get_executor, start_gate=_start_gate, gate=_gate,
+SHELL = Shell(settings=settings_of, executor=get_executor, gate=_gate,
               publish_docs=_publish_docs)
 
 

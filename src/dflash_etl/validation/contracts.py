@@ -349,26 +349,6 @@ def validate_tokenized(stage_dir: Path, params: dict[str, Any]) -> dict:
     return report
 
 
-def start_output_validation(contract: str, stage_dir: Path, params: dict[str, Any]
-                            ) -> Callable[[], dict]:
-    """`validate_output`, begun now in the gate helper when one runs (pandera is imported
-    there, once: not in every stage process), finished by the returned function, which raises
-    ContractError as `validate_output` does. Without a working helper it validates here."""
-    from dflash_etl.validation import suite_helper
-
-    pending = suite_helper.request_contract(contract, stage_dir, params)
-
-    def finish() -> dict:
-        answer = pending()
-        if answer is None:
-            return validate_output(contract, stage_dir, params)
-        if answer.get("error"):
-            raise ContractError(answer["error"], answer["report"])
-        return answer["report"]
-
-    return finish
-
-
 def validate_output(contract: str, stage_dir: Path, params: dict[str, Any]) -> dict:
     """The contract the stage registry names for a stage output, on that (partial) output
     directory; its report goes to contract.json there."""

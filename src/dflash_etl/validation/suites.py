@@ -5,22 +5,17 @@ neither flat nor small. So the per-row features a suite needs (role order valid,
 supervised tokens, longest supervised run, supervised fraction, seq_len, source) are computed here
 with polars/numpy, and the per-source aggregates (quarantine rate, share of the mix) from
 stats.json; GE then checks those small flat frames. great_expectations is imported only inside
-`run_suite` (the import alone takes seconds, minutes on slow machines): in the gate helper process
-that stays between stages (`validation/suite_helper.py`), else ahead of the gate by `warming_up`
-while the stage's worker processes are busy.
+`run_suite`, once per process (the import alone takes seconds, minutes on slow machines); a batch
+stage imports it ahead of its gate with `warming_up`, while its worker processes are busy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
-import importlib.util
 import json
 import os
-import sys
 import threading
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +30,6 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.core.outputs import TokenizedOutput
 from dflash_etl.formats import roles
 from dflash_etl.stages import STAGES
-from dflash_etl.validation import suite_helper
 from dflash_etl.validation.contracts import arrow_slices, read_arrow
 
 STAGE_SUITES = {s.name: s.suite for s in STAGES if s.suite}
@@ -342,40 +336,6 @@ def _expectation(spec: dict[str, Any], params: dict[str, Any], where: str) -> An
             from exc
 
 
-# Imported by great_expectations for expectations the suites never run (KL divergence, KS
-# tests, charts): ~2.3 s of the ~5.6 s of CPU its import costs. Left to load on first use.
-DEFERRED_IMPORTS = ("scipy.stats", "altair")
-
-
-class _DeferredModule(types.ModuleType):
-    """Stands in `sys.modules` for a module until an attribute of it is read, then imports the
-    real one (which takes its place there) and answers from it."""
-
-    def __getattr__(self, attr: str) -> Any:
-        real = sys.modules.get(self.__name__)
-        if real is self or real is None:
-            sys.modules.pop(self.__name__, None)
-            real = importlib.import_module(self.__name__)
-        return getattr(real, attr)
-
-
-def _defer_imports(names: tuple[str, ...]) -> None:
-    for name in names:
-        if name in sys.modules:
-            continue
-        try:
-            spec = importlib.util.find_spec(name)
-        except ImportError:  # its package is not installed: nothing to defer
-            continue
-        if spec is None:
-            continue
-        module = _DeferredModule(name)
-        module.__spec__, module.__file__ = spec, spec.origin
-        if spec.submodule_search_locations is not None:
-            module.__path__ = list(spec.submodule_search_locations)
-        sys.modules[name] = module
-
-
 _GX: dict[str, Any] = {}
 _GX_LOCK = threading.Lock()  # the warm-up thread and the gate may both ask for the context
 
@@ -389,8 +349,6 @@ def _batch_definition() -> Any:
 
             logging.getLogger("great_expectations").setLevel(logging.ERROR)
             os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-            if "great_expectations" not in sys.modules:
-                _defer_imports(DEFERRED_IMPORTS)
             import great_expectations as gx
             from great_expectations.data_context.types.base import ProgressBarsConfig
 
@@ -596,21 +554,15 @@ def report_path(run_root: Path, stage: str) -> Path:
 
 @contextlib.contextmanager
 def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
-    """Yields `start()`: unless the gate helper has them, import `modules` (the contract's)
-    and great_expectations with the GE context in a thread, for the end of the stage.
-
-    A stage calls `start()` once its worker processes are forked: the parent then only waits on
-    them, so the minutes these imports take on a slow 2-core machine overlap the work instead of
+    """Yields `start()`, which imports `modules` (the contract's engine) and great_expectations
+    with its context in a thread, joined on leaving: a batch stage calls it once its worker
+    processes are forked, so the seconds these imports take overlap the work instead of
     following it. (Started before the fork, a child could inherit an import lock held by the
-    thread and wait on it forever; the thread is joined on leaving, so no later fork meets it.)
-    Errors are left for the gate itself to raise with context.
-    """
+    thread.) Errors are left for the gate itself to raise with context."""
     threads: list[threading.Thread] = []
 
     def warm() -> None:
         try:
-            if suite_helper.running():
-                return
             for name in modules:
                 importlib.import_module(name)
             _batch_definition()
@@ -632,33 +584,12 @@ def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
 def gate(stage: str, stage_dir: Path, run_root: Path, thresholds: Thresholds) -> dict[str, Any]:
     """Run a stage's suite on its (partial) output and save the result there; raise SuiteError
     when it fails. The stage then marks itself failed and builds the report the message names."""
-    result = start_gate(stage, stage_dir, run_root, thresholds)()
-    assert result is not None
-    return result
-
-
-def start_gate(stage: str, stage_dir: Path, run_root: Path,
-               thresholds: Thresholds) -> Callable[..., dict[str, Any] | None]:
-    """`gate`, begun now in the suite helper process when one runs, finished by the returned
-    function (which must be called): the stage does other work on its own core meanwhile.
-    `finish(in_process=False)` only collects the helper's answer (None without one): for a stage
-    that already failed otherwise, the suite is not worth importing great_expectations here."""
     from dflash_etl.core.rundir import write_json_atomic
 
-    pending = suite_helper.request_suite(stage_dir, STAGE_SUITES[stage],
-                                         dataclasses.asdict(thresholds))
-
-    def finish(in_process: bool = True) -> dict[str, Any] | None:
-        result = pending()
-        if result is None and not in_process:
-            return None
-        if result is None:  # no helper process, or it failed: here, where errors raise with context
-            result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
-        result_path = Path(stage_dir) / RESULT_FILE
-        write_json_atomic(result_path, result)
-        if not result["passed"]:
-            raise SuiteError(failure_message(result, report_path(run_root, stage), result_path),
-                             result)
-        return result
-
-    return finish
+    result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
+    result_path = Path(stage_dir) / RESULT_FILE
+    write_json_atomic(result_path, result)
+    if not result["passed"]:
+        raise SuiteError(failure_message(result, report_path(run_root, stage), result_path),
+                         result)
+    return result
