@@ -38,9 +38,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8192)
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from dflash_etl.core.config import load_config
     from dflash_etl.models.target import Target
-    from dflash_etl.stages import extract, ingest, tokenize
+    from dflash_etl.stages import extract, ingest, load_config, tokenize
 
     model = target(WORK / "target")
     run_dir = WORK / "run"

@@ -31,8 +31,7 @@ def main() -> None:
     parser.add_argument("--format", default="native", choices=("native", "speculators"))
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from dflash_etl.core.config import load_config
-    from dflash_etl.stages import extract, ingest, regenerate, tokenize
+    from dflash_etl.stages import extract, ingest, load_config, regenerate, tokenize
 
     config = load_config(REPO / "data" / "pipeline.toml")
     run_dir = WORK / "run"

@@ -128,8 +128,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench_extract import target
 
-    from dflash_etl.core.config import load_config
-    from dflash_etl.stages import extract, ingest, tokenize
+    from dflash_etl.stages import extract, ingest, load_config, tokenize
 
     model = target(WORK / "target")
     base = WORK / "run"

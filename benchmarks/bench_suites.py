@@ -6,7 +6,7 @@
    tokenize work alone; the time for 1M rows is extrapolated linearly from it (said so in the
    result).
 2. Suite: 1M tokenized rows, made by cycling the real rows tokenize just wrote (with new ids) and
-   written exactly as the stage writes them (row Parquet -> tokenize._save_dataset, plus
+   written exactly as the stage writes them (row Parquet -> io.hf_dataset.save_dataset, plus
    stats.json and settings.json), validated by `suites.run_suite` (features with polars/numpy +
    great_expectations on the flat frames). great_expectations' import is timed separately.
 
@@ -37,8 +37,7 @@ from bench_tokenize import make_data  # noqa: E402
 
 
 def time_tokenize(n: int, workers: int) -> dict:
-    from dflash_etl.core.config import parse_config
-    from dflash_etl.stages import ingest, tokenize
+    from dflash_etl.stages import ingest, parse_config, tokenize
 
     base = WORK / f"tok-{n}"
     shutil.rmtree(base, ignore_errors=True)
@@ -68,7 +67,8 @@ def write_synthetic(dataset: Path, rows: int, out: Path) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_etl.stages import tokenize
+    from dflash_etl.core.schema import TOKENIZED_ROWS
+    from dflash_etl.io.hf_dataset import save_dataset
 
     shutil.rmtree(out, ignore_errors=True)
     chunks = out / "chunks"
@@ -89,9 +89,9 @@ def write_synthetic(dataset: Path, rows: int, out: Path) -> dict:
             pl.Series("source", [sources[i % 4] for i in range(start, start + n)]),
             pl.lit(-1, pl.Int32).alias("turn"))
         path = chunks / f"c{k:06d}.rows.parquet"
-        pq.write_table(part.to_arrow().cast(tokenize.ROWS), path)
+        pq.write_table(part.to_arrow().cast(TOKENIZED_ROWS), path)
         files.append(path)
-    tokenize._save_dataset(files, out / "dataset")
+    save_dataset(files, out / "dataset")
     shutil.rmtree(chunks)
     per_source = rows // 4
     stats = {name: {"rows_in": per_source + (1 if i < rows % 4 else 0),
@@ -178,7 +178,7 @@ Suite / tokenize: **{share:.2%}** ({share_with_import:.2%} counting the GE impor
 goal < 10%: {'met' if doc['goal_met'] else 'NOT met'}.
 
 The 1M rows cycle the real rows tokenize wrote for the measurement (new ids, 4 sources) and are
-written by the stage's own writer (`tokenize._save_dataset`, {data['bytes'] / 2**20:,.0f} MiB of
+written by the stage's own writer (`io.hf_dataset.save_dataset`, {data['bytes'] / 2**20:,.0f} MiB of
 Arrow).
 """
     (RESULTS / f"{name}.md").write_text(md)

@@ -143,8 +143,7 @@ def _start_server(model: Path, states: Path) -> tuple[subprocess.Popen, str]:
 
 def _prepare(config_path: Path, run: Path) -> tuple[Path, int]:
     """Ingest, tokenize and extract (hooks) once; the tiny target's directory, the rows."""
-    from dflash_etl.core.config import load_config
-    from dflash_etl.stages import extract, ingest, tokenize
+    from dflash_etl.stages import extract, ingest, load_config, tokenize
 
     config = load_config(config_path)
     for stage in (ingest, tokenize, extract):

@@ -153,8 +153,7 @@ def copy_run() -> Callable[..., Path]:
 def ingest_rows(tmp_path) -> Callable[[list[dict], str], Path]:
     """Rows written as one JSONL source called `name` and ingested by one worker into
     tmp_path/run: a small run of the test's own."""
-    from dflash_etl.core.config import load_config
-    from dflash_etl.stages import ingest
+    from dflash_etl.stages import ingest, load_config
 
     def run(rows: list[dict], name: str) -> Path:
         (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -265,8 +264,7 @@ def default_run_dir(default_cli_run) -> Path:
 def default_tokenized(tmp_path_factory) -> Path:
     """The embedded default's sources, ingested and tokenized with the project tokenizer (no
     later stage): shared by the extract, torchrun and device-map tests, which work on copies."""
-    from dflash_etl.core.config import load_config
-    from dflash_etl.stages import ingest, tokenize
+    from dflash_etl.stages import ingest, load_config, tokenize
 
     run_dir = tmp_path_factory.mktemp("default-tokenized") / "run"
     config = load_config(REPO_ROOT / "data" / "pipeline.toml")

@@ -121,24 +121,19 @@ def test_check_catches_corrupted_hidden_states_and_a_broken_drafter(default_run,
     assert "FAIL train" in out and "tau_final = 99.0" in out
 
 
-def test_stage_module_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):
-    """`python -m dflash_etl.stages.ingest ...`, run in this process (a subprocess would pay
-    great_expectations' import again: minutes on a slow machine)."""
+def test_python_dash_m_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):
+    """`python -m dflash_etl ingest ...` (the one entry; no per-module shims), run in this
+    process (a subprocess would pay great_expectations' import again)."""
     rows = [{"messages": [{"role": "user", "content": f"q{k}"},
                           {"role": "assistant", "content": f"a{k}"}]} for k in range(5)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "pipeline.toml").write_text('[[sources]]\nname = "mini"\npath = "rows.jsonl"\n')
     monkeypatch.setattr(sys, "argv", [
-        "dflash_etl.stages.ingest", "--config", str(tmp_path / "pipeline.toml"),
+        "dflash_etl", "ingest", "--config", str(tmp_path / "pipeline.toml"),
         "--run", str(tmp_path / "r"), "--workers", "1",
     ])
-    monkeypatch.delitem(sys.modules, "dflash_etl.stages.ingest", raising=False)  # as if fresh
-    from dflash_etl.core.config import SECTION_SCHEMAS
-
-    for section, schema in SECTION_SCHEMAS.items():  # the fresh module re-registers its schema
-        monkeypatch.setitem(SECTION_SCHEMAS, section, schema)
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("dflash_etl.stages.ingest", run_name="__main__", alter_sys=True)
+        runpy.run_module("dflash_etl", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0, capsys.readouterr().err
     stats = json.loads((tmp_path / "r" / "ingest" / "stats.json").read_text())
     assert stats["total"]["rows_out"] == 5

@@ -1,5 +1,5 @@
-"""The stage registry and the CLI flags generated from the settings dataclasses (no stage runs:
-only parsers, settings checks and a `run` whose stages are stubbed)."""
+"""The pipeline (the stages in order) and the CLI flags generated from each stage's settings
+class (no stage runs: only parsers, settings checks and a `run` whose stages are stubbed)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from dflash_etl.cli.main import build_parser, main
-from dflash_etl.cli.stage import stage_main
-from dflash_etl.stages import STAGES
+from dflash_etl.core.stage import BatchStage
+from dflash_etl.stages import PIPELINE as STAGES
 
 cli = importlib.import_module("dflash_etl.cli.main")  # dflash_etl.cli exports main(), not this
 stage_cli = importlib.import_module("dflash_etl.cli.stage")
@@ -31,57 +31,50 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {o: a for a in parser._actions for o in a.option_strings}
 
 
-def test_registry_is_the_pipeline_in_order_and_loads_lazily():
+def test_the_pipeline_is_the_stages_in_order_and_imports_no_model_library():
     assert STAGES.names() == PIPELINE
-    for spec in STAGES:
-        assert spec.stage_class.name == spec.name
-        assert spec.module_path == f"dflash_etl.stages.{spec.name}"
-        if spec.settings_class is not None:
-            from dflash_etl.core.config import SECTION_SCHEMAS
-
-            assert SECTION_SCHEMAS[spec.section] is spec.settings_class
-    code = ("import sys, dflash_etl.stages as s; s.STAGES['train']; "
-            "print([m for m in ('pyarrow', 'polars', 'torch', 'transformers', "
-            "'dflash_etl.cli.main', 'dflash_etl.stages.train') if m in sys.modules])")
+    for stage in STAGES:
+        assert stage.__module__ == f"dflash_etl.stages.{stage.name}"
+        assert STAGES.sections()[stage.name] is stage.Settings
+        assert importlib.import_module(stage.__module__).run.__name__ == "run"  # the Python API
+    code = ("import sys, dflash_etl.stages as s; s.PIPELINE['train']; "
+            "print([m for m in ('torch', 'transformers', 'great_expectations', 'pandera', "
+            "'dflash_etl.cli.main') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
 
 
-def test_report_and_check_read_the_registry():
+def test_check_and_the_gates_read_the_kinds_of_output():
+    """What a stage writes names its contract and suite, and how `check` recognises it."""
+    from dflash_etl.core.outputs import HiddenStatesOutput
     from dflash_etl.validation import check, suites
 
-    collect = importlib.import_module("dflash_etl.report.collect")  # report/ exports a collect()
-    assert collect.STAGES is STAGES
-    assert set(suites.STAGE_SUITES) == {s.name for s in STAGES if s.suite}
-    assert set(check.LAYOUTS) | set(check.MODEL_STAGES) == set(PIPELINE)
-    assert check.MODEL_STAGES == {"extract": "index.parquet", "train": "drafter/config.json"}
+    assert set(check.SUITES) == {s.writes.suite for s in STAGES if s.writes.suite}
+    assert suites.OUTPUT_DIRS == {"conversations": "conversations", "tokenized": "dataset"}
+    assert {s.name: s.writes.marker for s in STAGES if s.writes.suite is None} == {
+        "extract": "index.parquet", "train": "drafter/config.json"}
+    assert STAGES["extract"].writes is HiddenStatesOutput
 
 
 def test_every_settings_field_has_a_flag():
     parsers = _subparsers(build_parser())
-    for spec in STAGES:
-        parser = parsers[spec.name]
-        assert parser.description == spec.help
+    for stage in STAGES:
+        parser = parsers[stage.name]
+        assert parser.description == stage.help
         dests = {a.dest for a in parser._actions}
-        if spec.settings_class is None:
-            continue
-        for field in dataclasses.fields(spec.settings_class):
-            assert field.name in dests, f"{spec.name}: no flag for {field.name}"
+        for field in dataclasses.fields(stage.Settings):
+            assert field.name in dests, f"{stage.name}: no flag for {field.name}"
             flag = "--" + field.name.replace("_", "-")
             action = _flags(parser)[flag]
             assert action.dest == field.name and action.default is None  # the config decides
-            assert action.help, f"{spec.name} {flag}: no help"
-        # the same flags on `python -m dflash_etl.stages.<name>` (one stage's parser)
-        single = argparse.ArgumentParser()
-        stage_cli.stage_parser(single, spec)
-        assert {a.dest for a in single._actions} == dests
+            assert action.help, f"{stage.name} {flag}: no help"
 
 
 def test_flags_of_today_keep_their_names_and_meaning():
     parse = build_parser().parse_args
     args = parse(["tokenize", "--no-eot", "--no-reasoning", "--seq-length", "128"])
-    overrides = stage_cli.settings_overrides(args, STAGES["tokenize"].settings_class)
+    overrides = stage_cli.settings_overrides(args, STAGES["tokenize"].Settings)
     assert overrides["include_eot"] is False and overrides["supervise_reasoning"] is False
     assert overrides["seq_length"] == 128 and overrides["turns"] is None
     args = parse(["regenerate", "--stream", "--keep-truncated", "--endpoints", "http://a/v1,"
@@ -92,8 +85,8 @@ def test_flags_of_today_keep_their_names_and_meaning():
                   "--cooldown-s", "2.5", "--timeout-s", "9", "--retries", "0"])
     assert args.endpoints == ("http://a/v1", "http://b/v1") and args.cooldown_s == 2.5
     assert (args.timeout_s, args.retries) == (9.0, 0)
-    overrides = stage_cli.settings_overrides(args, STAGES["extract"].settings_class)
-    settings = STAGES["extract"].settings_class(model="m", **{
+    overrides = stage_cli.settings_overrides(args, STAGES["extract"].Settings)
+    settings = STAGES["extract"].Settings(model="m", **{
         k: v for k, v in overrides.items() if v is not None})
     assert settings.servers == ("http://a/v1", "http://b/v1")
     args = parse(["train", "--states-endpoints", "http://a/v1,http://b/v1/"])
@@ -163,15 +156,12 @@ def test_stage_help_works_and_shows_the_defaults(name, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert f"usage: dflash-etl {name}" in out and "--config" in out
-    spec = STAGES[name]
-    if spec.settings_class is not None:
-        assert f"[{spec.section}] settings" in out
-        for field in dataclasses.fields(spec.settings_class):
-            assert "--" + field.name.replace("_", "-") in out
-    with pytest.raises(SystemExit) as exit_info:
-        stage_main(name, ["--help"])  # python -m dflash_etl.stages.<name> --help
-    assert exit_info.value.code == 0
-    assert f"python -m dflash_etl.stages.{name}" in capsys.readouterr().out
+    stage = STAGES[name]
+    assert f"[{name}] settings" in out
+    for field in dataclasses.fields(stage.Settings):
+        assert "--" + field.name.replace("_", "-") in out
+    # how work items run: shown for the batch stages alone
+    assert ("--workers" in out) is issubclass(stage, BatchStage)
 
 
 def test_help_text_lives_with_the_setting(capsys):
@@ -188,12 +178,10 @@ def test_help_text_lives_with_the_setting(capsys):
 
 
 def test_stage_modules_do_not_import_the_cli():
-    for spec in STAGES:
-        source = Path(spec.module().__file__).read_text()
-        top_level = [line for line in source.splitlines()
-                     if line.startswith(("import ", "from ")) and "dflash_etl.cli" in line]
-        assert not top_level, spec.name
-        assert f'stage_main("{spec.name}", argv)' in source
+    for stage in STAGES:
+        source = Path(importlib.import_module(stage.__module__).__file__).read_text()
+        assert "dflash_etl.cli" not in source, stage.name
+        assert "def main(" not in source, stage.name  # one entry: dflash-etl / python -m dflash_etl
 
 
 def test_run_goes_through_the_registry_in_order(tmp_path, monkeypatch, capsys):
@@ -201,11 +189,11 @@ def test_run_goes_through_the_registry_in_order(tmp_path, monkeypatch, capsys):
     it needs (the stages' own work is stubbed)."""
     ran = []
 
-    def fake_run_one(spec, args):
-        ran.append(spec.name)
+    def fake_run_one(stage, args, pipeline):
+        ran.append(stage.name)
         return 0
 
-    monkeypatch.setattr(stage_cli, "run_one", fake_run_one)
+    monkeypatch.setattr(cli, "run_one", fake_run_one)
     monkeypatch.setattr(cli, "_docs", lambda run: Path(run) / "docs" / "index.html")
     config = tmp_path / "pipeline.toml"
     config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n\n'
@@ -229,16 +217,13 @@ def test_run_goes_through_the_registry_in_order(tmp_path, monkeypatch, capsys):
 def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
     calls = {}
 
-    def fake_run(name):
-        def run(config, run_dir, **options):
-            calls[name] = options
-            return {"total": {}, "sources": {}}
-        return run
+    def fake_run(self, name, config, run_dir, **options):
+        calls[name] = options
+        return {"total": {}, "sources": {}}
 
-    for spec in STAGES:
-        monkeypatch.setattr(spec.module(), "run", fake_run(spec.name))
-    monkeypatch.setattr(stage_cli, "SUMMARIES", {})
-    monkeypatch.setattr(stage_cli, "_summary", lambda name, run, doc: 0)
+    monkeypatch.setattr(type(STAGES), "run", fake_run)
+    for stage in STAGES:
+        monkeypatch.setattr(stage, "summary", classmethod(lambda cls, doc, record, out: []))
     monkeypatch.setattr(cli, "_docs", lambda run: Path(run) / "docs" / "index.html")
     config = tmp_path / "pipeline.toml"
     config.write_text('[[sources]]\npath = "rows.jsonl"\n\n[target]\nmodel = "t"\n\n'
@@ -267,3 +252,19 @@ def test_the_mix_and_label_settings_are_flags():
     assert tuple(weight_by.choices) == ("rows", "supervised_tokens")
     assert tuple(labels.choices) == ("data", "target")
     assert "--labels" not in _flags(parsers["tokenize"])
+
+
+def test_a_flag_a_stage_has_no_use_for_is_refused_naming_what_it_is_for(tmp_path, capsys):
+    """`train --executor ray` used to run locally without a word: how work items run is
+    refused on a stage without any, and a Ray address without the Ray executor."""
+    run = str(tmp_path / "r")
+    assert main(["train", "--run", run, "--target", "t", "--executor", "ray"]) == 1
+    err = capsys.readouterr().err
+    assert "train does not take --executor" in err and "(ingest, tokenize, extract)" in err
+    assert "--launcher torchrun" in err  # what train's parallel form is
+    assert main(["regenerate", "--run", run, "--model", "m", "--workers", "2"]) == 1
+    assert "regenerate does not take --workers" in capsys.readouterr().err
+    assert main(["tokenize", "--run", run, "--model", "m", "--ray-address", "auto"]) == 1
+    assert "--ray-address auto applies to the Ray executor: add --executor ray" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # refused before the run directory is touched

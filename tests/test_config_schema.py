@@ -12,15 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_etl.core.config import (
-    SECTION_SCHEMAS,
-    ConfigError,
-    ExpectationsSettings,
-    load_config,
-    parse_config,
-)
+from dflash_etl.core.config import ConfigError, ExpectationsSettings, build_settings
 from dflash_etl.core.errors import StageError
-from dflash_etl.stages import STAGES  # noqa: F401  the registry: the stage sections' schemas
+from dflash_etl.stages import PIPELINE, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = '[[sources]]\nname = "a"\npath = "a.jsonl"\n'
@@ -184,26 +178,28 @@ def test_the_existing_messages_still_hold(tmp_path):
 
 # ---------------------------------------------------------------- the command line
 def test_a_flag_gets_the_same_checks():
-    from dflash_etl.stages import regenerate, tokenize, train
+    from dflash_etl.stages.extract import ExtractSettings
+    from dflash_etl.stages.regenerate import RegenerateSettings
+    from dflash_etl.stages.tokenize import TokenizeSettings
+    from dflash_etl.stages.train import TrainSettings
 
+    tokenize, train = TokenizeSettings, TrainSettings
     with pytest.raises(StageError, match=r"--seq-length -5: must be an integer >= 1"):
-        tokenize.TokenizeSettings.from_sources({}, {"model": "m", "seq_length": -5}, None)
+        build_settings(tokenize, "tokenize", {}, {"model": "m", "seq_length": -5})
     with pytest.raises(StageError, match=r"--save-every 0: must be an integer >= 1"):
-        train.TrainSettings.from_sources({}, {"target": "t", "save_every": 0}, None)
+        build_settings(train, "train", {}, {"target": "t", "save_every": 0})
     with pytest.raises(StageError, match=r"--timeout-s 0: must be a number > 0"):
-        regenerate.RegenerateSettings.from_sources({}, {"model": "m", "timeout_s": 0}, None)
-    from dflash_etl.stages import extract
-
+        build_settings(RegenerateSettings, "regenerate", {}, {"model": "m", "timeout_s": 0})
     with pytest.raises(StageError, match=r"--request-deadline-s 0: must be a number > 0"):
-        extract.ExtractSettings.from_sources({}, {"model": "m", "request_deadline_s": 0}, None)
+        build_settings(ExtractSettings, "extract", {}, {"model": "m", "request_deadline_s": 0})
     with pytest.raises(StageError, match=r"--endpoints lists .* more than once"):
-        extract.ExtractSettings.from_sources({"endpoints": ["http://h/v1", "http://h/v1/"]},
-                                             {"model": "m"}, None)
+        build_settings(ExtractSettings, "extract", {"endpoints": ["http://h/v1", "http://h/v1/"]},
+                       {"model": "m"})
     with pytest.raises(StageError, match=r"\[tokenize\]: unknown key seq_lenght; did you mean"):
-        tokenize.TokenizeSettings.from_sources({"seq_lenght": 8}, {"model": "m"}, None)
+        build_settings(tokenize, "tokenize", {"seq_lenght": 8}, {"model": "m"})
     # the flag wins over the config, and is the one checked
-    settings = tokenize.TokenizeSettings.from_sources({"seq_length": 8}, {"model": "m",
-                                                                          "seq_length": 16}, None)
+    settings = build_settings(tokenize, "tokenize", {"seq_length": 8},
+                              {"model": "m", "seq_length": 16})
     assert settings.seq_length == 16
 
 
@@ -261,15 +257,16 @@ def test_the_embedded_default_loads_and_is_among_them():
     assert config.section("tokenize")["seq_length"] == 1024
 
 
-# ---------------------------------------------------------------- the registry
-def test_the_stage_sections_are_registered_by_their_modules():
+# ---------------------------------------------------------------- the pipeline
+def test_each_stage_section_is_its_settings_class():
     from dflash_etl.stages import extract, regenerate, tokenize, train
     from dflash_etl.validation import suites
 
-    assert SECTION_SCHEMAS["regenerate"] is regenerate.RegenerateSettings
-    assert SECTION_SCHEMAS["tokenize"] is tokenize.TokenizeSettings
-    assert SECTION_SCHEMAS["extract"] is extract.ExtractSettings
-    assert SECTION_SCHEMAS["train"] is train.TrainSettings
+    sections = PIPELINE.sections()
+    assert sections["regenerate"] is regenerate.RegenerateSettings
+    assert sections["tokenize"] is tokenize.TokenizeSettings
+    assert sections["extract"] is extract.ExtractSettings
+    assert sections["train"] is train.TrainSettings
     keys = {f for f in ExpectationsSettings.__dataclass_fields__}
     assert keys == {*suites.DEFAULTS, suites.PER_SOURCE_KEY}
 

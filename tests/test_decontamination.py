@@ -12,12 +12,11 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.io.benchmarks import read_benchmark
 from dflash_etl.mix.contamination import ContaminationIndex
 from dflash_etl.mix.contamination import words as contamination_words
-from dflash_etl.stages import ingest
+from dflash_etl.stages import ingest, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 EVALSETS = REPO.parent / "shared" / "fixtures" / "evalsets"

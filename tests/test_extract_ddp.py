@@ -17,10 +17,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.distributed import assign_by_cost as assign_shards
-from dflash_etl.stages import extract
-from dflash_etl.stages.extract import shard_cost, shard_plan
+from dflash_etl.models.batching import shard_cost, shard_plan
+from dflash_etl.stages import extract, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD_ROWS = 16  # several shards per rank on the default data
@@ -45,7 +44,7 @@ def one_process(tiny_target, default_tokenized, tmp_path_factory, copy_run) -> P
 
 def _torchrun(nproc: int, run_dir: Path, target: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc), "-m", "--", "dflash_etl.stages.extract", "--run", str(run_dir), "--model",
+            str(nproc), "-m", "--", "dflash_etl", "extract", "--run", str(run_dir), "--model",
             str(target), "--shard-rows", str(SHARD_ROWS), "--dist-timeout-s", "60"]
 
 
@@ -120,7 +119,8 @@ def _rank_pid(run_dir: Path, rank: int) -> int | None:
         except (OSError, ValueError):
             continue
         if str(run_dir).encode() in cmdline and f"RANK={rank}".encode() in environ \
-                and b"dflash_etl.stages.extract" in cmdline and b"torch.distributed.run" \
+                and b"dflash_etl" in cmdline and b"extract" in cmdline \
+                and b"torch.distributed.run" \
                 not in cmdline:
             return int(proc.name)
     return None

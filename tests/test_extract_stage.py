@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_etl.core.errors import StageError
+from dflash_etl.models.batching import length_batches, padding_share
 from dflash_etl.models.target import Target, auto_layers, parse_layers
 from dflash_etl.stages import extract
-from dflash_etl.stages.extract import length_batches, padding_share
 from dflash_etl.validation.model_outputs import verify_states
 
 REPO = Path(__file__).resolve().parents[1]

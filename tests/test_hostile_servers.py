@@ -19,10 +19,9 @@ from typing import Any
 import polars as pl
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.generation.fleet import OpenAIBackend
-from dflash_etl.stages import ingest, regenerate
+from dflash_etl.stages import ingest, load_config, regenerate
 from dflash_etl.stages.regenerate import RegenerateSettings
 
 TICK_S = 0.2  # a slow-loris byte (or an endless stream's chunk) this often

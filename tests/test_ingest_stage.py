@@ -11,9 +11,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dflash_etl.core.config import load_config, parse_config
 from dflash_etl.core.errors import StageError
-from dflash_etl.stages import ingest
+from dflash_etl.stages import ingest, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 

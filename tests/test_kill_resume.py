@@ -248,8 +248,8 @@ def _published_whole(run: Path) -> None:
 @pytest.mark.parametrize("previous", [False, True], ids=["first", "replacing"])
 def test_a_kill_at_any_rename_of_a_stage_leaves_whole_outputs_and_a_rerun_finishes(
         tmp_path, monkeypatch, previous):
-    from dflash_etl.core import runner
     from dflash_etl.core.rundir import RunDir
+    from dflash_etl.runner import lifecycle as runner
 
     monkeypatch.setattr(runner, "_publish_docs", lambda run: None)  # not what is tested here
 
@@ -301,9 +301,9 @@ def test_a_kill_at_any_rename_of_a_stage_leaves_whole_outputs_and_a_rerun_finish
 def test_a_dead_holder_under_dflash_etl_run_has_its_running_stage_marked(tmp_path, monkeypatch):
     """`dflash-etl run` holds the lock across its stages (the stages re-enter it): a run killed
     in a stage leaves it `running`; the next run's first stage says the holder died."""
-    from dflash_etl.core import runner
     from dflash_etl.core.lock import run_lock
     from dflash_etl.core.rundir import RunDir
+    from dflash_etl.runner import lifecycle as runner
 
     monkeypatch.setattr(runner, "_publish_docs", lambda run: None)
     run = tmp_path / "run"

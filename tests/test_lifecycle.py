@@ -190,7 +190,7 @@ def test_second_process_is_refused_at_once_naming_the_holder(tmp_path, capsys):
 
 
 def ingest_config(path: str):
-    from dflash_etl.core.config import load_config
+    from dflash_etl.stages import load_config
 
     return load_config(path)
 
@@ -620,8 +620,8 @@ def test_a_killed_rerun_of_a_complete_stage_leaves_it_complete(tmp_path):
     """A forced rerun SIGKILLed mid-way left the stage `running` over its complete output; the
     next holder of the lock marked it `failed`, and every later stage refused the run. Now the
     entry from before (kept under `published` while the rerun runs) comes back, complete."""
-    from dflash_etl.core import runner
     from dflash_etl.core.rundir import RunDir
+    from dflash_etl.runner import lifecycle as runner
 
     run = RunDir(tmp_path / "run")
     partial = run.begin("fake", "f1")
@@ -651,7 +651,7 @@ def test_a_stage_never_replaces_a_folder_it_did_not_publish(tmp_path, monkeypatc
     """`mkdir -p D/ingest && echo mine > D/ingest/x; dflash-etl ingest --run D` deleted the
     user's folder (rc 0). Now the stage refuses before any work and leaves it, and a stage
     folder that is a symlink to another disk is refused rather than replaced by a folder."""
-    from dflash_etl.core.config import load_config
+    from dflash_etl.stages import load_config
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": [

@@ -13,10 +13,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from dflash_etl.core.config import parse_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.mix.shares import plan_supervised_mix
-from dflash_etl.stages import ingest, tokenize
+from dflash_etl.stages import ingest, parse_config, tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer"

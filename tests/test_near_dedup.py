@@ -11,9 +11,8 @@ import random
 
 import polars as pl
 
-from dflash_etl.core.config import load_config
 from dflash_etl.mix.near_dedup import shingles, text_of
-from dflash_etl.stages import ingest
+from dflash_etl.stages import ingest, load_config
 
 TOPICS = ["rivers", "volcanoes", "bread", "chess", "tides", "glaciers", "bees", "comets",
           "bridges", "forests", "deserts", "whales", "orchids", "typhoons", "castles", "robots",

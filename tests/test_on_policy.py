@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_etl.core.config import parse_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.stages import parse_config
 from dflash_etl.validation.on_policy import on_policy_report
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflash_etl.cli.main import main
-from dflash_etl.core.config import load_config
+from dflash_etl.stages import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = ("contracts", "expectations", "data")

@@ -306,9 +306,8 @@ def test_probe_records_the_appended_eos_and_why(tok):
 
 def test_probe_json_and_the_report_show_the_appended_eos(tmp_path):
     require_fixtures()
-    from dflash_etl.core.config import parse_config
     from dflash_etl.report import build_docs
-    from dflash_etl.stages import ingest, tokenize
+    from dflash_etl.stages import ingest, parse_config, tokenize
 
     rows = [{"messages": [{"role": "user", "content": "What is 12 + 30?"},
                           {"role": "assistant", "content": "12 + 30 = 42."}]},

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_etl.core.config import load_config
-from dflash_etl.stages import extract, ingest, tokenize
+from dflash_etl.stages import extract, ingest, load_config, tokenize
 from dflash_etl.validation.check import check_path
 
 REPO = Path(__file__).resolve().parents[1]

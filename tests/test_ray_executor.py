@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_etl.core.config import load_config, parse_config
-from dflash_etl.stages import ingest, tokenize
-from dflash_etl.stages.shell import run_stage
+from dflash_etl.runner import run_stage
+from dflash_etl.stages import PIPELINE, ingest, load_config, parse_config, tokenize
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray: loopback only
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -169,7 +168,8 @@ def test_a_killed_actor_is_retried_and_nothing_is_lost_or_duplicated(tmp_path, l
         ingest.run(config, tmp_path / run)
     tokenize.run(config, tmp_path / "local", **TOKENIZE)
     KillOnce.marker = str(tmp_path / "killed")
-    doc = run_stage(KillOnce(), config, tmp_path / "ray", executor="ray", **TOKENIZE)
+    doc = run_stage(KillOnce(), config, tmp_path / "ray", executor="ray",
+                    upstream=PIPELINE.upstream("tokenize"), **TOKENIZE)
     killed = int(Path(KillOnce.marker).read_text())
     assert killed != os.getpid()  # an actor's process died, not this one
     local = json.loads((tmp_path / "local" / "tokenize" / "stats.json").read_text())

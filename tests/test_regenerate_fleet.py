@@ -213,20 +213,22 @@ def test_servers_listing_different_models_are_refused(servers):
 def test_endpoints_from_the_cli_and_the_config(tmp_path):
     from dflash_etl.cli.main import build_parser
     from dflash_etl.cli.stage import settings_overrides
+    from dflash_etl.core.config import build_settings
 
     args = build_parser().parse_args(["regenerate", "--endpoints",
                                       "http://h1:8001/v1, http://h2:8002/v1/"])
     overrides = settings_overrides(args, RegenerateSettings)
     assert overrides["endpoints"] == ("http://h1:8001/v1", "http://h2:8002/v1/")
-    settings = RegenerateSettings.from_sources(
-        {"endpoints": ["http://h1:8001/v1", "http://h2:8002/v1"]}, {"model": "m"}, tmp_path)
+    settings = build_settings(RegenerateSettings, "regenerate",
+                              {"endpoints": ["http://h1:8001/v1", "http://h2:8002/v1"]},
+                              {"model": "m"})
     assert settings.endpoints == ("http://h1:8001/v1", "http://h2:8002/v1")
     assert hash(settings) == hash(RegenerateSettings(model="m", endpoints=settings.endpoints))
     assert settings.servers == ("http://h1:8001/v1", "http://h2:8002/v1")
     assert RegenerateSettings(model="m").servers == ("http://127.0.0.1:8000/v1",)
     with pytest.raises(StageError, match="more than once"):
-        RegenerateSettings.from_sources({"endpoints": ["http://h/v1", "http://h/v1/"]},
-                                        {"model": "m"}, tmp_path)
+        build_settings(RegenerateSettings, "regenerate",
+                       {"endpoints": ["http://h/v1", "http://h/v1/"]}, {"model": "m"})
 
 
 def test_a_waiting_request_never_outlives_its_deadline(servers):

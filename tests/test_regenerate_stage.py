@@ -11,11 +11,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.generation.conversations import template_messages
 from dflash_etl.models.generation.replies import Reply, check_reply, dummy_replies, split_reasoning
-from dflash_etl.stages import regenerate
+from dflash_etl.stages import load_config, regenerate
 from dflash_etl.stages.regenerate import RegenerateSettings
 
 ROWS = [
@@ -75,10 +74,11 @@ def test_missing_mode_answers_prompts_with_real_generations(tiny_model, ingested
     assert gate["rows"] == total["rows_out"]
     assert sum(total["finish_reasons"].values()) == len(answered)
     # tokenize now reads the regenerated conversations
-    from dflash_etl.stages.tokenize import _conversations as tokenize_input
+    from dflash_etl.core.outputs import ConversationsOutput
+    from dflash_etl.core.rundir import RunDir
 
-    assert tokenize_input(regenerate.RunDir(ingested))[0].parent == \
-        ingested / "regenerate" / "conversations"
+    read = RunDir(ingested).output(ConversationsOutput, ["ingest", "regenerate"], "tokenize")
+    assert read.files()[0].parent == ingested / "regenerate" / "conversations"
 
 
 def test_truncated_replies_are_filtered_and_counted(tiny_model, ingested):
@@ -179,14 +179,13 @@ def test_dummy_replies_are_found_across_prompts():
 
 def test_cli_subcommand_and_module_entry(tiny_model, ingested, capsys):
     from dflash_etl.cli.main import main
-    from dflash_etl.stages.regenerate import main as module_main
 
     args = ["--run", str(ingested), "--model", str(tiny_model), "--max-new-tokens", "6",
             "--temperature", "1.0", "--keep-truncated"]
     assert main(["regenerate", *args]) == 0
     out = capsys.readouterr().out
     assert "regenerate done: conversations 4 in" in out
-    assert module_main(args) == 0  # python -m dflash_etl.stages.regenerate: same inputs, skipped
+    assert main(["regenerate", *args]) == 0  # same inputs: skipped
     assert "already complete, skipped" in capsys.readouterr().out
     assert main(["check", str(ingested / "regenerate")]) == 0
     assert "PASS regenerate" in capsys.readouterr().out
@@ -423,9 +422,9 @@ def test_tokenize_template_kwargs_reach_regenerates_renders(tiny_model, ingested
     rendered with): a template that needs `functions` renders in the local backend and through
     the openai backend's chat_template_kwargs; an enable_thinking there is the thinking
     setting, and one that contradicts --thinking is an error."""
-    from dflash_etl.core.config import parse_config
     from dflash_etl.models.devserver import DevServer
-    from dflash_etl.stages.shell import settings_of
+    from dflash_etl.runner.settings import stage_settings
+    from dflash_etl.stages import parse_config
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -439,11 +438,11 @@ def test_tokenize_template_kwargs_reach_regenerates_renders(tiny_model, ingested
                                           "keep_truncated": True, "dummy_min_repeats": 99},
                            "tokenize": {"model": str(model), "template_kwargs": kwargs}},
                           tmp_path)
-    settings = settings_of("regenerate", config, ingested, {})
+    settings = stage_settings(regenerate.RegenerateStage, config, ingested, {})
     assert settings.template_kwargs == {"functions": [{"name": "get_time"}]}
     assert settings.thinking == "off"
     with pytest.raises(StageError, match="enable_thinking = false contradicts --thinking on"):
-        settings_of("regenerate", config, ingested, {"thinking": "on"})
+        stage_settings(regenerate.RegenerateStage, config, ingested, {"thinking": "on"})
     local = regenerate.run(config, ingested, progress=False)["total"]
     assert local["rows_quarantined"] == 0 and local["generated_turns"] == 3, local
     with DevServer(str(model)) as server:

@@ -111,8 +111,7 @@ def test_warming_up_builds_the_ge_context_in_a_thread_and_joins_it(monkeypatch):
 
 def test_default_run_passes_both_gates_and_saves_results(default_run_dir):
     manifest = json.loads((default_run_dir / "manifest.json").read_text())
-    for stage in ("ingest", "tokenize"):  # the default run has no model to regenerate with
-        suite = suites.STAGE_SUITES[stage]
+    for stage, suite in (("ingest", "conversations"), ("tokenize", "tokenized")):
         assert manifest["stages"][stage]["status"] == "complete"
         result = json.loads((default_run_dir / stage / suites.RESULT_FILE).read_text())
         assert result["suite"] == suite and result["passed"], suites.failure_message(

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from dflash_etl.core.config import DEFAULT_CONFIG, load_config
+from dflash_etl.core.config import DEFAULT_CONFIG
+from dflash_etl.stages import load_config
 
 
 def test_the_default_target_ends_its_replies_at_varied_lengths(default_cli_run):

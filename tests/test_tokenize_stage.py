@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from dflash_etl.cli.main import main
-from dflash_etl.core.config import parse_config
 from dflash_etl.core.errors import StageError
+from dflash_etl.core.schema import TOKENIZED_ROWS
+from dflash_etl.io.hf_dataset import save_dataset
 from dflash_etl.models.tokenizer import load_tokenizer
-from dflash_etl.stages import ingest, tokenize
+from dflash_etl.stages import ingest, parse_config, tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = REPO / "data" / "tokenizer"
@@ -278,10 +279,10 @@ def test_dataset_directory_in_several_shards_loads_as_datasets_wrote_it(tmp_path
     files = []
     for start in range(0, len(rows), 500):
         files.append(tmp_path / f"c{start}.rows.parquet")
-        pq.write_table(pa.Table.from_pylist(rows[start:start + 500], schema=tokenize.ROWS),
+        pq.write_table(pa.Table.from_pylist(rows[start:start + 500], schema=TOKENIZED_ROWS),
                        files[-1])
     out = tmp_path / "dataset"
-    tokenize._save_dataset(files, out, "0123456789abcdef0123", shard_bytes=100_000)
+    save_dataset(files, out, "0123456789abcdef0123", shard_bytes=100_000)
     shards = sorted(p.name for p in out.glob("*.arrow"))
     assert len(shards) >= 2 and shards[0] == f"data-00000-of-{len(shards):05d}.arrow"
     dataset = load_from_disk(str(out))
@@ -438,11 +439,10 @@ def test_a_worker_writes_its_rows_without_importing_pandas(run_dir):
     code = f"""
 import sys
 from pathlib import Path
-from dflash_etl.core.rundir import RunDir
 from dflash_etl.core.stage import run_item
 from dflash_etl.stages import tokenize
 settings = tokenize.TokenizeSettings(model={str(QWEN)!r}, seq_length=512)
-files = tokenize._conversations(RunDir(Path({str(run_dir)!r})))
+files = sorted((Path({str(run_dir)!r}) / "ingest" / "conversations").glob("*.parquet"))
 stage = tokenize.TokenizeStage(settings, tokenize.probe(settings))
 stage.setup()
 out = Path(sys.argv[1])

@@ -193,8 +193,8 @@ def test_a_stage_holding_a_replica_runs_in_this_process_whatever_workers_says(tm
 
 def test_run_options_are_resolved_in_one_place(tmp_path):
     """The command line over the stage's section over [run]; unset: the defaults."""
-    from dflash_etl.core.config import load_config
     from dflash_etl.core.stage import RunOptions
+    from dflash_etl.stages import load_config
 
     (tmp_path / "pipeline.toml").write_text(
         '[run]\nworkers = 3\nexecutor = "ray"\nray_address = "auto"\n\n'

@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_etl.core.config import load_config
 from dflash_etl.core.errors import StageError
 from dflash_etl.handoff.export import vllm_command
 from dflash_etl.models.training import loss as training_loss
-from dflash_etl.stages import extract, ingest, regenerate, tokenize, train
+from dflash_etl.stages import extract, ingest, load_config, regenerate, tokenize, train
 
 torch = pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
@@ -453,7 +452,7 @@ def test_errors_name_the_cause(extracted, untied_target, tmp_path, copy_run):
                                   pytest.param("online", marks=pytest.mark.slow)])
 def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_path, mode,
                                                   copy_run):
-    """`torchrun --nproc-per-node 2 -m -- dflash_etl.stages.train`: DDP over gloo on CPU; each rank
+    """`torchrun --nproc-per-node 2 -m -- dflash_etl train`: DDP over gloo on CPU; each rank
     takes half of every batch, rank 0 writes, and the drafter equals one process's on the whole
     batches (the loss is normalised by the whole batch's weight total on every rank). Online,
     each rank holds a target replica and computes its half's states per batch: the drafter
@@ -468,7 +467,7 @@ def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_
                "--nproc-per-node", "2"] if mode == "launcher" else
               [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(29500 + os.getpid() % 1000), "-m", "--",
-               "dflash_etl.stages.train"])
+               "dflash_etl", "train"])
     result = subprocess.run(
         [*launch, "--run", str(run_dir), "--target", str(untied_target), "--draft-layers", "1",
          "--block-size", "8", "--steps", "4", "--batch-rows", "4", "--anchors-per-row", "8",
@@ -772,13 +771,13 @@ def test_target_labels_are_the_targets_greedy_tokens_from_a_real_forward(extract
     LM head), read off the extract output's last layer and off the online target alike; the
     anchor and the other positions keep the row's tokens; with a draft vocabulary, the argmax
     over its rows. Passing the rows' own tokens as labels reproduces the data labels exactly."""
-    from dflash_etl.core.outputs import HiddenStatesOutput
+    from dflash_etl.core.outputs import HiddenStatesOutput, TokenizedOutput
     from dflash_etl.core.rundir import RunDir
     from dflash_etl.models.target import Target, TargetSpec
     from dflash_etl.models.training.labels import final_norm, predicted_positions, target_labels
     from dflash_etl.models.training.states import ExtractedStates, OnlineStates
 
-    rows = train._load_rows(RunDir(extracted))[0][:6]
+    rows = train._load_rows(TokenizedOutput.read(extracted / "tokenize"), RunDir(extracted))[:6]
     output = HiddenStatesOutput.read(extracted / "extract")
     assert output.stored_layers == [2, 3]
     target = Target(TargetSpec(model=str(untied_target), layers="2"))

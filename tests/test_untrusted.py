@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_etl.core.config import parse_config
 from dflash_etl.core.errors import StageError
-from dflash_etl.stages import ingest, tokenize
+from dflash_etl.stages import ingest, parse_config, tokenize
 from dflash_etl.templates.render import (
     RenderError,
     RenderLimits,

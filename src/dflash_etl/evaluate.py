@@ -4,7 +4,7 @@ reports it (MT-Bench, GSM8K, HumanEval, or any messages/prompt JSONL; temperatur
     dflash-etl eval --run R --bench mt_bench_question.jsonl,gsm8k_test.jsonl [--limit 20]
     dflash-etl eval --drafter DIR --target DIR --bench FILE [--baseline]
     dflash-etl eval --run R --server http://HOST:8000/v1 --bench FILE   # and on the deployment
-    python -m dflash_etl.evaluate ...
+    python -m dflash_etl eval ...
 
 Each prompt is rendered with the target's chat template and its generation prompt (in the
 thinking mode the run's rows were tokenized in, or `--thinking`), decoded by the same simulated
@@ -286,17 +286,19 @@ def _resolve(run: str | Path | None, drafter: str | None, target: str | None,
     drafter, train's target, the thinking mode tokenize rendered the rows in), or as given."""
     kwargs: dict[str, Any] = {}
     if run is not None:
-        from dflash_etl.core.outputs import TokenizedOutput
+        from dflash_etl.core.outputs import DrafterOutput, TokenizedOutput
         from dflash_etl.core.rundir import RunDir
 
-        manifest = RunDir(Path(run)).manifest().get("stages", {})
-        if manifest.get("train", {}).get("status") != "complete":
+        found = RunDir(Path(run)).published(DrafterOutput)
+        if found is None:
             raise StageError(f"{run} has no complete train stage: run `dflash-etl train --run "
                              f"{run}`, or give --drafter DIR --target DIR")
-        drafter = drafter or str(Path(run) / "train" / "drafter")
-        target = target or _run_target(Path(run), manifest["train"].get("settings", {}))
-        if (Path(run) / "tokenize" / "stats.json").is_file():
-            kwargs = TokenizedOutput.read(Path(run) / "tokenize").template_kwargs
+        trained, record = found
+        drafter = drafter or str(trained.drafter_dir)
+        target = target or _run_target(Path(run), record.settings)
+        tokenized = RunDir(Path(run)).published(TokenizedOutput)
+        if tokenized is not None:
+            kwargs = tokenized[0].template_kwargs
     if not drafter or not target:
         raise StageError("give --run R, or --drafter DIR and --target DIR")
     if not (Path(drafter) / "config.json").is_file():
@@ -375,14 +377,3 @@ def _summary_parts(doc: dict[str, Any]) -> list[str]:
             parts.append(f"note: the server generated {served['other_traffic_tokens']} tokens "
                          "for other clients meanwhile, and its counters include them")
     return parts
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import module_main
-
-    return module_main(argv, add_arguments, run_from_args, "python -m dflash_etl.evaluate",
-                       __doc__, "eval")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,7 +2,7 @@
 drafter's training split.
 
     dflash-etl show --run R ID [--turn T]      # ID: a conversation id (or a unique prefix of
-    python -m dflash_etl.lineage --run R ID    #     one), or FILE:LINE of a source row
+    python -m dflash_etl show --run R ID    #     one), or FILE:LINE of a source row
 
 What each stage did with it: ingest (source, file, line, the line itself, or its quarantine
 reason), regenerate (the turns it wrote, their finish and tokens), tokenize (each row decoded
@@ -149,7 +149,7 @@ def _tokenize(run: Path, conv_id: str, turn: int | None) -> dict[str, Any]:
     from dflash_etl.validation.contracts import read_arrow
 
     table = pa.concat_tables([read_arrow(f).select(["id", "turn", "input_ids", "loss_mask"])
-                              for f in TokenizedOutput.files_of(run)])
+                              for f in TokenizedOutput.files_in(run / "tokenize")])
     rows = []
     for position, (rid, rturn) in enumerate(zip(table.column("id").to_pylist(),
                                                 table.column("turn").to_pylist(), strict=True)):
@@ -185,17 +185,18 @@ def _train(run: Path, conv_id: str, tokenized: dict[str, Any],
     from dflash_etl.core.rundir import RunDir
     from dflash_etl.models.training.evaluation import held_out_ids
 
-    info = RunDir(run).manifest().get("stages", {}).get("train", {})
-    if info.get("status") != "complete":
+    record = RunDir(run).record("train")
+    if not record.complete:
         return {"status": "not run"}
     if not tokenized.get("rows"):
         return {"status": "not trained on (no tokenized row)"}
-    settings = info.get("settings", {})
+    settings = record.settings
     import pyarrow as pa
 
     from dflash_etl.validation.contracts import read_arrow
 
-    ids = pa.concat_tables([read_arrow(f).select(["id"]) for f in TokenizedOutput.files_of(run)]
+    ids = pa.concat_tables([read_arrow(f).select(["id"])
+                            for f in TokenizedOutput.files_in(run / "tokenize")]
                            ).column("id").to_pylist()
     if not settings.get("online"):
         indexed = {r["row"] for r in extracted.get("rows", [])}
@@ -301,17 +302,5 @@ def run_from_args(args: argparse.Namespace) -> int:
 def _tokenizer_dir(run: Path) -> str | None:
     from dflash_etl.core.rundir import RunDir
 
-    model = RunDir(run).manifest().get("stages", {}).get("tokenize", {}).get(
-        "settings", {}).get("model")
+    model = RunDir(run).record("tokenize").settings.get("model")
     return model if model and Path(model).is_dir() else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import module_main
-
-    return module_main(argv, add_arguments, run_from_args, "python -m dflash_etl.lineage",
-                       __doc__, "show")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from dflash_etl.core.config import _flag, _hints, _unoptional, in_choices
+from dflash_etl.core.settings import default_of, flag_name, in_choices, type_hints, unoptional
 
 
 class Choices(tuple):
@@ -57,12 +57,6 @@ class KeyJson(argparse.Action):
         setattr(namespace, self.dest, merged)
 
 
-def _default(spec: dataclasses.Field[Any]) -> Any:
-    if spec.default_factory is not dataclasses.MISSING:
-        return spec.default_factory()
-    return spec.default
-
-
 def _shown(value: Any) -> str | None:
     """A default as the help shows it; None for an empty one (the help text says what unset
     means)."""
@@ -78,14 +72,14 @@ def _shown(value: Any) -> str | None:
 def field_help(spec: dataclasses.Field[Any]) -> str:
     """The field's help text with its default, escaped for argparse."""
     text = spec.metadata.get("help", "")
-    shown = _shown(_default(spec))
+    shown = _shown(default_of(spec))
     if shown is not None:
         text = f"{text} (default: {shown})" if text else f"default: {shown}"
     return text.replace("%", "%%")
 
 
 def flag_names(spec: dataclasses.Field[Any]) -> list[str]:
-    return [_flag(spec.name), *spec.metadata.get("flags", ())]
+    return [flag_name(spec.name), *spec.metadata.get("flags", ())]
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, settings: type, section: str) -> None:
@@ -94,9 +88,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings: type, section:
         f"[{section}] settings",
         f"each flag overrides [{section}] in the config; a setting neither sets takes the "
         "default shown")
-    hints = _hints(settings)
+    hints = type_hints(settings)
     for spec in dataclasses.fields(settings):
-        tp, _ = _unoptional(hints[spec.name])
+        tp, _ = unoptional(hints[spec.name])
         meta = spec.metadata
         kwargs: dict[str, Any] = {"dest": spec.name, "default": None, "help": field_help(spec)}
         if meta.get("metavar"):

@@ -1,5 +1,6 @@
-"""`dflash-etl`: one subcommand per stage, plus `run` (every stage), `check` (for CI) and `docs`
-(the run's HTML report)."""
+"""`dflash-etl` (and `python -m dflash_etl`): one subcommand per stage of the pipeline, plus `run`
+(every stage), `check` (for CI), `docs` (the run's HTML report), `probe-template`, `export`,
+`eval`, `show` and `init`."""
 
 from __future__ import annotations
 
@@ -10,23 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-import dflash_etl.cli.stage as stage_command
 from dflash_etl.cli import init
 from dflash_etl.cli.flags import field_help
-from dflash_etl.cli.stage import execute, say, stage_args, stage_parser
-from dflash_etl.core.config import DEFAULT_CONFIG, PipelineConfig, load_config
+from dflash_etl.cli.stage import execute, run_one, say, stage_args, stage_parser
+from dflash_etl.core.config import DEFAULT_CONFIG, build_settings
 from dflash_etl.core.errors import StageError
-from dflash_etl.stages import STAGES, StageSpec
-
-
-def _configured(config: PipelineConfig, spec: StageSpec) -> bool:
-    """Whether the config gives `spec` what `run` needs to run it (its target model or
-    tokenizer: [<stage>] <requires>, or a [target] section where that stands for it)."""
-    if spec.requires is None:
-        return True
-    return bool(config.section(spec.section or spec.name).get(spec.requires)
-                or (spec.target_fallback and config.section("target")))
-
+from dflash_etl.core.outputs import OUTPUTS
+from dflash_etl.core.rundir import RunDir
+from dflash_etl.core.settings import marked
+from dflash_etl.core.stage import Stage
+from dflash_etl.runner import Pipeline
+from dflash_etl.stages import PIPELINE
 
 PROBE_LIMITS = ("render_timeout_s", "render_size_factor", "render_size_extra")
 
@@ -36,8 +31,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     limits = {name: getattr(args, name) for name in PROBE_LIMITS
               if getattr(args, name) is not None}
-    settings = tokenize.TokenizeSettings.from_sources(
-        {}, {"model": args.model, "chat_template": args.chat_template, **limits}, None)
+    settings = build_settings(tokenize.TokenizeSettings, "tokenize", {}, {
+        "model": args.model, "chat_template": args.chat_template, **limits})
     probe = tokenize.probe(settings).to_dict()
     if args.json:
         Path(args.json).write_text(json.dumps(probe, indent=2))
@@ -54,32 +49,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dflash_etl.core.lock import run_lock
 
     args.config = args.config or str(DEFAULT_CONFIG)
-    load_config(args.config)  # a bad config is refused before the run directory is touched
+    args.pipeline.load_config(args.config)  # a bad config is refused before the run is touched
     with run_lock(args.run, "run"):  # held across the stages: no other process in between
         return _run_stages(args)
 
 
 def _run_stages(args: argparse.Namespace) -> int:
     say(f"config: {args.config}\nrun:    {args.run}")
-    config = load_config(args.config)
+    pipeline: Pipeline = args.pipeline
+    config = pipeline.load_config(args.config)
     ran: dict[str, float] = {}  # stage -> its wall seconds in this call
-    for spec in STAGES:
-        if not set(spec.after) <= set(ran):
-            continue
-        if not _configured(config, spec):
-            if any(spec.name in later.after for later in STAGES):  # say why those do not run
-                say(f"{spec.name} skipped: no [{spec.section}] {spec.requires} in the config")
+    for stage in pipeline:
+        if not all(_written(pipeline, kind, ran) for kind in stage.reads):
+            continue  # what it reads was not made in this call
+        if not pipeline.configured(config, stage):
+            if _only_writer(pipeline, stage):  # say why the stages after it do not run
+                missing = marked(stage.Settings, "required")[0].name if stage.Settings else ""
+                say(f"{stage.name} skipped: no [{stage.name}] {missing} in the config")
             continue
         start = time.perf_counter()
-        code = stage_command.run_one(spec, args)
+        code = run_one(stage, args, pipeline)
         if code:
             return code
-        ran[spec.name] = time.perf_counter() - start
+        ran[stage.name] = time.perf_counter() - start
     say("wall time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in ran.items())
         + f"; {sum(ran.values()):.1f} s in all")
     say(f"manifest: {Path(args.run) / 'manifest.json'}")
     say(f"report:   {_docs(args.run)}")
     return 0
+
+
+def _written(pipeline: Pipeline, kind: type, ran: dict[str, float]) -> bool:
+    return any(s.writes is kind and s.name in ran for s in pipeline)
+
+
+def _only_writer(pipeline: Pipeline, stage: type[Stage]) -> bool:
+    """Whether a later stage reads what `stage` alone writes."""
+    others = [s for s in pipeline if s.writes is stage.writes and s is not stage]
+    return not others and any(stage.writes in s.reads for s in pipeline)
 
 
 def _docs(run: str) -> Path:
@@ -93,8 +100,6 @@ def cmd_docs(args: argparse.Namespace) -> int:
     if not (Path(args.run) / "manifest.json").exists():
         raise StageError(f"{args.run} is not a run directory (no manifest.json): give the "
                          "--run directory a `dflash-etl run` or stage wrote")
-    from dflash_etl.core.rundir import RunDir
-
     RunDir(args.run).manifest()  # a corrupt one is named (the report alone would show nothing)
     say(f"report: {_docs(args.run)}")
     return 0
@@ -114,15 +119,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(pipeline: Pipeline = PIPELINE) -> argparse.ArgumentParser:
+    """The command line of `pipeline`: a subcommand per stage, and the commands over a run."""
     parser = argparse.ArgumentParser(
         prog="dflash-etl",
         description="Validation-first ETL for speculative-decoding drafter training data.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for spec in STAGES:
-        stage_parser(sub.add_parser(spec.name, help=spec.help, description=spec.help), spec)
+    for stage in pipeline:
+        stage_parser(sub.add_parser(stage.name, help=stage.help, description=stage.help), stage,
+                     pipeline)
 
     from dflash_etl.stages.tokenize import TokenizeSettings
 
@@ -139,14 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("run", help="every stage on a config (default: the embedded data/)")
-    stage_args(p, config_required=False)
-    p.set_defaults(func=cmd_run)
+    stage_args(p, config_required=False, work_items=True)
+    p.set_defaults(func=cmd_run, pipeline=pipeline)
 
     p = sub.add_parser("check", help="contracts and suites on a stage output or a whole run "
                                      "(exit 0/1)")
     p.add_argument("path", help="a stage output directory (e.g. runs/x/ingest) or a run directory")
     p.add_argument("--suite", help="only the outputs of this suite: "
-                                   + " or ".join(sorted({s.suite for s in STAGES if s.suite})))
+                                   + " or ".join(sorted({o.suite for o in OUTPUTS if o.suite})))
     p.add_argument("--json", help="also write the full report as JSON here")
     p.add_argument("--report", help="also write an HTML report: a directory (index.html inside) "
                                     "or a .html file")
@@ -177,11 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, pipeline: Pipeline = PIPELINE) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser().parse_args(argv)
-    if command in {s.name for s in STAGES}:  # its own arguments: what --launcher torchrun reruns
+    args = build_parser(pipeline).parse_args(argv)
+    if command in pipeline:  # its own arguments: what --launcher torchrun reruns
         args.argv = argv[:argv.index(command)] + argv[argv.index(command) + 1:]
     return execute(args)
 

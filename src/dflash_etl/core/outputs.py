@@ -1,7 +1,9 @@
-"""What a published stage output tells the stages and the export after it, read from the files
-the stage already writes: one typed description per output, so no reader keeps its own default
-for an upstream setting or guesses a path. A missing field is an error that names the file and
-the stage to rerun: a default here would train or export with a value the data was not made with.
+"""The kinds of stage output, and what a published one tells the stages and the export after it,
+read from the files the stage already writes: one typed description per kind, so no reader keeps
+its own default for an upstream setting or guesses a path. A stage declares the kind it writes and
+the kinds it reads (core/stage.py); the kind names its contract, its suite and the file that marks
+it. A missing field is an error that names the file and the stage to rerun: a default here would
+train or export with a value the data was not made with.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dflash_etl.core.errors import StageError
 
@@ -55,11 +57,68 @@ def rendered_template_kwargs(stats: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+class Output:
+    """A kind of stage output. `contract`: what its gate validates it with (a file in contracts/,
+    or validation/model_outputs.py for hidden states and a drafter); `suite`: its
+    great-expectations suite in expectations/ (None: none); `marker`: the path below a stage's
+    directory that holds it (a folder of shards, or a file), by which `check` recognises it."""
+
+    kind: ClassVar[str]
+    contract: ClassVar[str]
+    suite: ClassVar[str | None] = None
+    marker: ClassVar[str]
+    stage_dir: Path
+
+    @classmethod
+    def found_in(cls, stage_dir: Path) -> bool:
+        return (Path(stage_dir) / cls.marker).exists()
+
+
 @dataclass(frozen=True)
-class TokenizedOutput:
+class ConversationsOutput(Output):
+    """ingest/, regenerate/ (any stage that writes conversations): the canonical conversations
+    as Parquet shards in conversations/, and its stats.json."""
+
+    kind: ClassVar[str] = "conversations"
+    contract: ClassVar[str] = "conversations"
+    suite: ClassVar[str | None] = "conversations"
+    marker: ClassVar[str] = "conversations"
+    stage_dir: Path
+
+    @property
+    def stage(self) -> str:
+        return self.stage_dir.name
+
+    def files(self) -> list[Path]:
+        """The shards, in order; none is an error naming the stage to run."""
+        files = sorted((self.stage_dir / self.marker).glob("*.parquet"))
+        if not files:
+            raise StageError(f"no conversations in {self.stage_dir / self.marker}: run "
+                             f"`dflash-etl {self.stage}` for this run first")
+        return files
+
+    def stats(self) -> dict[str, Any]:
+        """Its stats.json ({} when unreadable: an output published before it was written)."""
+        try:
+            doc = json.loads((self.stage_dir / "stats.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    @classmethod
+    def read(cls, stage_dir: Path) -> ConversationsOutput:
+        return cls(stage_dir=Path(stage_dir))
+
+
+@dataclass(frozen=True)
+class TokenizedOutput(Output):
     """tokenize/: the limits its rows were made with (settings.json) and its draft vocabulary
     (draft_vocab.json), which extract, train, the suite and the export read."""
 
+    kind: ClassVar[str] = "tokenized"
+    contract: ClassVar[str] = "tokenized"
+    suite: ClassVar[str | None] = "tokenized"
+    marker: ClassVar[str] = "dataset"
     stage_dir: Path
     seq_length: int
     min_supervised_tokens: int
@@ -82,21 +141,17 @@ class TokenizedOutput:
 
     def dataset_files(self) -> list[Path]:
         """The rows' Arrow files, in order (what extract and train read)."""
-        files = sorted(self.dataset_dir.glob("*.arrow"))
-        if not files:
-            raise StageError(f"no tokenized dataset in {self.dataset_dir}: "
-                             f"{_rerun(self.dataset_dir, 'tokenize')}")
-        return files
+        return TokenizedOutput.files_in(self.stage_dir)
 
     @staticmethod
-    def files_of(run_root: Path) -> list[Path]:
-        """The tokenized rows of the run at `run_root`; a run without a tokenize output is
-        told to run it."""
-        stage_dir = Path(run_root) / "tokenize"
-        if not stage_dir.is_dir():
-            raise StageError(f"no tokenized dataset in {stage_dir / 'dataset'}: run "
-                             "`dflash-etl tokenize` for this run first")
-        return TokenizedOutput.read(stage_dir).dataset_files()
+    def files_in(stage_dir: Path) -> list[Path]:
+        """The Arrow files of the tokenized rows in the stage directory `stage_dir`; none is an
+        error naming the stage to rerun."""
+        dataset = Path(stage_dir) / TokenizedOutput.marker
+        files = sorted(dataset.glob("*.arrow"))
+        if not files:
+            raise StageError(f"no tokenized dataset in {dataset}: {_rerun(dataset, 'tokenize')}")
+        return files
 
     def contract_params(self) -> dict[str, int]:
         """The limits the tokenized contract and suite check the rows against."""
@@ -120,9 +175,12 @@ class TokenizedOutput:
 
 
 @dataclass(frozen=True)
-class HiddenStatesOutput:
+class HiddenStatesOutput(Output):
     """extract/: which target layers its states hold and how they are stored (stats.json)."""
 
+    kind: ClassVar[str] = "hidden_states"
+    contract: ClassVar[str] = "hidden_states"
+    marker: ClassVar[str] = "index.parquet"
     stage_dir: Path
     layers: list[int]
     stored_layers: list[int]
@@ -152,9 +210,12 @@ class HiddenStatesOutput:
 
 
 @dataclass(frozen=True)
-class DrafterOutput:
+class DrafterOutput(Output):
     """train/: the drafter it trained (drafter/config.json), as the export and vLLM take it."""
 
+    kind: ClassVar[str] = "drafter"
+    contract: ClassVar[str] = "drafter"
+    marker: ClassVar[str] = "drafter/config.json"
     stage_dir: Path
     config: dict[str, Any]
     block_size: int
@@ -181,3 +242,8 @@ class DrafterOutput:
                    mask_token_id=int(dflash["mask_token_id"]),
                    target_layer_ids=list(dflash["target_layer_ids"]),
                    loss_decay_gamma=float(shape["loss_decay_gamma"]))
+
+
+# every kind of output, in the order `check` looks for them in a directory
+OUTPUTS: tuple[type[Output], ...] = (DrafterOutput, HiddenStatesOutput, TokenizedOutput,
+                                     ConversationsOutput)

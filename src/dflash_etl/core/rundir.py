@@ -2,6 +2,8 @@
 
 A stage writes into `<run>/.<stage>.partial/` and renames it to `<run>/<stage>/` only when the
 output is complete and has passed its gates, so a crash never leaves a finished-looking output.
+`RunDir` is the one handle every reader of a run goes through: its stages' records
+(`StageRecord`), which of them is stale, and the current output of a kind (`output`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,20 @@ import json
 import os
 import platform
 import shutil
+import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dflash_etl import __version__
 from dflash_etl.core.errors import StageError
+from dflash_etl.core.outputs import Output
+
+OutputT = TypeVar("OutputT", bound=Output)
 
 PACKAGES = (
     "polars", "pyarrow", "pandera", "orjson", "great-expectations", "transformers", "tokenizers",
@@ -104,6 +112,45 @@ def drop_temporaries(directory: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+@dataclass(frozen=True)
+class StageRecord:
+    """One stage's entry in the manifest: what ran, with which result, built on what."""
+
+    name: str
+    entry: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str | None:
+        """complete, running, publishing or failed; None: the stage never ran here."""
+        return self.entry.get("status")
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.entry.get("fingerprint")
+
+    @property
+    def built_on(self) -> dict[str, str]:
+        """upstream stage -> the identity of its output this stage read."""
+        return dict(self.entry.get("built_on") or {})
+
+    @property
+    def error(self) -> str | None:
+        return self.entry.get("error")
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settings it ran with, as recorded when it began."""
+        return dict(self.entry.get("settings") or {})
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A figure the stage recorded itself (train's steps_per_s, extract's ranks...)."""
+        return self.entry.get(key, default)
+
+
 class RunDir:
     """One run: `<root>/manifest.json` plus one directory per completed stage."""
 
@@ -125,6 +172,62 @@ class RunDir:
                                  "move it away and rerun the stages")
             return manifest
         return {"tool": {"name": "dflash-etl", "version": __version__}, "stages": {}}
+
+    def records(self) -> dict[str, StageRecord]:
+        """Every stage the manifest records, in the order they first ran."""
+        stages = self.manifest().get("stages")
+        return {name: StageRecord(name, entry) for name, entry in
+                (stages.items() if isinstance(stages, dict) else ()) if isinstance(entry, dict)}
+
+    def record(self, stage: str) -> StageRecord:
+        """The stage's record (an empty one when it never ran here)."""
+        return self.records().get(stage) or StageRecord(stage)
+
+    def stale(self) -> dict[str, str]:
+        """Complete stages whose output no longer follows from the run's, each with why."""
+        return {s["stage"]: f"built on the {s['upstream']} output of its time, which is "
+                            f"{s['why']}" for s in stale_stages(self.manifest().get("stages"))}
+
+    def output(self, kind: type[OutputT], writers: Sequence[str], reader: str,
+               stale: str = "error", hint: str = "") -> OutputT:
+        """The current output of `kind` for `reader`: that of the last stage among `writers` (the
+        stages before the reader that write this kind, in pipeline order) that ran here. One
+        that ran but is not complete, or is stale, is an error naming what to rerun (`hint` says
+        the alternative), or with `stale="previous"` a warning, and the writer before it is
+        read: never a silent fallback to an older output."""
+        records = self.records()
+        ran = [w for w in writers if w in records]
+        if not ran:
+            raise StageError(f"{reader} reads {kind.kind.replace('_', ' ')}, which no stage of "
+                             f"this run wrote yet: run `dflash-etl "
+                             f"{writers[0] if writers else '<stage>'} --run {self.root}` "
+                             f"first{hint}")
+        stale_now = self.stale()
+        for k in range(len(ran) - 1, -1, -1):
+            record = records[ran[k]]
+            if record.complete and record.name not in stale_now \
+                    and self.stage_dir(record.name).is_dir():
+                return kind.read(self.stage_dir(record.name))
+            why = (f"was made from an older {_replaced(record, records)} output "
+                   f"({_replaced(record, records)} was rerun since)" if record.complete else
+                   f"is {record.status or 'not complete'}, not complete")
+            earlier = ran[k - 1] if k else None
+            message = f"{record.name}'s output {why}" + (
+                f": {reader} would read {earlier}'s {kind.kind} instead" if earlier else "")
+            if stale != "previous" or earlier is None:
+                raise StageError(f"{message}. Rerun `dflash-etl {record.name} --run {self.root}` "
+                                 f"first{hint}")
+            print(f"{reader}: WARNING: {message}", file=sys.stderr, flush=True)
+        raise AssertionError("unreachable: the first writer returns or raises")
+
+    def published(self, kind: type[OutputT]) -> tuple[OutputT, StageRecord] | None:
+        """The run's published output of `kind` and its stage's record, for a reader after the
+        pipeline (export, eval, show, the report): that of the last complete stage, in the order
+        the stages ran, whose output is of this kind; None when no complete stage wrote one."""
+        for record in reversed(list(self.records().values())):
+            if record.complete and kind.found_in(self.stage_dir(record.name)):
+                return kind.read(self.stage_dir(record.name)), record
+        return None
 
     def update_manifest(self, **fields: Any) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -366,19 +469,35 @@ def output_identity(entry: dict[str, Any] | None) -> str | None:
     return f"{entry.get('fingerprint')}:{(entry.get('files') or {}).get('listing_sha256')}"
 
 
-def stale_stages(stages: dict[str, Any]) -> list[dict[str, str]]:
-    """Complete stages built on an upstream output that has since been replaced by another, or
-    is no longer complete: their output no longer follows from the run's (rerun them)."""
-    stale = []
-    for name, entry in stages.items():
-        if not isinstance(entry, dict) or entry.get("status") != "complete":
-            continue
-        for upstream, identity in (entry.get("built_on") or {}).items():
-            current = output_identity(stages.get(upstream))
-            if current != identity:
-                stale.append({"stage": name, "upstream": upstream,
-                              "why": "replaced since" if current else "not complete now"})
-    return stale
+def stale_stages(stages: Any) -> list[dict[str, str]]:
+    """Complete stages built on an upstream output that has since been replaced by another, is
+    no longer complete, or is itself stale: their output no longer follows from the run's
+    (rerun them)."""
+    stages = stages if isinstance(stages, dict) else {}
+    found: dict[str, dict[str, str]] = {}
+    changed = True
+    while changed:  # a stage built on a stale one is stale too: until nothing more is found
+        changed = False
+        for name, entry in stages.items():
+            if name in found or not isinstance(entry, dict) or entry.get("status") != "complete":
+                continue
+            for upstream, identity in (entry.get("built_on") or {}).items():
+                current = output_identity(stages.get(upstream))
+                why = ("stale" if upstream in found else "replaced since" if current != identity
+                       and current else "not complete now" if current != identity else None)
+                if why:
+                    found[name] = {"stage": name, "upstream": upstream, "why": why}
+                    changed = True
+                    break
+    return list(found.values())
+
+
+def _replaced(record: StageRecord, records: dict[str, StageRecord]) -> str:
+    """The upstream stage whose output changed under a stale stage."""
+    for upstream, identity in record.built_on.items():
+        if output_identity(records.get(upstream, StageRecord(upstream)).entry) != identity:
+            return upstream
+    return next(iter(record.built_on), "upstream")
 
 
 def setting_changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[str]:

@@ -37,6 +37,18 @@ CONVERSATIONS = pa.schema(
     ]
 )
 
+# One training row of the tokenize output (a datasets save_to_disk directory).
+TOKENIZED_ROWS = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("seq_len", pa.int32()),
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("turn", pa.int32()),
+    ]
+)
+
 QUARANTINE = pa.schema(
     [
         ("source", pa.string()),

@@ -1,31 +1,34 @@
-"""What a stage is: its settings, what it reads, and its work. The runner owns the rest.
+"""What a stage is. Its class is its one declaration: its name and help, its settings class (the
+schema of its config section and its CLI flags), the kind of output it writes and the kinds it
+reads (core/outputs.py: contract, suite, where the files are), and its work: `prepare` (find its
+inputs, keep them as typed fields of the instance, return what the fingerprint covers) and
+`execute` (write its output into the partial directory and return its stats document).
 
-A stage says how to make its settings, `prepare` (find its inputs; what its fingerprint covers),
-and `execute` (write its output into the partial directory and return its stats document).
-Stages that split into independent work items are `BatchStage`s: an object whose fields are
-what its workers need (`bind` sets them), a per-worker `setup`, a `load` of one item's input, a
-pure `process_batch`, and a `finish` over all items' results; an executor (local process pool, Ray
-Data, or the ranks of a torchrun launch) sends the stage object to its workers and runs the items,
-so the stage never sees how.
+Stages that split into independent work items are `BatchStage`s: `plan` the items, a per-worker
+`setup`, a `load` of one item's input, a pure `process_batch`, and a `finish` over all items'
+results; an executor (local process pool, Ray Data, or the ranks of a torchrun launch) sends the
+stage object to its workers and runs the items, so the stage never sees how. Everything else (the
+lock, skip and resume, the gates, publishing, the report) is the runner's (dflash_etl.runner).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
-from dflash_etl.core.errors import StageError
-from dflash_etl.core.rundir import RunDir, remove_tree, write_json_atomic
+from dflash_etl.core.outputs import Output
+from dflash_etl.core.rundir import RunDir, StageRecord, remove_tree, write_json_atomic
+
+OutputT = TypeVar("OutputT", bound=Output)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ class RunOptions:
 
 @dataclass
 class StageContext:
-    """One stage run: what the runner knows, and what `prepare` found for `execute`."""
+    """One stage run, as the runner knows it: the run directory and config, how the work runs,
+    the fingerprint and partial directory, and the outputs the stage read (`read`)."""
 
     name: str
     run: RunDir
@@ -69,13 +73,13 @@ class StageContext:
     workers: int | None = None
     executor: str = "local"
     ray_address: str | None = None
-    settings: Any = None
     fingerprint: str = ""
     partial: Path = Path()
     rank: int = 0
     world: int = 1
-    shell: Shell = field(default_factory=lambda: Shell())
-    state: dict[str, Any] = field(default_factory=dict)
+    # (stage, kind of output it writes) of the stages before this one, in pipeline order
+    upstream: tuple[tuple[str, str], ...] = ()
+    read_from: list[str] = field(default_factory=list)  # the stages whose outputs it read
     timings: dict[str, Any] = field(default_factory=dict)  # kept in the manifest, not the data
     # this call's figures (train's steps_this_run): the returned document's total and the
     # manifest show them; stats.json, which is data, does not
@@ -85,22 +89,44 @@ class StageContext:
         """--workers, else [run] workers (RunOptions), else one per core."""
         return max(1, self.workers or os.cpu_count() or 1)
 
+    def writers(self, kind: type[Output]) -> list[str]:
+        """The stages before this one that write `kind`, in pipeline order."""
+        return [name for name, written in self.upstream if written == kind.kind]
+
+    def read(self, kind: type[OutputT], stale: str = "error", hint: str = "") -> OutputT:
+        """The current output of `kind` (`RunDir.output`: the last stage before this one that
+        writes it and ran here), recorded as what this stage is built on."""
+        output = self.run.output(kind, self.writers(kind), self.name, stale, hint)
+        if output.stage_dir.name not in self.read_from:
+            self.read_from.append(output.stage_dir.name)
+        return output
+
+    def origin(self, kind: type[OutputT]) -> OutputT | None:
+        """The output of the first stage that writes `kind` (ingest for conversations: where the
+        rows came from, and their mix), when it is published; not a dependency of its own."""
+        first = next(iter(self.writers(kind)), None)
+        if first is None or not self.run.stage_dir(first).is_dir():
+            return None
+        return kind.read(self.run.stage_dir(first))
+
 
 class Stage:
-    """A stage of the pipeline. Subclasses set `name` and implement `prepare` and `execute`."""
+    """A stage of the pipeline; a subclass declares the class variables and implements `prepare`
+    and `execute` (a BatchStage: `plan`, `load`, `process_batch`, `finish`)."""
 
     name: ClassVar[str]
-    reads: ClassVar[tuple[str, ...]] = ()  # the stages whose outputs it reads
+    help: ClassVar[str] = ""  # the subcommand's help line
+    Settings: ClassVar[type | None] = None  # its settings dataclass: [name] and the CLI flags
+    # the kind of output it publishes (None: no contract checks it; a pipeline refuses that)
+    writes: ClassVar[type[Output] | None] = None
+    reads: ClassVar[tuple[type[Output], ...]] = ()  # none: it reads the config's [[sources]]
+    settings: Any = None  # this run's Settings instance, set by the runner before `prepare`
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
-        """Read what the stage needs to decide whether it must run; returns what the fingerprint
-        covers (settings, input hashes, model identity)."""
+        """Read what the stage needs to decide whether it must run (its inputs through
+        `ctx.read`), kept as fields of the instance; returns what the fingerprint covers
+        (settings, input hashes, model identity)."""
         raise NotImplementedError
-
-    def upstream(self, ctx: StageContext) -> tuple[str, ...]:
-        """The stages whose published outputs this one reads (recorded as `built_on`, so a
-        later rerun of one of them shows this stage stale)."""
-        return self.reads
 
     def redo_complete(self, ctx: StageContext, done: dict[str, Any]) -> str | None:
         """Why a stage already complete for these inputs (`done`: its stats) runs again, or
@@ -113,7 +139,7 @@ class Stage:
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         """Write the output into ctx.partial; returns the stats document (the runner checks its
-        accounting and gates the output with the contract and suite the registry names)."""
+        accounting and gates the output with its kind's contract and suite)."""
         raise NotImplementedError
 
     def contract_params(self, ctx: StageContext) -> dict[str, Any]:
@@ -125,6 +151,31 @@ class Stage:
 
     def end(self, ctx: StageContext) -> None:
         """After the output was published (or, on ranks other than 0, after the work)."""
+
+    @classmethod
+    def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
+        """What its command prints after it ran (`out`: its published directory)."""
+        return [f"{cls.name} {state_word(doc)}: {counts_line(doc['total'])}"]
+
+    @classmethod
+    def dry_run(cls, ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any] | None:
+        """A run that publishes nothing, asked for by the settings (`overrides`, the config):
+        extract's `plan`. Its document instead of the stage; None (the default): the stage
+        runs."""
+        return None
+
+
+def counts_line(total: dict[str, Any]) -> str:
+    filtered = sum(total["rows_filtered"].values())
+    return (
+        f"{total['rows_in']} in -> {total['rows_out']} out, "
+        f"{total['rows_quarantined']} quarantined {total['quarantine_reasons'] or ''}, "
+        f"{filtered} filtered {total['rows_filtered'] or ''}"
+    ).replace("  ", " ")
+
+
+def state_word(doc: dict[str, Any]) -> str:
+    return "already complete, skipped (use --force to redo)" if doc.get("skipped") else "done"
 
 
 @dataclass(frozen=True)
@@ -159,22 +210,51 @@ class BatchOutput:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class ItemResults:
+    """Every work item's result, in item order (whichever worker made it), and its files."""
+
+    results: list[dict[str, Any]]
+    work_dir: Path
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.results[index]
+
+    def per_source(self, first: Iterable[str] = ()) -> dict[str, Stats]:
+        """The items' accounting merged per source: the `first` names in their order (each
+        present even with no rows), then the others as they first appear."""
+        merged = {name: Stats() for name in first}
+        for result in self.results:
+            for name, data in result["sources"].items():
+                merged.setdefault(name, Stats()).merge(Stats.from_dict(data))
+        return merged
+
+    def row_files(self) -> list[Path]:
+        return [item_paths(self.work_dir, r["index"])[0] for r in self.results]
+
+    def quarantine_files(self) -> list[Path]:
+        return [item_paths(self.work_dir, r["index"])[1] for r in self.results]
+
+
 class BatchStage(Stage):
-    """A stage made of independent work items; `execute` runs them on the chosen executor.
+    """A stage made of independent work items, which the runner runs on the chosen executor.
 
     The executor sends the stage object itself to every worker (forked, or pickled into a Ray
-    actor): its fields are what the workers need, set by `bind` (picklable: settings and the
-    few values `prepare` found), and `setup` adds, in each worker, what is loaded there."""
+    actor): its fields, set in `prepare`, are what the workers need (picklable), and `setup`
+    adds, in each worker, what is loaded there."""
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         raise NotImplementedError
 
     def resources(self) -> Resources:
-        """What each worker needs (after `bind`): one CPU, unless the stage says otherwise."""
+        """What each worker needs: one CPU, unless the stage says otherwise."""
         return Resources()
-
-    def bind(self, ctx: StageContext) -> None:
-        """Set the fields the workers need from what the runner and `prepare` found."""
 
     def setup(self) -> None:
         """Per worker, once: load the tokenizer or model into the stage's fields."""
@@ -187,27 +267,10 @@ class BatchStage(Stage):
         """The pure transform of one item's input."""
         raise NotImplementedError
 
-    def while_working(self) -> AbstractContextManager[Callable[[], None]]:
-        """What the parent does while the items run (the gate's imports): yields what the
-        executor calls once every worker process exists, and ends after `finish`."""
-        return nullcontext(lambda: None)
-
-    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
-               ) -> dict[str, Any]:
-        """Whole-dataset steps over every item's result (mix, dedup, vocabulary), the output
-        files and the gates; returns the stats document."""
+    def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
+        """Whole-dataset steps over every item's result (mix, dedup, vocabulary) and the output
+        files; returns the stats document."""
         raise NotImplementedError
-
-    def execute(self, ctx: StageContext) -> dict[str, Any]:
-        work_dir = ctx.partial / "units"
-        work_dir.mkdir(exist_ok=True)
-        with self.while_working() as workers_started:
-            items = self.plan(ctx)
-            self.bind(ctx)
-            results = ctx.shell.executor(ctx).map(self, ctx, items, work_dir, workers_started)
-            if ctx.rank != 0:  # under torchrun rank 0 alone finishes, gates and publishes
-                return {}
-            return self.finish(ctx, results, work_dir)
 
     def cleanup(self, ctx: StageContext) -> None:
         remove_tree(ctx.partial / "units")  # a kill meanwhile leaves no done marker without data
@@ -221,28 +284,6 @@ class Executor(Protocol):
     def map(self, stage: BatchStage, ctx: StageContext, items: list[WorkItem], work_dir: Path,
             workers_started: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
         """`workers_started` is called in this process once the workers exist (forked)."""
-
-
-def _no_executor(ctx: StageContext) -> Executor:
-    raise StageError(f"{ctx.name}: no executor: run batch stages with dflash_etl.stages.shell's "
-                     "run_stage")
-
-
-@dataclass(frozen=True)
-class Shell:
-    """What core's lifecycle takes from the layers above it, which core never imports: a
-    stage's settings, the executor its items run on, the gate (its early start, and the
-    contract and suite its output must pass, as the stage registry declares them) and the
-    run's report. `dflash_etl.stages.shell.run_stage` passes the real one; core's `run_stage`
-    alone runs a stage with no settings, gate, report or executor (core's own tests)."""
-
-    # a stage's settings (name, config, run directory, the command line's overrides)
-    settings: Callable[[str, PipelineConfig | None, Path, dict[str, Any]], Any] = (
-        lambda stage, config, run_dir, overrides: None)
-    executor: Callable[[StageContext], Executor] = _no_executor
-    gate: Callable[[StageContext, dict[str, Any], dict[str, Any]], None] = (
-        lambda ctx, doc, contract_params: None)
-    publish_docs: Callable[[Path], None] = lambda run_root: None
 
 
 def item_paths(work_dir: Path, index: int) -> tuple[Path, Path, Path]:

@@ -93,7 +93,7 @@ def relaunch(config: PipelineConfig | None, overrides: dict[str, Any], argv: lis
 
         nproc = torch.cuda.device_count() or 1
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "--", f"dflash_etl.stages.{stage}", *argv]
+               "--nproc-per-node", str(nproc), "-m", "--", "dflash_etl", stage, *argv]
     print(f"{stage}: {shlex.join(command)}", file=sys.stderr, flush=True)
     # each rank's collectives have a deadline (--dist-timeout-s): a lost rank ends the launch
     return subprocess.run(command, check=False).returncode

@@ -2,7 +2,7 @@
 
     dflash-etl export --run R --to speculators|specforge [--out DIR] [--link hard|symlink|copy]
     dflash-etl export --run R --to vllm      # prints the `vllm serve` line for the drafter
-    python -m dflash_etl.handoff.export --run R --to ...
+    python -m dflash_etl export --run R --to ...
 
 speculators: one `--data-path` directory: the tokenized dataset's files hard-linked, and a file
 per row of hidden states (the chosen layers, then the last one its loader wants), hard links to
@@ -30,10 +30,19 @@ from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.lock import run_lock
 from dflash_etl.core.outputs import DrafterOutput, HiddenStatesOutput, TokenizedOutput
 from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, now, remove_tree, swap_in, write_json_atomic
+from dflash_etl.core.rundir import (
+    OutputT,
+    RunDir,
+    StageRecord,
+    now,
+    remove_tree,
+    swap_in,
+    write_json_atomic,
+)
 from dflash_etl.handoff import specforge, speculators
 from dflash_etl.models.loading import embedding_weight_names
 from dflash_etl.models.serving import aux_hidden_state_layer_ids, vllm_command
+from dflash_etl.stages import PIPELINE
 
 TARGETS = ("speculators", "specforge")  # written; `vllm` only prints its serve line
 LINKS = ("hard", "symlink", "copy")
@@ -130,16 +139,21 @@ def _run_lock_unless_read_only(root: Path, final: Path, to: str) -> Iterator[Non
 
 
 # ---------------------------------------------------------------- the run's outputs
+def _published(run: RunDir, kind: type[OutputT]) -> tuple[OutputT, StageRecord]:
+    """The run's complete output of `kind`, or an error naming the stage to run."""
+    found = run.published(kind)
+    if found is None:
+        stage = PIPELINE.writer(kind)
+        raise StageError(f"{run.root}: the {stage} stage is not complete "
+                         f"({run.record(stage).status or 'never run'}); run `dflash-etl {stage} "
+                         f"--run {run.root}` first")
+    return found
+
+
 def _inputs(run: RunDir, to: str) -> dict[str, Any]:
-    stages = run.manifest().get("stages", {})
-    for needed in ("tokenize", "extract"):
-        if stages.get(needed, {}).get("status") != "complete":
-            raise StageError(f"{run.root}: the {needed} stage is not complete "
-                             f"({stages.get(needed, {}).get('status', 'never run')}); run "
-                             f"`dflash-etl {needed} --run {run.root}` first")
-    states = HiddenStatesOutput.read(run.stage_dir("extract"))
-    settings = stages["extract"].get("settings", {})
-    target = settings.get("model") or ""
+    tokenized, _ = _published(run, TokenizedOutput)
+    states, extracted = _published(run, HiddenStatesOutput)
+    target = extracted.settings.get("model") or ""
     if to == "speculators" and states.stored_layers != [*states.layers, states.n_layers - 1]:
         raise StageError(
             f"{run.root}: extract stored layers {states.stored_layers} (an extract written "
@@ -151,12 +165,12 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
         raise StageError(f"extract's target model {target!r} has no config.json any more: the "
                          "export needs its vocabulary size and shape; restore it, or rerun "
                          "extract with --model DIR")
-    trained = stages.get("train", {}).get("status") == "complete"
+    trained = run.published(DrafterOutput)
     return {
-        "run": run, "tokenized": TokenizedOutput.read(run.stage_dir("tokenize")),
+        "run": run, "tokenized": tokenized,
         # absolute: the printed commands run from wherever the user is
         "states": states, "target": str(Path(target).resolve()),
-        "drafter": DrafterOutput.read(run.stage_dir("train")) if trained else None,
+        "drafter": trained[0] if trained else None,
     }
 
 
@@ -483,14 +497,3 @@ def run_from_args(args: argparse.Namespace) -> int:
     if " N " in f" {doc['command']} ":
         print("  (N: the GPUs per node to train on; or give the export --gpus N)", flush=True)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import module_main
-
-    return module_main(argv, add_arguments, run_from_args, "python -m dflash_etl.handoff.export",
-                       __doc__, "export")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

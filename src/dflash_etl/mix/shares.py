@@ -5,9 +5,15 @@ With `[ingest] weight_by = "supervised_tokens"` tokenize mixes by them (plan_sup
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+
+from dflash_etl.core.accounting import Stats
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.schema import F_MIX_WEIGHT
 
 
 def learning_shares(sources: dict[str, dict[str, Any]], asked: dict[str, float | None],
@@ -75,3 +81,53 @@ def plan_supervised_mix(conversations: Any, weights: dict[str, float], seed: int
         p["achieved_share"] = round(p["supervised_kept"] / kept, 6) if kept else 0.0
     ids = np.concatenate(dropped) if dropped else np.zeros(0, dtype=object)
     return ids, plan
+
+
+def conversation_counts(row_files: list[Path]) -> Any:
+    """Per conversation (id): its source, rows, tokens and supervised tokens, over its rows (a
+    polars frame; polars is imported here, in the parent after the workers, never before a
+    fork: its thread pool does not survive one)."""
+    import polars as pl
+
+    frames = [pl.read_parquet(f, columns=["id", "source", "seq_len", "loss_mask"])
+              for f in row_files]
+    return pl.concat(frames).group_by("id", maintain_order=True).agg(
+        pl.col("source").first(), pl.len().alias("rows"),
+        pl.col("seq_len").cast(pl.Int64).sum().alias("tokens"),
+        pl.col("loss_mask").list.eval(pl.element().cast(pl.Int64)).list.sum().sum()
+        .alias("supervised"))
+
+
+def leave_out_by_supervised_tokens(row_files: list[Path], mix: dict[str, Any],
+                              per_source: dict[str, Stats]
+                              ) -> tuple[pa.Array, dict[str, dict[str, Any]]]:
+    """[ingest] weight_by = "supervised_tokens": the conversations the mix leaves out (their
+    ids), each filtered mix_weight in its source's accounting (its rows, tokens and supervised
+    tokens taken off what the source wrote), and the mix per weighted source."""
+    import polars as pl
+
+    conversations = conversation_counts(row_files)
+    weights = {k: float(v) for k, v in mix["weights"].items()}
+    empty = [name for name in sorted(weights)
+             if not conversations.filter(pl.col("source") == name)["supervised"].sum()]
+    if empty:
+        raise StageError(
+            f"[ingest] weight_by = \"supervised_tokens\": the weighted source(s) {empty} have no "
+            "supervised tokens after tokenize, so their weights leave the other weighted "
+            "sources none: remove their weights, or see quarantine.parquet for why their rows "
+            "were refused")
+    ids, plan = plan_supervised_mix(conversations, weights, int(mix.get("seed", 0)))
+    left_out = conversations.join(pl.DataFrame({"id": ids.tolist()}, schema={"id": pl.String}),
+                                  on="id", how="semi")
+    for name, n, rows, tokens, supervised in left_out.group_by("source").agg(
+            pl.len(), pl.col("rows").sum(), pl.col("tokens").sum(),
+            pl.col("supervised").sum()).iter_rows():
+        stats = per_source[name]
+        stats.filter(F_MIX_WEIGHT, n)
+        stats.rows_out -= n
+        stats.extra["rows_written"] -= rows
+        stats.extra["tokens"] -= tokens
+        stats.extra["supervised_tokens"] -= supervised
+        plan[name].update(conversations_left_out=n, rows_left_out=rows,
+                          supervised_left_out=supervised)
+    return pa.array(ids.tolist(), pa.string()), plan

@@ -33,6 +33,7 @@ import json
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,21 @@ class _QuietServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the transformers backend reads of its settings (models/generation/settings.py),
+    set per request from the request's own sampling parameters and template kwargs."""
+
+    model: str
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    thinking: str = "keep"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    device_map: str = "none"
+    max_memory: str = ""
+
+
 class DevServer:
     """The server, started in a background thread; `url` is its /v1 base."""
 
@@ -69,9 +85,9 @@ class DevServer:
         elif drafter is not None:
             self.spec = SpecEngine(str(model), drafter)
         elif not instant:
-            from dflash_etl.stages.regenerate import RegenerateSettings, TransformersBackend
+            from dflash_etl.models.generation.local import TransformersBackend
 
-            self.backend = TransformersBackend(RegenerateSettings(model=str(model)))
+            self.backend = TransformersBackend(ServedModel(model=str(model)))
         self.lock = threading.Lock()
         self.fail_next = 0  # answer this many coming requests with HTTP 500
         self.delay_next = 0  # delay this many coming requests by `delay_s`

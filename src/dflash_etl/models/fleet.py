@@ -15,7 +15,7 @@ import time
 from typing import Any, Protocol
 
 from dflash_etl.core.errors import StageError
-from dflash_etl.models.generation.completions import Retry, list_models
+from dflash_etl.models.http import Retry, list_models
 
 BREAK_AFTER = 3  # failed requests, with none served, that take a server out for the stage
 

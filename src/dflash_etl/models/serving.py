@@ -49,12 +49,10 @@ def vllm_command(run_root: str | Path) -> str:
     drafter (the target it was trained against, num_speculative_tokens = block_size - 1, and
     the chat-template kwargs tokenize rendered the rows with)."""
     run = RunDir(Path(run_root))
-    drafter = run.stage_dir("train") / "drafter"
-    info = run.manifest().get("stages", {}).get("train", {})
-    if info.get("status") != "complete" or not (drafter / "config.json").exists():
-        raise StageError(f"no trained drafter in {drafter}: run `dflash-etl train` for this run "
-                         "first")
-    trained = DrafterOutput.read(run.stage_dir("train"))
-    rendered = TokenizedOutput.read(run.stage_dir("tokenize")).template_kwargs
-    return vllm_serve_command(info["settings"]["target"], trained.drafter_dir,
-                              trained.block_size, rendered)
+    found, tokenized = run.published(DrafterOutput), run.published(TokenizedOutput)
+    if found is None or tokenized is None:
+        raise StageError(f"no trained drafter in {run.root}: run `dflash-etl train --run "
+                         f"{run.root}` first")
+    trained, record = found
+    return vllm_serve_command(record.settings["target"], trained.drafter_dir,
+                              trained.block_size, tokenized[0].template_kwargs)

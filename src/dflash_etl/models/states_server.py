@@ -28,7 +28,7 @@ from typing import Any
 
 from dflash_etl.core.errors import StageError
 from dflash_etl.models.fleet import Fleet
-from dflash_etl.models.generation.completions import (
+from dflash_etl.models.http import (
     REPLY_BYTES_BASE,
     json_object,
     read_capped,

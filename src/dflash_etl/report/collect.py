@@ -10,8 +10,8 @@ from typing import Any
 
 import polars as pl
 
-from dflash_etl.core.rundir import stale_stages
-from dflash_etl.stages import STAGES
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.rundir import RunDir, StageRecord
 from dflash_etl.validation.suites import RESULT_FILE
 
 EXAMPLES_PER_REASON = 2
@@ -82,10 +82,10 @@ def quarantine_examples(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo | None:
+def stage_info(run_root: Path, record: StageRecord, stale: bool) -> StageInfo | None:
     """The stage's published output, or its partial output when the stage failed."""
-    info = manifest.get("stages", {}).get(name, {})
-    status = info.get("status", "unknown")
+    name, info = record.name, record.entry
+    status = record.status or "unknown"
     final, partial = run_root / name, run_root / f".{name}.partial"
     if status != "complete" and partial.is_dir():
         directory, is_partial = partial, True
@@ -93,7 +93,7 @@ def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo
         directory, is_partial = final, False
     else:
         return None
-    if any(s["stage"] == name for s in stale_stages(manifest.get("stages", {}))):
+    if stale:
         status = "stale"  # complete, but built on an upstream output since replaced
     return StageInfo(
         name=name, directory=directory, status=status, partial=is_partial, manifest=info,
@@ -109,9 +109,14 @@ def stage_info(run_root: Path, name: str, manifest: dict[str, Any]) -> StageInfo
 
 
 def collect(run_root: Path) -> tuple[dict[str, Any], list[StageInfo]]:
-    run_root = Path(run_root)
-    manifest = _json(run_root / "manifest.json") or {}
-    stages = [s for s in (stage_info(run_root, n, manifest) for n in STAGES.names())
+    """The manifest (for the run's header) and every stage it records, in the order they first
+    ran (a run's stages run in pipeline order; a manifest that cannot be read shows none)."""
+    run = RunDir(run_root)
+    try:
+        manifest, records, stale = run.manifest(), run.records(), run.stale()
+    except StageError:
+        manifest, records, stale = {}, {}, {}
+    stages = [s for s in (stage_info(run.root, r, r.name in stale) for r in records.values())
               if s is not None]
     return manifest, stages
 

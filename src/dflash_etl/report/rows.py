@@ -41,7 +41,7 @@ def row_views(stage_dir: Path, tokenizer: Any) -> list[dict[str, Any]]:
     from dflash_etl.core.schema import list_lengths
     from dflash_etl.validation.contracts import read_arrow
 
-    files = TokenizedOutput.files_of(stage_dir.parent) if stage_dir.name == "tokenize" else []
+    files = TokenizedOutput.files_in(stage_dir) if TokenizedOutput.found_in(stage_dir) else []
     if not files:
         return []
     table = pa.concat_tables([read_arrow(f).select(["id", "source", "turn", "input_ids",

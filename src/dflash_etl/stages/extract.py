@@ -24,42 +24,49 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import (
-    TARGET_HINT,
-    PipelineConfig,
-    check_fleet,
-    endpoint_list,
-    fleet_servers,
-    fleet_setting,
-    register_section,
-    setting,
-    stage_settings,
-)
+from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import device_for_rank, rank_world
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.outputs import TokenizedOutput
+from dflash_etl.core.outputs import HiddenStatesOutput, Output, TokenizedOutput
 from dflash_etl.core.progress import progress_bar, size_text
-from dflash_etl.core.rundir import PLAN_FILE, RunDir, sha256_file, write_json_atomic
+from dflash_etl.core.rundir import PLAN_FILE, StageRecord, sha256_file, write_json_atomic
+from dflash_etl.core.settings import (
+    check_fleet,
+    endpoint_list,
+    fingerprinted,
+    fleet_servers,
+    fleet_setting,
+    setting,
+)
 from dflash_etl.core.stage import (
     BatchOutput,
     BatchStage,
+    ItemResults,
     Resources,
     StageContext,
     WorkItem,
-    item_paths,
+    counts_line,
+    state_word,
+)
+from dflash_etl.models.batching import (
+    length_batches,
+    plan_sample,
+    run_batches,
+    shard_cost,
+    shard_plan,
 )
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.layers import resolve_layers, target_shape
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.target import Target
-from dflash_etl.stages.shell import run_stage, settings_of
+from dflash_etl.runner.settings import stage_settings
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
     HealthLimits,
@@ -73,7 +80,6 @@ from dflash_etl.validation.model_outputs import Q_NON_FINITE, Q_UNHEALTHY
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
                    ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
-PLACEMENT = ("device_map", "max_memory")  # settings left out of the fingerprint
 QUARANTINE = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("reason", pa.string())])
 
 
@@ -81,7 +87,9 @@ QUARANTINE = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("reason", pa
 class ExtractSettings:
     """[extract] in pipeline.toml; CLI flags override it."""
 
-    model: str = setting("", metavar="DIR",
+    # its identity is fingerprinted, not its path (a moved run is not redone)
+    model: str = setting("", metavar="DIR", required="the target model", target=True,
+                         path=True, fingerprint=False,
                          help="the target model directory (offline; default: [target] model)")
     layers: str = setting("auto", metavar="auto|1,16,31",
                           help="'auto' (the DFlash rule) or decoder layer indices (0-based)")
@@ -93,38 +101,49 @@ class ExtractSettings:
     shard_rows: int = setting(256, min=1, help="rows per hidden-states shard")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target runs")
-    device_map: str = setting("none", choices=("none", "auto"),
+    # where the layers are placed does not change the states (tested): not fingerprinted
+    device_map: str = setting("none", choices=("none", "auto"), fingerprint=False,
                               help="'auto': place the target's layers over the visible GPUs, "
                                    "then the CPU (accelerate; a target larger than one GPU)")
-    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB", fingerprint=False,
                               help="with --device-map auto: the memory each device may hold "
                                    "(default: accelerate's estimate of what is free)")
     format: str = setting("native", choices=("native", "speculators"),
                           help="the hidden states' file layout")
-    launcher: str = setting("none", choices=("none", "torchrun"),
+    # how the work is launched, not what it makes: a rerun on another number of ranks resumes
+    launcher: str = setting("none", choices=("none", "torchrun"), fingerprint=False,
                             help="torchrun: re-run this command under `python -m "
                                  "torch.distributed.run --standalone` (data parallel, one node)")
-    nproc_per_node: int = setting(0, min=0, help="--launcher torchrun: processes (0: one per "
-                                                 "visible GPU, at least one)")
-    dist_timeout_s: int = setting(1800, min=1, help="under torchrun: seconds a rank waits for "
-                                                    "the others before the run fails")
-    plan: bool = setting(False, help="a dry run: measure a few batches, project the whole "
-                                     "dataset's bytes and hours against free disk, write "
-                                     "<run>/extract.plan.json; nothing is published")
-    plan_batches: int = setting(4, min=1, help="--plan: length-bucketed batches to measure "
-                                               "(spread over the length range)")
+    nproc_per_node: int = setting(0, min=0, fingerprint=False,
+                                  help="--launcher torchrun: processes (0: one per visible GPU, "
+                                       "at least one)")
+    dist_timeout_s: int = setting(1800, min=1, fingerprint=False,
+                                  help="under torchrun: seconds a rank waits for the others "
+                                       "before the run fails")
+    # the dry run's settings, not the output's
+    plan: bool = setting(False, fingerprint=False,
+                         help="a dry run: measure a few batches, project the whole dataset's "
+                              "bytes and hours against free disk, write "
+                              "<run>/extract.plan.json; nothing is published")
+    plan_batches: int = setting(4, min=1, fingerprint=False,
+                                help="--plan: length-bucketed batches to measure (spread over "
+                                     "the length range)")
     backend: str = setting("hooks", choices=("hooks", "server"),
                            help="hooks: the target under transformers here; server: a vLLM "
                                 "server with the extract_hidden_states method (--endpoint)")
-    endpoint: str = setting("", metavar="URL", help="--backend server: the server's /v1 base")
+    endpoint: str = setting("", metavar="URL", fingerprint=False,
+                            help="--backend server: the server's /v1 base")
     # a fleet of servers and its limits: regenerate's fleet client and declarations
-    # (core/config.py FLEET_SETTINGS); the served model defaults to the first the server lists
+    # (core/settings.py FLEET_SETTINGS); the served model defaults to the first the server lists
     endpoints: tuple[str, ...] = fleet_setting("endpoints", "--backend server")
-    served_model: str | None = fleet_setting("served_model", "--backend server")
-    states_dir: str = setting("", metavar="DIR", help="--backend server: the connector's "
-                              "shared_storage_path; a file named elsewhere is refused")
-    keep_server_files: bool = setting(False, help="--backend server: keep the server's files "
-                                                  "after they are copied")
+    served_model: str | None = fleet_setting("served_model", "--backend server",
+                                             fingerprint=False)
+    states_dir: str = setting("", metavar="DIR", fingerprint=False,
+                              help="--backend server: the connector's shared_storage_path; a "
+                                   "file named elsewhere is refused")
+    keep_server_files: bool = setting(False, fingerprint=False,
+                                      help="--backend server: keep the server's files after "
+                                           "they are copied")
     concurrency: int = fleet_setting("concurrency", "--backend server")
     timeout_s: float = fleet_setting("timeout_s", "--backend server")
     request_deadline_s: float = fleet_setting("request_deadline_s", "--backend server")
@@ -132,44 +151,15 @@ class ExtractSettings:
     cooldown_s: float = fleet_setting("cooldown_s", "--backend server")
 
     def __post_init__(self) -> None:
+        """The placement and the fleet, checked before any work."""
         object.__setattr__(self, "endpoints", endpoint_list(self.endpoints))
+        placement(self.device_map, self.max_memory)
+        check_fleet(self.servers, self.concurrency, self.cooldown_s)
 
     @property
     def servers(self) -> tuple[str, ...]:
         """The hidden-states servers' URLs (/v1 bases, no trailing slash)."""
         return fleet_servers(self.endpoint, self.endpoints)
-
-    @classmethod
-    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
-                     base_dir: Path | None) -> ExtractSettings:
-        settings = stage_settings(cls, "extract", section, overrides, base_dir, ("model",),
-                                  "model", "the target model", TARGET_HINT)
-        if settings.dtype not in ("fp32", "bf16"):
-            raise StageError(f"--dtype {settings.dtype!r}: use fp32 or bf16")
-        if settings.format not in ("native", "speculators"):
-            raise StageError(f"--format {settings.format!r}: use native or speculators")
-        placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
-        check_fleet(settings.servers, settings.concurrency, settings.cooldown_s)
-        return settings
-
-
-register_section("extract", ExtractSettings)
-
-
-PLAN_ONLY = ("plan", "plan_batches")  # settings of the dry run, not of the output
-# how the work is launched, not what it makes: a rerun on another number of ranks resumes
-LAUNCH_SETTINGS = ("launcher", "nproc_per_node", "dist_timeout_s", "endpoint", "endpoints",
-                   "served_model", "states_dir", "keep_server_files", "concurrency",
-                   "timeout_s", "request_deadline_s", "retries", "cooldown_s")
-
-
-def fingerprinted(settings: ExtractSettings) -> dict[str, Any]:
-    """The settings that make the output (the fingerprint's): neither the dry run's, the
-    launch's nor the layers' placement (it does not change the states: tested) are among them,
-    so changing them redoes no finished extract."""
-    return {k: v for k, v in asdict(settings).items()
-            if k not in PLAN_ONLY and k not in LAUNCH_SETTINGS and k not in PLACEMENT
-            and k != "model"}  # the model's identity is fingerprinted, not its path
 
 
 # ---------------------------------------------------------------- pure core
@@ -180,50 +170,7 @@ def stored_layers(layers: list[int], n_layers: int) -> list[int]:
     return [*layers, n_layers - 1]
 
 
-def length_batches(lengths: list[int], batch_tokens: int,
-                   max_padding: float = 0.04) -> list[list[int]]:
-    """Row indices grouped so that (longest row x rows) <= batch_tokens, rows sorted by length,
-    and a batch starts anew rather than let padding exceed `max_padding` of its tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    real = 0
-    for i in order:
-        padded = lengths[i] * (len(current) + 1)  # sorted: this row is the batch's longest
-        if current and (padded > batch_tokens
-                        or padded - real - lengths[i] > max_padding * padded):
-            batches.append(current)
-            current, real = [], 0
-        current.append(i)
-        real += lengths[i]
-    if current:
-        batches.append(current)
-    return batches
-
-
-def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
-    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
-    return 1 - sum(lengths) / padded if padded else 0.0
-
-
-def shard_plan(lengths: list[int], shard_rows: int) -> list[list[int]]:
-    """Row indices per shard: rows sorted by length, `shard_rows` at a time, so each shard's
-    batches pad little. The plan depends on the rows alone, never on the number of ranks: a
-    shard (and its file) is the same whoever extracts it."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return [order[k:k + shard_rows] for k in range(0, len(order), shard_rows)]
-
-
-def shard_cost(lengths: list[int], batch_tokens: int) -> int:
-    """The padded tokens a shard's forward passes run: what its extraction costs."""
-    return sum(max(lengths[i] for i in b) * len(b) for b in length_batches(lengths, batch_tokens))
-
-
 # ---------------------------------------------------------------- shell
-def _dataset_files(run: RunDir) -> list[Path]:
-    return TokenizedOutput.files_of(run.root)
-
-
 def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) -> int:
     """The bytes the whole output takes; fails when what is still to write (the shards an
     interrupted run wrote into `out` already count) exceeds the free space."""
@@ -346,54 +293,55 @@ class ExtractStage(BatchStage):
     one replica per actor on Ray, the ranks' token-balanced shares under torchrun; each shard's
     states file is the same whoever writes it, so every executor publishes the same output."""
 
-    name = STAGE
-    reads = ("tokenize",)
+    name: ClassVar[str] = STAGE
+    help: ClassVar[str] = "tokenized rows -> the target's hidden states"
+    Settings: ClassVar[type] = ExtractSettings
+    reads: ClassVar[tuple[type[Output], ...]] = (TokenizedOutput,)
+    writes: ClassVar[type[HiddenStatesOutput]] = HiddenStatesOutput
+    settings: ExtractSettings
+
+    def __init__(self) -> None:
+        self.files: list[Path] = []  # the tokenized rows' Arrow files
+        self.lengths: list[int] = []  # tokens per row
+        self.layers: list[int] = []  # the chosen target layers
+        self.n_layers = self.hidden = 0  # the target's decoder layers and hidden size
+        self.partial = Path()  # where the workers write the shards
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
-        settings: ExtractSettings = ctx.settings
-        files = _dataset_files(ctx.run)
-        lengths = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in files]).column(
-            "input_ids").combine_chunks().value_lengths().to_pylist()
-        layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
-        n_layers, hidden = target_shape(settings.model)
-        ctx.state.update(files=files, lengths=lengths, layers=layers, n_layers=n_layers,
-                         hidden=hidden)
-        return {"settings": fingerprinted(settings), "layers": layers,
-                "inputs": [sha256_file(f) for f in files],
+        settings = self.settings
+        self.files = ctx.read(TokenizedOutput).dataset_files()
+        self.lengths = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in self.files]
+                                        ).column("input_ids").combine_chunks().value_lengths(
+                                        ).to_pylist()
+        self.layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
+        self.n_layers, self.hidden = target_shape(settings.model)
+        return {"settings": fingerprinted(settings), "layers": self.layers,
+                "inputs": [sha256_file(f) for f in self.files],
                 "model": model_identity(settings.model)}
 
     def begin(self, ctx: StageContext) -> None:
-        settings: ExtractSettings = ctx.settings
-        layers, n_layers = ctx.state["layers"], ctx.state["n_layers"]
-        stored = stored_layers(layers, n_layers)
-        need = _check_disk(ctx.partial, sum(ctx.state["lengths"]), len(stored),
-                           ctx.state["hidden"], settings.dtype)
-        ctx.run.update_stage(STAGE, settings=asdict(settings), layers=layers,
-                             stored_layers=stored, n_layers=n_layers, estimated_bytes=need,
+        settings = self.settings
+        stored = stored_layers(self.layers, self.n_layers)
+        need = _check_disk(ctx.partial, sum(self.lengths), len(stored), self.hidden,
+                           settings.dtype)
+        ctx.run.update_stage(STAGE, settings=asdict(settings), layers=self.layers,
+                             stored_layers=stored, n_layers=self.n_layers, estimated_bytes=need,
                              ranks=ctx.world)
         if settings.backend == "server":
             from dflash_etl.models.states_server import serve_command
 
             print("extract: the states come from the server(s) at "
                   f"{', '.join(settings.servers)}, each started as:\n  "
-                  + serve_command(settings.served_model or settings.model, layers, n_layers,
-                                  settings.states_dir), file=sys.stderr, flush=True)
+                  + serve_command(settings.served_model or settings.model, self.layers,
+                                  self.n_layers, settings.states_dir), file=sys.stderr, flush=True)
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         """One item per shard, its cost the padded tokens of its forward passes."""
-        lengths = ctx.state["lengths"]
-        batch_tokens = ctx.settings.batch_tokens
+        self.partial = ctx.partial
+        lengths, batch_tokens = self.lengths, self.settings.batch_tokens
         return [WorkItem(n, members, cost=shard_cost([lengths[i] for i in members],
                                                      batch_tokens))
-                for n, members in enumerate(shard_plan(lengths, ctx.settings.shard_rows))]
-
-    def bind(self, ctx: StageContext) -> None:
-        self.settings: ExtractSettings = ctx.settings
-        self.files: list[Path] = ctx.state["files"]
-        self.partial: Path = ctx.partial
-        self.layers: list[int] = ctx.state["layers"]
-        self.n_layers: int = ctx.state["n_layers"]
-        self.hidden: int = ctx.state["hidden"]
+                for n, members in enumerate(shard_plan(lengths, self.settings.shard_rows))]
 
     def resources(self) -> Resources:
         """A worker holds one replica of the target: a GPU where it runs on one (with
@@ -442,29 +390,23 @@ class ExtractStage(BatchStage):
                            stats=per_source, extra={"padded": padded, "health": health,
                                                     "servers": fleet.take_use() if fleet else {}})
 
-    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
-               ) -> dict[str, Any]:
+    def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
         """Every shard's result, in shard order whichever worker wrote it: one index (by row,
-        as one process writes it), the accounting, the health figures and the gates."""
-        settings: ExtractSettings = ctx.settings
-        per_source: dict[str, Stats] = {}
-        for result in results:
-            for source, data in result["sources"].items():
-                per_source.setdefault(source, Stats()).merge(Stats.from_dict(data))
-        index = [e for r in results
-                 for e in pq.read_table(item_paths(work_dir, r["index"])[0]).to_pylist()]
+        as one process writes it), the accounting and the health figures."""
+        settings = self.settings
+        index = [e for path in results.row_files() for e in pq.read_table(path).to_pylist()]
         pq.write_table(pa.Table.from_pylist(sorted(index, key=lambda e: e["row"]), schema=INDEX),
                        ctx.partial / "index.parquet")
-        layers, n_layers = ctx.state["layers"], ctx.state["n_layers"]
+        layers, n_layers = self.layers, self.n_layers
         stored = stored_layers(layers, n_layers)
-        doc = stats_document(per_source, STAGE)
+        doc = stats_document(results.per_source(), STAGE)
         padded = sum(r["padded"] for r in results)
-        tokens = sum(ctx.state["lengths"])
+        tokens = sum(self.lengths)
         doc["total"].update({"layers": layers, "stored_layers": stored,
                              # the same layers in both conventions (README: which ids go where)
                              "target_layer_ids": layers,
                              "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(layers),
-                             "n_layers": n_layers, "hidden_size": ctx.state["hidden"],
+                             "n_layers": n_layers, "hidden_size": self.hidden,
                              "dtype": settings.dtype, "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
         doc["health"] = _health_document(results, settings.dtype)
@@ -474,11 +416,54 @@ class ExtractStage(BatchStage):
 
     def contract_params(self, ctx: StageContext) -> dict[str, Any]:
         """The tokenized rows the stored token ids must equal."""
-        return {"dataset": ctx.state["files"]}
+        return {"dataset": self.files}
 
     def cleanup(self, ctx: StageContext) -> None:
         super().cleanup(ctx)
         shutil.rmtree(ctx.partial / "shards", ignore_errors=True)  # an older version's markers
+
+
+    @classmethod
+    def dry_run(cls, ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any] | None:
+        """`plan` set: the dry run's plan (see `plan`) instead of the stage."""
+        if not _wants_plan(ctx.config, overrides):
+            return None
+        if rank_world()[0] != 0:  # started under torchrun anyway: rank 0 plans, for one replica
+            return {}
+        return plan(ctx, overrides)
+
+    @classmethod
+    def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
+        if doc.get("plan"):
+            return _plan_summary(doc, out.parent)
+        total = doc["total"]
+        lines = [f"extract {state_word(doc)}: rows {counts_line(total)}",
+                 f"  layers {total.get('layers')} of {total.get('n_layers')}, hidden "
+                 f"{total.get('hidden_size')}, {total.get('dtype')}, {total.get('tokens')} "
+                 f"tokens, padding {total.get('padding_share')}",
+                 f"  hidden states: {out / 'hidden_states'}  ({total.get('format')})",
+                 f"  index:         {out / 'index.parquet'}"]
+        ranks = record.get("ranks") or 1  # the manifest's record: stats.json is the data's
+        if ranks > 1 and not doc.get("skipped"):
+            lines.append(f"  ranks:         {ranks} (torchrun; the output is one process's, "
+                         "byte for byte)")
+        return lines
+
+
+def _plan_summary(doc: dict[str, Any], run: Path) -> list[str]:
+    data, sample, projected = doc["dataset"], doc["measured"], doc["projected"]
+    return [f"extract plan (a dry run: nothing extracted or published) on {doc['device']}:",
+            f"  dataset: {data['rows']} rows, {data['tokens']} tokens in {data['batches']} "
+            f"batches (padding {doc['padding_share']})",
+            f"  layers {doc['stored_layers']} of {doc['n_layers']} stored, hidden "
+            f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}",
+            f"  measured: {sample['batches']} batches, {sample['tokens']} tokens in "
+            f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
+            f"{size_text(sample['bytes'])} written",
+            f"  projected: {size_text(projected['bytes'])} on disk, {projected['hours']} hours "
+            f"({projected['seconds']} s) on this device",
+            f"  disk: {doc['advice']}",
+            f"  plan: {run / PLAN_FILE}"]
 
 
 def _cuda_available() -> bool:
@@ -509,29 +494,6 @@ def _health_document(results: list[dict[str, Any]], dtype: str) -> dict[str, Any
 
 
 # ---------------------------------------------------------------- the dry run (--plan)
-def plan_sample(batches: list[list[int]], wanted: int) -> list[int]:
-    """Which of the run's batches (in length order) the plan measures: `wanted` of them spread
-    evenly from the shortest to the longest, so the projection sees the whole length range."""
-    n = len(batches)
-    if wanted >= n:
-        return list(range(n))
-    if wanted == 1:
-        return [n // 2]
-    return sorted({round(k * (n - 1) / (wanted - 1)) for k in range(wanted)})
-
-
-def run_batches(lengths: list[int], settings: ExtractSettings) -> list[list[int]]:
-    """Every forward batch of a run (row indices), in the order execute runs them: rows sorted
-    by length, cut into shards of shard_rows, each shard into length buckets."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches = []
-    for k in range(0, len(order), settings.shard_rows):
-        members = order[k:k + settings.shard_rows]
-        batches += [[members[i] for i in b]
-                    for b in length_batches([lengths[i] for i in members], settings.batch_tokens)]
-    return batches
-
-
 def project(total: dict[str, int], sample: dict[str, float], free: int) -> dict[str, Any]:
     """The whole dataset's bytes and hours from the measured sample (bytes scale with tokens,
     time with padded tokens), and whether the output fits in `free` bytes."""
@@ -554,8 +516,7 @@ def plan_advice(doc: dict[str, Any]) -> str:
             "/ --dtype bf16")
 
 
-def plan(config: PipelineConfig | None, run_dir: str | Path, progress: bool | None = None,
-         **overrides: Any) -> dict[str, Any]:
+def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
     """`extract --plan`: measure `plan_batches` batches of the real run (same target, layers,
     dtype, format, writer and health check) in a scratch directory, project the whole dataset,
     write <run>/extract.plan.json. The extract stage is neither run, published nor recorded."""
@@ -563,17 +524,18 @@ def plan(config: PipelineConfig | None, run_dir: str | Path, progress: bool | No
 
     from dflash_etl.core.lock import run_lock
 
-    run = RunDir(run_dir)
+    run, progress = ctx.run, ctx.progress
     with run_lock(run.root, "extract --plan"):
-        settings = settings_of(STAGE, config, run.root, overrides)
+        settings = stage_settings(ExtractStage, ctx.config, run.root, overrides)
+        files = ctx.read(TokenizedOutput).dataset_files()
         rows = pa.concat_tables([read_arrow(f).select(["input_ids", "id", "source", "turn"])
-                                 for f in _dataset_files(run)]).to_pylist()
+                                 for f in files]).to_pylist()
         for position, row in enumerate(rows):
             row["row"] = position
         if not rows:
             raise StageError(f"the tokenized dataset of {run.root} has no rows: nothing to plan")
         lengths = [len(r["input_ids"]) for r in rows]
-        batches = run_batches(lengths, settings)
+        batches = run_batches(lengths, settings.shard_rows, settings.batch_tokens)
         padded = [max(lengths[i] for i in b) * len(b) for b in batches]
         free = shutil.disk_usage(run.root).free  # before the sample takes any of it
         loading = time.perf_counter()
@@ -622,25 +584,3 @@ def _wants_plan(config: PipelineConfig | None, overrides: dict[str, Any]) -> boo
     if overrides.get("plan") is not None:
         return bool(overrides["plan"])
     return bool(config and config.section("extract").get("plan"))
-
-
-def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, **overrides: Any) -> dict[str, Any]:
-    """Extract into `run_dir/extract`; returns the stats document. Skips when complete. With
-    `plan` set: the dry run's plan (see `plan`), and no stage is run."""
-    if _wants_plan(config, overrides):
-        if rank_world()[0] != 0:  # started under torchrun anyway: rank 0 plans, for one replica
-            return {}
-        return plan(config, run_dir, progress=progress, **overrides)
-    return run_stage(ExtractStage(), config, run_dir, force=force, progress=progress,
-                     **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import stage_main
-
-    return stage_main("extract", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """ingest: source files (any supported format) -> canonical conversations + quarantine.
 
 Core: `normalize_records` (records -> rows, quarantine, stats) and `plan_mix` (which rows to keep:
-dedup, max_rows, weights) are pure. The shell around them plans work units, runs them in worker
-processes, writes Parquet shards under a partial directory and publishes it once the contract
-passes.
+dedup, max_rows, weights) are pure. The stage plans work units (one unit of one source file
+each), the runner runs them in worker processes, and `finish` applies the mix filters and writes
+the Parquet shards the runner gates and publishes.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import dataclasses
 import itertools
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import polars as pl
@@ -25,28 +24,24 @@ import pyarrow.parquet as pq
 
 from dflash_etl.core import schema as S
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import (
-    PipelineConfig,
-    SourceConfig,
-    register_section,
-    setting,
-    stage_settings,
-)
+from dflash_etl.core.config import PipelineConfig, SourceConfig
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.rundir import sha256_file
+from dflash_etl.core.outputs import ConversationsOutput
+from dflash_etl.core.rundir import StageRecord, sha256_file
+from dflash_etl.core.settings import fingerprinted, setting
 from dflash_etl.core.stage import (
     BatchOutput,
     BatchStage,
+    ItemResults,
     StageContext,
     WorkItem,
-    item_paths,
+    counts_line,
     read_item_file,
+    state_word,
 )
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
 from dflash_etl.mix.contamination import MIN_WORDS, ContaminationIndex
-from dflash_etl.stages.shell import stage_runner
-from dflash_etl.validation import suites
 
 STAGE = "ingest"
 CHUNK_RECORDS = 1024  # records normalized (as Python objects) at a time per work item
@@ -71,8 +66,8 @@ class IngestSettings:
              "quarantined as decompressed_too_large (a gzip bomb stops here)")
     strict_sources: bool = setting(
         False, help="a source (file or glob) that yields no rows is an error, not a warning")
-    decontaminate: tuple[str, ...] = setting(
-        (), metavar="FILE,FILE",
+    decontaminate: tuple[str, ...] = setting(  # their contents are fingerprinted, not paths
+        (), metavar="FILE,FILE", fingerprint=False,
         help="benchmark files (MT-Bench, GSM8K, HumanEval, messages/prompt JSONL; relative to "
              "the config) whose items are kept out of the mix: a conversation sharing a run of "
              "decontaminate_ngram words with one is filtered benchmark_contamination")
@@ -85,21 +80,12 @@ class IngestSettings:
     near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
                                     help="compare the user turns, or every message")
     weight_by: str = setting(
-        "rows", choices=("rows", "supervised_tokens"),
+        "rows", choices=("rows", "supervised_tokens"), fingerprint="unless_default",
         help="what the sources' weights are shares of: rows (ingest samples the conversations), "
              "or supervised tokens, what the drafter trains on (ingest keeps the weighted "
              "sources whole and tokenize, which counts them, leaves out conversations, "
              "filtered mix_weight)")
 
-    @classmethod
-    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
-                     base_dir: Path | None) -> IngestSettings:
-        # max_decompressed_bytes is always set (min=1): stage_settings' required check passes
-        return stage_settings(cls, STAGE, section, overrides, base_dir, (),
-                              "max_decompressed_bytes", "a decompressed-size ceiling")
-
-
-register_section(STAGE, IngestSettings)
 
 
 # ---------------------------------------------------------------- pure core
@@ -263,53 +249,52 @@ def _empty_output_message(per_source: dict[str, Stats], problem: list[str]) -> s
 @dataclass(eq=False)
 class IngestStage(BatchStage):
     """Source files -> canonical conversations; a work item is one unit of one source file.
-    Its fields are the read limits every worker applies."""
+    Its fields are the read limits and mix-filter inputs every worker applies."""
 
-    name = STAGE
+    name: ClassVar[str] = STAGE
+    help: ClassVar[str] = "sources -> canonical conversations + quarantine"
+    Settings: ClassVar[type] = IngestSettings
+    writes: ClassVar[type[ConversationsOutput]] = ConversationsOutput
+    settings: IngestSettings = dataclasses.field(default_factory=IngestSettings)
     max_line_bytes: int = 0
     max_decompressed_bytes: int = 0
     contamination: ContaminationIndex | None = None  # the benchmarks' grams, when asked
     near_dedup_ngram: int = 0  # 0: near-dedup is off
     near_dedup_scope: str = "prompt"
+    sources: list[tuple[SourceConfig, readers.Resolved]] = dataclasses.field(
+        default_factory=list)
+    benchmarks: list[Path] = dataclasses.field(default_factory=list)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
-        sources = _inputs(config)
+        self.sources = _inputs(config)
         inputs = [
             {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}
-            for s, resolved in sources for p in resolved.paths
+            for s, resolved in self.sources for p in resolved.paths
         ]
         if ctx.rank == 0:  # under torchrun rank 0 alone writes the run directory
             ctx.run.update_manifest(config=config.to_dict(), config_hash=config.digest(),
                                     inputs=inputs)
-        ctx.state["sources"] = sources
-        benchmarks = _benchmark_files(config, ctx.settings)
-        ctx.state["benchmarks"] = benchmarks
+        self.benchmarks = _benchmark_files(config, self.settings)
         return {"config": config.digest(), "inputs": [i["sha256"] for i in inputs],
-                "unit_format": UNIT_FORMAT,
-                "settings": {k: v for k, v in dataclasses.asdict(ctx.settings).items()
-                             # the files' contents, not their paths; weight_by's default
-                             # leaves the fingerprints of earlier runs as they were
-                             if k != "decontaminate" and (k, v) != ("weight_by", "rows")},
-                "benchmarks": [sha256_file(b) for b in benchmarks]}
+                "unit_format": UNIT_FORMAT, "settings": fingerprinted(self.settings),
+                "benchmarks": [sha256_file(b) for b in self.benchmarks]}
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
-        units = [(source, unit) for source, resolved in ctx.state["sources"]
-                 for path in resolved.paths for unit in readers.plan_units(path)]
-        return [WorkItem(k, unit) for k, unit in enumerate(units)]
-
-    def bind(self, ctx: StageContext) -> None:
+        """One item per unit of a source file; the workers' limits and mix-filter inputs."""
         from dflash_etl.io.benchmarks import read_benchmark
 
-        settings: IngestSettings = ctx.settings
         self.max_line_bytes = _require_config(ctx.config).run.max_line_bytes
-        self.max_decompressed_bytes = settings.max_decompressed_bytes
-        if ctx.state["benchmarks"]:
+        self.max_decompressed_bytes = self.settings.max_decompressed_bytes
+        if self.benchmarks:
             self.contamination = ContaminationIndex.build(
-                (item for path in ctx.state["benchmarks"] for item in read_benchmark(path)),
-                settings.decontaminate_ngram)
-        self.near_dedup_ngram = settings.near_dedup_ngram if settings.near_dedup else 0
-        self.near_dedup_scope = settings.near_dedup_scope
+                (item for path in self.benchmarks for item in read_benchmark(path)),
+                self.settings.decontaminate_ngram)
+        self.near_dedup_ngram = self.settings.near_dedup_ngram if self.settings.near_dedup else 0
+        self.near_dedup_scope = self.settings.near_dedup_scope
+        units = [(source, unit) for source, resolved in self.sources
+                 for path in resolved.paths for unit in readers.plan_units(path)]
+        return [WorkItem(k, unit) for k, unit in enumerate(units)]
 
     def load(self, item: WorkItem) -> Any:
         return readers.read_unit(item.payload[1], self.max_line_bytes,
@@ -368,13 +353,18 @@ class IngestStage(BatchStage):
                                                  null_count=int(n - has.sum())))
         return columns
 
-    def while_working(self) -> AbstractContextManager[Callable[[], None]]:
-        return suites.warming_up(("pandera.polars",))  # the gate's imports, meanwhile
+    def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
+        return _finish(_require_config(ctx.config), results, ctx.partial, self.settings,
+                       self.sources)
 
-    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
-               ) -> dict[str, Any]:
-        return _finish(_require_config(ctx.config), results, ctx.partial, work_dir,
-                       ctx.settings, ctx.state["sources"])
+    @classmethod
+    def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
+        return [f"ingest {state_word(doc)}: {counts_line(doc['total'])}",
+                *(f"  {source}: {counts_line(stats)}" for source, stats in doc["sources"].items()),
+                f"  conversations: {out / 'conversations'}",
+                f"  quarantine:    {out / 'quarantine.parquet'}",
+                f"  stats:         {out / 'stats.json'}",
+                *(f"  warning: {warning}" for warning in doc.get("warnings", []))]
 
 
 def _require_config(config: PipelineConfig | None) -> PipelineConfig:
@@ -383,10 +373,7 @@ def _require_config(config: PipelineConfig | None) -> PipelineConfig:
     return config
 
 
-run = stage_runner(IngestStage)
-
-
-def source_warnings(config: PipelineConfig, results: list[dict[str, Any]],
+def source_warnings(config: PipelineConfig, results: ItemResults,
                     per_source: dict[str, Stats]) -> list[str]:
     """A source, or a file of a source, that yields no rows (only blank lines, or none)."""
     warnings = []
@@ -409,15 +396,10 @@ def source_warnings(config: PipelineConfig, results: list[dict[str, Any]],
     return warnings
 
 
-def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path,
-            units_dir: Path, settings: IngestSettings | None = None,
-            sources: list[tuple[SourceConfig, readers.Resolved]] | None = None
-            ) -> dict[str, Any]:
-    settings = settings or IngestSettings()
-    per_source = {s.name: Stats() for s in config.sources}
-    for result in results:
-        for name, data in result["sources"].items():
-            per_source[name].merge(Stats.from_dict(data))
+def _finish(config: PipelineConfig, results: ItemResults, partial: Path,
+            settings: IngestSettings,
+            sources: list[tuple[SourceConfig, readers.Resolved]]) -> dict[str, Any]:
+    per_source = results.per_source(first=[s.name for s in config.sources])
     for source, resolved in sources or []:
         if resolved.skipped:
             per_source[source.name].extra["paths_skipped"] = dict(resolved.skipped)
@@ -426,9 +408,8 @@ def _finish(config: PipelineConfig, results: list[dict[str, Any]], partial: Path
     if settings.strict_sources and no_rows:
         raise StageError("\n".join(no_rows) + "\n([ingest] strict_sources = true makes this an "
                          "error; remove the source or fix its path)")
-    paths = [item_paths(units_dir, r["index"]) for r in results]
-    row_files = [str(rows) for rows, _, _ in paths]
-    q_files = [str(q) for _, q, _ in paths]
+    row_files = [str(f) for f in results.row_files()]
+    q_files = [str(f) for f in results.quarantine_files()]
     index = pl.concat(
         [pl.read_parquet(f, columns=["id", "source", "_unit", "_line"]) for f in row_files]
     ) if row_files else pl.DataFrame()
@@ -510,7 +491,7 @@ def _fixed_width(column: pa.ChunkedArray, dtype: str, width: int) -> np.ndarray:
     return data[array.offset * width:(array.offset + len(array)) * width].reshape(-1, width)
 
 
-def _near_dedup(index: pl.DataFrame, row_files: list[str], results: list[dict[str, Any]],
+def _near_dedup(index: pl.DataFrame, row_files: list[str], results: ItemResults,
                 settings: IngestSettings, partial: Path, per_source: dict[str, Stats]
                 ) -> pl.DataFrame:
     """The index less the near-duplicates of earlier rows (source, file, line order), each
@@ -601,13 +582,3 @@ def _write_shards(row_files: list[str], kept: pl.DataFrame, out: Path, shard_row
                 writer, shard, in_shard = None, shard + 1, 0
     if writer is not None:
         writer.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import stage_main
-
-    return stage_main("ingest", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

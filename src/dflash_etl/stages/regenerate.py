@@ -16,13 +16,12 @@ OpenAI-compatible server, async with bounded concurrency, timeouts and retries) 
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import polars as pl
 import pyarrow as pa
@@ -30,21 +29,19 @@ import pyarrow.parquet as pq
 
 from dflash_etl.core import schema as S
 from dflash_etl.core.accounting import stats_document
-from dflash_etl.core.config import (
-    TARGET_HINT,
-    PipelineConfig,
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.outputs import ConversationsOutput, Output
+from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.rundir import StageRecord, sha256_file
+from dflash_etl.core.settings import (
     check_fleet,
     endpoint_list,
+    fingerprinted,
     fleet_servers,
     fleet_setting,
-    register_section,
     setting,
-    stage_settings,
 )
-from dflash_etl.core.errors import StageError
-from dflash_etl.core.progress import progress_bar
-from dflash_etl.core.rundir import RunDir, sha256_file
-from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.core.stage import Stage, StageContext, counts_line, state_word
 from dflash_etl.models.generation.conversations import (
     ReplyCache,
     regenerate_conversations,
@@ -65,7 +62,6 @@ from dflash_etl.models.generation.replies import (
     Backend,
 )
 from dflash_etl.models.loading import placement
-from dflash_etl.stages.shell import run_stage
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
@@ -74,13 +70,6 @@ BACKENDS = ("transformers", "openai", "vllm")
 GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
                              ("finish_reason", pa.string()), ("new_tokens", pa.int32()),
                              ("key", pa.string())])
-
-# where and how the openai backend reaches its servers: not what it generates, so changing them
-# (another fleet, more concurrency) keeps a run's fingerprint, and an interrupted run's cache
-TRANSPORT_SETTINGS = ("endpoint", "endpoints", "concurrency", "timeout_s", "retries",
-                      "cooldown_s", "request_deadline_s", "retry_failed",
-                      "device_map", "max_memory")  # and where the transformers backend runs
-
 
 # what to do about a reason, said only for the reasons that occurred
 REASON_HINTS = {
@@ -96,7 +85,9 @@ REASON_HINTS = {
 class RegenerateSettings:
     """[regenerate] in pipeline.toml; CLI flags override it."""
 
-    model: str = setting("", metavar="DIR",
+    # its identity is fingerprinted, not its path (a moved run is not redone)
+    model: str = setting("", metavar="DIR", required="the target model", target=True,
+                         path=True, fingerprint=False,
                          help="the target model directory (offline; default: [target] model)")
     backend: str = setting("transformers", choices=BACKENDS, help="generation backend")
     mode: str = setting("missing", choices=("missing", "all"),
@@ -108,7 +99,7 @@ class RegenerateSettings:
     thinking: str = setting("keep", choices=("on", "off", "keep"),
                             help="the template's enable_thinking (keep: as the template does)")
     template_kwargs: dict[str, Any] = setting(  # noqa: RUF009 (setting() returns a field)
-        default_factory=dict, flags=("--template-kwarg",), metavar="KEY=JSON",
+        default_factory=dict, flags=("--template-kwarg",), metavar="KEY=JSON", inherit="tokenize",
         help="variables every render of the target's template gets (the local backends render "
              "with them, the openai backend sends them as chat_template_kwargs); default: "
              "[tokenize] template_kwargs, so replies follow the prompt the rows are rendered "
@@ -124,11 +115,11 @@ class RegenerateSettings:
                                      help="a short reply given to this many different prompts "
                                           "is a dummy (quarantined)")
     # openai backend
-    endpoint: str = setting("http://127.0.0.1:8000/v1", metavar="URL",
+    endpoint: str = setting("http://127.0.0.1:8000/v1", metavar="URL", fingerprint=False,
                             help="openai backend: the server's /v1 URL")
     # several servers of one model (empty: `endpoint` alone); requests go to the least loaded
     # healthy one, a failed server sits out `cooldown_s` and is probed before it comes back;
-    # these limits are the fleet client's, declared once (core/config.py FLEET_SETTINGS)
+    # these limits are the fleet client's, declared once (core/settings.py FLEET_SETTINGS)
     endpoints: tuple[str, ...] = fleet_setting("endpoints", "openai backend")
     served_model: str | None = fleet_setting("served_model", "openai backend")
     concurrency: int = fleet_setting("concurrency", "openai backend")
@@ -136,16 +127,17 @@ class RegenerateSettings:
     request_deadline_s: float = fleet_setting("request_deadline_s", "openai backend")
     retries: int = fleet_setting("retries", "openai backend")
     stream: bool = setting(False, help="openai backend: stream the responses")
-    device_map: str = setting("none", choices=("none", "auto"),
+    device_map: str = setting("none", choices=("none", "auto"), fingerprint=False,
                               help="transformers backend, 'auto': place the model's layers over "
                                    "the visible GPUs, then the CPU (accelerate)")
-    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB", fingerprint=False,
                               help="transformers backend with --device-map auto: the memory "
                                    "each device may hold (default: accelerate's estimate)")
     cooldown_s: float = fleet_setting("cooldown_s", "openai backend")
-    retry_failed: bool = setting(True, help="openai backend: a rerun of a complete stage that "
-                                            "has generation_failed rows retries them (the "
-                                            "cached replies are reused); off: it is skipped")
+    retry_failed: bool = setting(True, fingerprint=False,
+                                 help="openai backend: a rerun of a complete stage that has "
+                                      "generation_failed rows retries them (the cached replies "
+                                      "are reused); off: it is skipped")
     # degenerate repetition: a reply whose tail is one short cycle, or mostly repeated n-grams
     repeat_tail_chars: int = setting(100, min=0,
                                      help="a reply whose last this many characters repeat one "
@@ -158,114 +150,93 @@ class RegenerateSettings:
                                            "this fraction is degenerate_repetition (1: off)")
 
     def __post_init__(self) -> None:
+        """What the fields' ranges cannot say: an enable_thinking among the template kwargs is
+        the thinking setting; the fleet; the placement (all before any work)."""
         object.__setattr__(self, "endpoints", endpoint_list(self.endpoints))
+        thinking, kwargs = _thinking_from_kwargs(self.thinking, self.template_kwargs)
+        object.__setattr__(self, "thinking", thinking)
+        object.__setattr__(self, "template_kwargs", kwargs)
+        check_fleet(self.servers, self.concurrency, self.cooldown_s)
+        if self.backend == "transformers":
+            placement(self.device_map, self.max_memory)
 
     @property
     def servers(self) -> tuple[str, ...]:
         """The openai backend's server URLs (/v1 bases, no trailing slash)."""
         return fleet_servers(self.endpoint, self.endpoints)
 
-    @classmethod
-    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
-                     base_dir: Path | None) -> RegenerateSettings:
-        settings = stage_settings(cls, "regenerate", section, overrides, base_dir,
-                                  ("model",), "model", "the target model", TARGET_HINT)
-        if settings.backend not in BACKENDS:
-            raise StageError(f"--backend {settings.backend!r} is not available in this version; "
-                             f"available: {list(BACKENDS)}")
-        if settings.mode not in ("missing", "all"):
-            raise StageError(f"--mode {settings.mode!r}: use 'missing' or 'all'")
-        if settings.dummy_min_repeats < 2:
-            raise StageError("dummy_min_repeats must be >= 2: a reply given once is not a dummy")
-        if settings.thinking not in ("on", "off", "keep"):
-            raise StageError(f"--thinking {settings.thinking!r}: use on, off or keep")
-        settings = _thinking_from_kwargs(settings)
-        check_fleet(settings.servers, settings.concurrency, settings.cooldown_s)
-        if settings.backend == "transformers":
-            placement(settings.device_map, settings.max_memory)  # fails before any work
-        return settings
 
-
-def _thinking_from_kwargs(settings: RegenerateSettings) -> RegenerateSettings:
+def _thinking_from_kwargs(thinking: str, template_kwargs: dict[str, Any]
+                          ) -> tuple[str, dict[str, Any]]:
     """An enable_thinking among the template kwargs is the thinking setting (so the reply
     checks, the cache keys and the on-policy check all see it); one that contradicts
     --thinking is an error, not a silent choice."""
-    switch = settings.template_kwargs.get("enable_thinking")
+    switch = template_kwargs.get("enable_thinking")
     if switch is None:
-        return settings
+        return thinking, template_kwargs
     if not isinstance(switch, bool):
         raise StageError(f"template_kwargs enable_thinking = {switch!r}: give true or false")
     wanted = "on" if switch else "off"
-    if settings.thinking not in ("keep", wanted):
+    if thinking not in ("keep", wanted):
         raise StageError(f"template_kwargs enable_thinking = {str(switch).lower()} contradicts "
-                         f"--thinking {settings.thinking}: give one of them")
-    kwargs = {k: v for k, v in settings.template_kwargs.items() if k != "enable_thinking"}
-    return dataclasses.replace(settings, thinking=wanted, template_kwargs=kwargs)
-
-
-register_section("regenerate", RegenerateSettings)
-
-
-def _input_files(run: RunDir) -> list[Path]:
-    directory = run.stage_dir("ingest") / "conversations"
-    files = sorted(directory.glob("*.parquet"))
-    if not files:
-        raise StageError(f"no conversations in {directory}: run `dflash-etl ingest` for this run "
-                         "first (regenerate reads the ingest stage's output)")
-    return files
+                         f"--thinking {thinking}: give one of them")
+    return wanted, {k: v for k, v in template_kwargs.items() if k != "enable_thinking"}
 
 
 class RegenerateStage(Stage):
     """Conversations -> the same conversations with the target's replies."""
 
-    name = STAGE
-    reads = ("ingest",)
+    name: ClassVar[str] = STAGE
+    help: ClassVar[str] = "the target model writes the assistant turns"
+    Settings: ClassVar[type] = RegenerateSettings
+    reads: ClassVar[tuple[type[Output], ...]] = (ConversationsOutput,)
+    writes: ClassVar[type[ConversationsOutput]] = ConversationsOutput
+    settings: RegenerateSettings
 
     def __init__(self, generator: Backend | None = None) -> None:
+        """`generator`: a backend instance to use instead of the one the settings name (tests
+        and benchmarks share one between runs)."""
         self.generator = generator
+        self.files: list[Path] = []
+        self.backend: Backend | None = None
+        self.reuse: Path | None = None  # a complete output's cached replies (retry_failed)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
-        settings: RegenerateSettings = ctx.settings
-        files = _input_files(ctx.run)
-        backend = self.generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
+        settings = self.settings
+        self.files = ctx.read(ConversationsOutput).files()
+        self.backend = self.generator or {"openai": OpenAIBackend, "vllm": VLLMBackend}.get(
             settings.backend, TransformersBackend)(settings)
-        ctx.state.update(files=files, backend=backend)
-        # the model's identity, not its path (a moved run is not redone)
-        return {"settings": {k: v for k, v in asdict(settings).items()
-                             if k not in TRANSPORT_SETTINGS and k != "model"},
-                "model": backend.model_id,
-                "inputs": [sha256_file(f) for f in files]}
+        return {"settings": fingerprinted(settings), "model": self.backend.model_id,
+                "inputs": [sha256_file(f) for f in self.files]}
 
     def redo_complete(self, ctx: StageContext, done: dict[str, Any]) -> str | None:
         """A complete stage with rows the servers failed runs again (retry_failed): the replies
         it cached are reused, so only the failed rows are requested."""
-        settings: RegenerateSettings = ctx.settings
+        settings = self.settings
         failed = done["total"].get("quarantine_reasons", {}).get(Q_GENERATION_FAILED, 0)
         if not (settings.retry_failed and settings.backend == "openai" and failed):
             return None
-        ctx.state["reuse"] = ctx.run.stage_dir(STAGE) / "generations.jsonl"
+        self.reuse = ctx.run.stage_dir(STAGE) / "generations.jsonl"
         return (f"{failed} rows failed to generate last time: retrying them (the cached "
                 "replies are reused; retry_failed = false skips a complete stage)")
 
     def begin(self, ctx: StageContext) -> None:
-        cache, reuse = ctx.partial / "generations.jsonl", ctx.state.get("reuse")
-        if reuse and reuse.exists() and not cache.exists():
-            shutil.copyfile(reuse, cache)
-        ingest_fingerprint = ctx.run.manifest().get("stages", {}).get("ingest", {}).get(
-            "fingerprint")
-        ctx.run.update_stage(STAGE, settings=asdict(ctx.settings),
-                             input_fingerprint=ingest_fingerprint)
+        cache = ctx.partial / "generations.jsonl"
+        if self.reuse and self.reuse.exists() and not cache.exists():
+            shutil.copyfile(self.reuse, cache)
+        ctx.run.update_stage(STAGE, settings=asdict(self.settings))
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
-        settings: RegenerateSettings = ctx.settings
+        settings, backend = self.settings, self.backend
+        assert backend is not None
         partial = ctx.partial
         cache = ReplyCache(partial / "generations.jsonl")
-        conversations = pl.read_parquet(ctx.state["files"]).to_dicts()
+        conversations = pl.read_parquet(self.files).to_dicts()
         total = sum(len(target_positions(c, settings.mode)) for c in conversations)
         with progress_bar("regenerate", total=total, enabled=ctx.progress) as bar:
             kept, quarantine, per_source, finish, turns = regenerate_conversations(
-                conversations, ctx.state["backend"], cache, settings, bar)
-        if figures := getattr(ctx.state["backend"], "server_figures", None):  # the fleet's load
+                conversations, backend, cache, settings, bar)
+        if figures := getattr(backend, "server_figures", None):  # the fleet's load
             ctx.call_totals["servers"] = figures()  # a run's record (timing), not data
         doc = stats_document(per_source, STAGE)
         doc["total"]["finish_reasons"] = dict(finish)
@@ -282,8 +253,8 @@ class RegenerateStage(Stage):
             "mode": settings.mode,
             # the server's name for it (openai), and the weights' identity: never a path, so
             # two runs of the same inputs in other directories write the same stats
-            "served_model": getattr(ctx.state["backend"], "served_model", None),
-            "model_identity": getattr(ctx.state["backend"], "model_id", None)}
+            "served_model": getattr(backend, "served_model", None),
+            "model_identity": getattr(backend, "model_id", None)}
         out = partial / "conversations"
         out.mkdir(exist_ok=True)
         pq.write_table(pa.Table.from_pylist(kept, schema=S.CONVERSATIONS),
@@ -309,21 +280,21 @@ class RegenerateStage(Stage):
                              f"e.g. {unanswered[:3]}")
         return doc
 
-
-def run(config: PipelineConfig | None, run_dir: str | Path, force: bool = False,
-        progress: bool | None = None, generator: Backend | None = None,
-        **overrides: Any) -> dict[str, Any]:
-    """Regenerate into `run_dir/regenerate`; returns the stats document. Skips when complete.
-    `generator` replaces the backend the settings name (an instance, e.g. shared between runs)."""
-    return run_stage(RegenerateStage(generator), config, run_dir, force=force,
-                     progress=progress, **overrides)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import stage_main
-
-    return stage_main("regenerate", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    @classmethod
+    def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
+        total = doc["total"]
+        dropped = total.get("dropped_replies") or {}
+        if "generated_replies" not in total:  # a stage completed by an older version: its counts
+            total = {**total, "generated_replies": total.get("generated_turns")}
+        lines = [f"regenerate {state_word(doc)}: conversations {counts_line(total)}",
+                 f"  replies: {total.get('generated_replies')} generated, "
+                 f"{total.get('generated_turns')} kept, {sum(dropped.values())} filtered or "
+                 f"quarantined with their conversations {dropped or ''}".rstrip(),
+                 f"  finish reasons of the kept: {total.get('finish_reasons')}"]
+        lines += [f"  thinking {mode}: {cut['truncated']} of {cut['replies']} replies cut at "
+                  f"max_new_tokens ({100 * cut['share']:.0f}%)"
+                  for mode, cut in (total.get("truncation") or {}).items()]
+        return [*lines, f"  conversations: {out / 'conversations'}  (tokenize reads these now)",
+                *(f"  WARNING: {warning}" for warning in doc.get("warnings", [])),
+                f"  quarantine:    {out / 'quarantine.parquet'}",
+                f"  stats:         {out / 'stats.json'}"]

@@ -9,56 +9,42 @@ trainers read, plus token frequencies and the draft-vocabulary maps (d2t / t2d).
 from __future__ import annotations
 
 import itertools
-import json
 import re
-import shutil
-import sys
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import register_section, setting, stage_settings
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.rundir import RunDir, sha256_file, write_json_atomic
-from dflash_etl.core.schema import F_MIX_WEIGHT, flat_values, numeric_array, string_array
+from dflash_etl.core.outputs import ConversationsOutput, Output, TokenizedOutput
+from dflash_etl.core.rundir import StageRecord, sha256_file, write_json_atomic
+from dflash_etl.core.schema import TOKENIZED_ROWS, numeric_array, string_array
+from dflash_etl.core.settings import fingerprinted, setting
 from dflash_etl.core.stage import (
     BatchOutput,
     BatchStage,
+    ItemResults,
     StageContext,
     WorkItem,
-    item_paths,
+    counts_line,
     read_item_file,
+    state_word,
 )
-from dflash_etl.io.torch_pickle import save_plain_dict
-from dflash_etl.mix.shares import learning_shares, plan_supervised_mix
+from dflash_etl.io.draft_vocab import save_vocab
+from dflash_etl.io.hf_dataset import save_dataset
+from dflash_etl.mix.shares import learning_shares, leave_out_by_supervised_tokens
 from dflash_etl.models.identity import tokenizer_identity
 from dflash_etl.models.tokenizer import load_tokenizer, model_vocab_size, read_template
-from dflash_etl.stages.shell import stage_runner
-from dflash_etl.validation import suites
 from dflash_etl.validation.on_policy import on_policy_report
 
 STAGE = "tokenize"
 CHUNK = 256  # conversations per work item
 
-ROWS = pa.schema(
-    [
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("seq_len", pa.int32()),
-        ("id", pa.string()),
-        ("source", pa.string()),
-        ("turn", pa.int32()),
-    ]
-)
 QUARANTINE = pa.schema(
     [("id", pa.string()), ("source", pa.string()), ("file", pa.string()), ("line", pa.int64()),
      ("reason", pa.string()), ("message", pa.string())]
@@ -69,8 +55,10 @@ QUARANTINE = pa.schema(
 class TokenizeSettings:
     """[tokenize] in pipeline.toml; CLI flags override it."""
 
-    model: str = setting("", metavar="DIR", help="local tokenizer or model directory (offline)")
-    chat_template: str | None = setting(None, metavar="FILE",
+    # their identities are fingerprinted (the tokenizer's files, the template), not their paths
+    model: str = setting("", metavar="DIR", help="local tokenizer or model directory (offline)",
+                         required="a tokenizer", path=True, fingerprint=False)
+    chat_template: str | None = setting(None, metavar="FILE", path=True, fingerprint=False,
                                         help="a .jinja file that overrides the tokenizer's")
     seq_length: int = setting(4096, min=1, help="maximum tokens per row")
     truncation: str = setting("right", choices=("right", "drop"),
@@ -120,24 +108,15 @@ class TokenizeSettings:
     render_size_extra: int = setting(1_000_000, min=0, help="characters a render may make "
                                      "beyond render_size_factor x the conversation's")
 
-    @classmethod
-    def from_sources(
-        cls, section: dict[str, Any], overrides: dict[str, Any], base_dir: Path | None
-    ) -> TokenizeSettings:
-        settings = stage_settings(cls, "tokenize", section, overrides, base_dir,
-                                  ("model", "chat_template"), "model", "a tokenizer")
-        if settings.truncation not in ("right", "drop"):
-            raise StageError(f"truncation={settings.truncation!r}: use 'right' or 'drop'")
-        if settings.template_clock != "now":
+    def __post_init__(self) -> None:
+        if self.template_clock != "now":
             import datetime
 
             try:
-                datetime.datetime.fromisoformat(settings.template_clock)
+                datetime.datetime.fromisoformat(self.template_clock)
             except ValueError as exc:
-                raise StageError(f"template_clock={settings.template_clock!r}: give an ISO 8601 "
+                raise StageError(f"template_clock={self.template_clock!r}: give an ISO 8601 "
                                  "date and time (2025-01-01T00:00:00) or 'now'") from exc
-        return settings
-
 
     @property
     def render_limits(self) -> Any:
@@ -146,8 +125,6 @@ class TokenizeSettings:
         return RenderLimits(timeout_s=self.render_timeout_s, size_factor=self.render_size_factor,
                             size_extra=self.render_size_extra, clock=self.template_clock)
 
-
-register_section("tokenize", TokenizeSettings)
 
 
 # ---------------------------------------------------------------- loading (offline)
@@ -306,70 +283,10 @@ def _rows_table(ids_lists: list[list[int]], mask_lists: list[list[int]], row_sta
         pa.ListArray.from_arrays(list_offsets, numeric_array(flat_mask)),
         numeric_array(lengths.astype(np.int32)), string_array(ids_col),
         string_array(source_col), numeric_array(np.array(turn_col, np.int32)),
-    ], schema=ROWS)
-
-
-def draft_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
-                model_vocab_size: int):
-    """speculators' d2t (offsets) / t2d (bool mask): the most frequent supervised tokens.
-
-    Draft tokens are real tokens (below the tokenizer's size); t2d spans the model's padded
-    vocabulary, the length the trainers check it against."""
-    size = min(draft_vocab_size, tokenizer_size)
-    ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
-    chosen = [t for t, _ in ranked[:size]]
-    if len(chosen) < size:  # pad with the lowest unused ids, as speculators does
-        taken = set(chosen)
-        chosen += [t for t in range(tokenizer_size) if t not in taken][: size - len(chosen)]
-    chosen.sort()
-    d2t = np.asarray(chosen, dtype=np.int64) - np.arange(size, dtype=np.int64)
-    t2d = np.zeros(model_vocab_size, dtype=bool)
-    t2d[chosen] = True
-    total = sum(freq.values())
-    covered = sum(freq.get(t, 0) for t in chosen)
-    return d2t, t2d, (covered / total if total else 0.0)
-
-
-def vocab_map_names(size: int) -> tuple[str, str]:
-    """d2t-<N>.npy / t2d-<N>.npy: the names speculators looks for (N = the draft vocab size)."""
-    return f"d2t-{size}.npy", f"t2d-{size}.npy"
+    ], schema=TOKENIZED_ROWS)
 
 
 # ---------------------------------------------------------------- shell
-def _conversations(run: RunDir, stale_regenerate: str = "error") -> list[Path]:
-    """The regenerated conversations when regenerate completed on the current ingest output,
-    ingest's when regenerate never ran; a regenerate that ran and is not current (ingest rerun
-    since, or it failed) is an error, or with `stale_regenerate = "read_ingest"` a warning,
-    never a silent fallback to ingest's replies."""
-    stages = run.manifest().get("stages", {})
-    regen = stages.get("regenerate")
-    directory = run.stage_dir("ingest") / "conversations"
-    if regen:
-        current = (regen.get("status") == "complete"
-                   and regen.get("input_fingerprint") == stages.get("ingest", {}).get(
-                       "fingerprint")
-                   and (run.stage_dir("regenerate") / "conversations").is_dir())
-        if current:
-            directory = run.stage_dir("regenerate") / "conversations"
-        else:
-            why = ("was made from an older ingest output (ingest was rerun since)"
-                   if regen.get("status") == "complete" else
-                   f"is {regen.get('status', 'not complete')}, not complete")
-            message = (f"regenerate's output {why}: tokenize would read ingest's conversations "
-                       "and their original replies instead of the target's")
-            if stale_regenerate == "error":
-                raise StageError(f"{message}. Rerun `dflash-etl regenerate --run {run.root}` "
-                                 "first, or tokenize ingest's on purpose with "
-                                 "--stale-regenerate read_ingest")
-            print(f"tokenize: WARNING: {message} (stale_regenerate = read_ingest)",
-                  file=sys.stderr, flush=True)
-    files = sorted(directory.glob("*.parquet"))
-    if not files:
-        raise StageError(f"no conversations in {directory}: run `dflash-etl ingest` for this run "
-                         "first (tokenize reads the ingest stage's output)")
-    return files
-
-
 COLUMNS = ["id", "source", "messages", "tools", "file", "line"]
 
 
@@ -393,43 +310,56 @@ class TokenizeStage(BatchStage):
     Its fields are what every worker tokenizes with: the settings and the parent's template
     probe, then (`setup`, per worker) the tokenizer and the chat template override."""
 
-    name = STAGE
-    reads = ("ingest", "regenerate")  # regenerate's conversations where it ran
+    name: ClassVar[str] = STAGE
+    help: ClassVar[str] = "conversations -> input_ids + verified loss masks"
+    Settings: ClassVar[type] = TokenizeSettings
+    reads: ClassVar[tuple[type[Output], ...]] = (ConversationsOutput,)
+    writes: ClassVar[type[TokenizedOutput]] = TokenizedOutput
     settings: TokenizeSettings = field(default_factory=TokenizeSettings)
     template_probe: Any = None
     tokenizer: Any = field(default=None, init=False)
     chat_template: str | None = field(default=None, init=False)
+    # found in `prepare`, in the parent
+    conversations: ConversationsOutput | None = field(default=None, init=False)
+    files: list[Path] = field(default_factory=list, init=False)
+    vocab_size: int = field(default=0, init=False)
+    probe_doc: dict[str, Any] = field(default_factory=dict, init=False)
+    # ingest's mix (weight_by, seed, weights) and the share of rows each weighted source
+    # asked for: what the supervised-token mix and the learning shares work from
+    mix: dict[str, Any] = field(default_factory=dict, init=False)
+    asked_shares: dict[str, float | None] = field(default_factory=dict, init=False)
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
-        settings: TokenizeSettings = ctx.settings
-        files = _conversations(ctx.run, settings.stale_regenerate)
+        settings = self.settings
+        self.conversations = ctx.read(
+            ConversationsOutput, stale=STALE_POLICY[settings.stale_regenerate],
+            hint=", or read the earlier conversations on purpose with --stale-regenerate "
+                 "read_ingest")
+        self.files = self.conversations.files()
         tokenizer = load_tokenizer(settings.model)
-        template_probe = probe(settings, tokenizer)
-        probe_doc = template_probe.to_dict()
-        ctx.state.update(files=files, tokenizer=tokenizer, probe=template_probe,
-                         probe_doc=probe_doc)
-        # the tokenizer's and template's identities, not their paths (a moved run is not redone)
-        kept = {k: v for k, v in asdict(settings).items() if k not in ("model", "chat_template")}
-        payload = {"settings": kept, "inputs": [sha256_file(f) for f in files],
+        self.vocab_size = len(tokenizer)
+        self.template_probe = probe(settings, tokenizer)
+        self.probe_doc = self.template_probe.to_dict()
+        origin = ctx.origin(ConversationsOutput)
+        ingested = origin.stats() if origin else {}
+        self.mix = dict(ingested.get("mix") or {})  # {}: made before ingest recorded it
+        self.asked_shares = {name: (s.get("mix") or {}).get("target_share")
+                             for name, s in (ingested.get("sources") or {}).items()}
+        payload = {"settings": fingerprinted(settings),
+                   "inputs": [sha256_file(f) for f in self.files],
                    "tokenizer": tokenizer_identity(settings.model),
-                   "template": probe_doc["template_sha256"]}
-        mix = ingest_mix(ctx.run.root)
-        if mix.get("weight_by") == "supervised_tokens":  # weights change no ingest output
-            payload["mix"] = mix
+                   "template": self.probe_doc["template_sha256"]}
+        if self.mix.get("weight_by") == "supervised_tokens":  # weights change no ingest output
+            payload["mix"] = self.mix
         return payload
 
     def begin(self, ctx: StageContext) -> None:
-        probe_doc = ctx.state["probe_doc"]
-        write_json_atomic(ctx.partial / "probe.json", probe_doc)
-        ctx.run.update_stage(STAGE, settings=asdict(ctx.settings), probe={
-            "strategy": probe_doc["strategy"], "reason": probe_doc["reason"],
-            "template_sha256": probe_doc["template_sha256"]})
+        write_json_atomic(ctx.partial / "probe.json", self.probe_doc)
+        ctx.run.update_stage(STAGE, settings=asdict(self.settings), probe={
+            key: self.probe_doc[key] for key in ("strategy", "reason", "template_sha256")})
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
-        return plan_chunks(ctx.state["files"])
-
-    def bind(self, ctx: StageContext) -> None:
-        self.settings, self.template_probe = ctx.settings, ctx.state["probe"]
+        return plan_chunks(self.files)
 
     def setup(self) -> None:
         self.tokenizer = load_tokenizer(self.settings.model)
@@ -453,31 +383,40 @@ class TokenizeStage(BatchStage):
         return BatchOutput(rows, pa.Table.from_pylist(quarantine, schema=QUARANTINE)
                            if quarantine else pa.Table.from_batches([], QUARANTINE), per_source)
 
-    def while_working(self) -> AbstractContextManager[Callable[[], None]]:
-        # the gate's imports (pandera for the contract), while the workers work
-        return suites.warming_up(("pandera.polars",))
-
     def contract_params(self, ctx: StageContext) -> dict[str, Any]:
-        return _contract_params(len(ctx.state["tokenizer"]), ctx.settings)
+        return _contract_params(self.vocab_size, self.settings)
 
-    def finish(self, ctx: StageContext, results: list[dict[str, Any]], work_dir: Path
-               ) -> dict[str, Any]:
-        doc = _finish(ctx.settings, results, ctx.partial, work_dir, len(ctx.state["tokenizer"]),
-                      ctx.state["probe_doc"], ctx.fingerprint)
-        _check_on_policy(ctx.run, ctx.settings, doc, ctx.partial)
+    def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
+        doc = _finish(self.settings, results, ctx.partial, self.vocab_size, self.probe_doc,
+                      ctx.fingerprint, self.mix, self.asked_shares)
+        assert self.conversations is not None
+        _check_on_policy(self.conversations, self.settings, doc, ctx.partial)
         return doc
 
+    @classmethod
+    def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
+        total = doc["total"]
+        return [f"tokenize {state_word(doc)}: conversations {counts_line(total)}",
+                f"  rows written: {total.get('rows_written')}, tokens: {total.get('tokens')}, "
+                f"supervised: {total.get('supervised_tokens')}, strategies: "
+                f"{total.get('strategies')}",
+                f"  draft vocab: {total.get('draft_vocab')}",
+                f"  dataset:  {out / 'dataset'}  (datasets.load_from_disk)",
+                f"  probe:    {out / 'probe.json'}",
+                f"  stats:    {out / 'stats.json'}"]
 
-def _check_on_policy(run: RunDir, settings: TokenizeSettings, doc: dict[str, Any],
-                     partial: Path) -> None:
+
+# [tokenize] stale_regenerate -> what reading the conversations does with a stale writer
+STALE_POLICY = {"error": "error", "read_ingest": "previous"}
+
+
+def _check_on_policy(conversations: ConversationsOutput, settings: TokenizeSettings,
+                     doc: dict[str, Any], partial: Path) -> None:
     """Rows rendered in another thinking mode than the replies were generated in fail the stage,
     naming both (see validation/on_policy.py); the report goes into the stats either way (on a
-    failure into the partial directory's stats.json, for the user to read)."""
-    generated = None
-    stats = run.stage_dir("regenerate") / "stats.json"
-    if run.manifest().get("stages", {}).get("regenerate", {}).get("status") == "complete" \
-            and stats.is_file():
-        generated = json.loads(stats.read_text()).get("generation")
+    failure into the partial directory's stats.json, for the user to read). How the replies were
+    generated is in the stats of the stage that wrote the conversations (regenerate's)."""
+    generated = conversations.stats().get("generation")
     total = doc["total"]
     # the prompt kwargs count every row tokenized, those the mix then left out included
     rows = total["rows_written"] + (doc.get("mix") or {}).get("rows_left_out", 0)
@@ -492,23 +431,18 @@ def _check_on_policy(run: RunDir, settings: TokenizeSettings, doc: dict[str, Any
                          "mode you will serve), or raise [tokenize] max_off_policy_share")
 
 
-run = stage_runner(TokenizeStage)
-
-
-def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: Path,
-            units_dir: Path, vocab_size: int, probe_doc: dict[str, Any], fingerprint: str
-            ) -> dict[str, Any]:
-    per_source: dict[str, Stats] = {}
-    for result in results:
-        for name, data in result["sources"].items():
-            per_source.setdefault(name, Stats()).merge(Stats.from_dict(data))
+def _finish(settings: TokenizeSettings, results: ItemResults, partial: Path, vocab_size: int,
+            probe_doc: dict[str, Any], fingerprint: str, mix: dict[str, Any],
+            asked_shares: dict[str, float | None]) -> dict[str, Any]:
+    """The items' rows joined into the dataset (the supervised-token mix applied), the draft
+    vocabulary, the limits file and the stats document."""
+    per_source = results.per_source()
     total = Stats()
     for stats in per_source.values():
         total.merge(stats)
-    paths = [item_paths(units_dir, r["index"]) for r in results]
-    row_files = [rows for rows, _, _ in paths]
-    q_files = [q for _, q, _ in paths]
-    quarantine = pa.concat_tables([read_item_file(f, QUARANTINE) for f in q_files])
+    row_files = results.row_files()
+    quarantine = pa.concat_tables([read_item_file(f, QUARANTINE)
+                                   for f in results.quarantine_files()])
     pq.write_table(quarantine, partial / "quarantine.parquet")
     if not total.extra.get("rows_written", 0):
         reasons = (total.quarantine_reasons + total.rows_filtered).most_common(4)
@@ -518,22 +452,21 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
             f"({probe_doc['reason']}). See {partial / 'quarantine.parquet'}; "
             "'needs_response' means the conversations have no reply yet (run regenerate)."
         )
-    mix = ingest_mix(partial.parent)
     supervised_mix, dropped = None, None
     if mix.get("weight_by") == "supervised_tokens" and mix.get("weights"):
-        dropped, supervised_mix = _mix_by_supervised_tokens(row_files, mix, per_source)
-    counts = _save_dataset(row_files, partial / "dataset", fingerprint, drop=dropped)
+        dropped, supervised_mix = leave_out_by_supervised_tokens(row_files, mix, per_source)
+    counts = save_dataset(row_files, partial / "dataset", fingerprint, drop=dropped)
     tokens = np.flatnonzero(counts)
     freq: Counter[int] = Counter(dict(zip(tokens.tolist(), counts[tokens].tolist(),
                                           strict=True)))
     model_vocab, model_vocab_from = model_vocab_size(settings.model, vocab_size)
-    draft = _save_vocab(freq, settings.draft_vocab_size, vocab_size, model_vocab,
+    draft = save_vocab(freq, settings.draft_vocab_size, vocab_size, model_vocab,
                         model_vocab_from, partial)
     # the limits the contract and the suite check against (the suite reads this file)
     write_json_atomic(partial / "settings.json",
                       {**asdict(settings), **_contract_params(vocab_size, settings)})
     doc = stats_document(per_source, "tokenize")
-    doc["learning_mix"] = learning_shares(doc["sources"], _asked_shares(partial.parent),
+    doc["learning_mix"] = learning_shares(doc["sources"], asked_shares,
                                           supervised_mix)
     if supervised_mix is not None:
         doc["mix"] = {"weight_by": "supervised_tokens", "sources": supervised_mix,
@@ -547,176 +480,6 @@ def _finish(settings: TokenizeSettings, results: list[dict[str, Any]], partial: 
     return doc
 
 
-def ingest_mix(run_root: Path) -> dict[str, Any]:
-    """ingest's mix (stats.json `mix`: weight_by, seed, weights; {} for a run made before
-    ingest recorded it, whose weights were shares of rows)."""
-    try:
-        return dict(json.loads((run_root / "ingest" / "stats.json").read_text()).get("mix") or {})
-    except (OSError, ValueError):
-        return {}
-
-
-def _conversation_counts(row_files: list[Path]) -> Any:
-    """Per conversation (id): its source, rows, tokens and supervised tokens, over its rows (a
-    polars frame; polars is imported here, in the parent after the workers, never before a
-    fork: its thread pool does not survive one)."""
-    import polars as pl
-
-    frames = [pl.read_parquet(f, columns=["id", "source", "seq_len", "loss_mask"])
-              for f in row_files]
-    return pl.concat(frames).group_by("id", maintain_order=True).agg(
-        pl.col("source").first(), pl.len().alias("rows"),
-        pl.col("seq_len").cast(pl.Int64).sum().alias("tokens"),
-        pl.col("loss_mask").list.eval(pl.element().cast(pl.Int64)).list.sum().sum()
-        .alias("supervised"))
-
-
-def _mix_by_supervised_tokens(row_files: list[Path], mix: dict[str, Any],
-                              per_source: dict[str, Stats]
-                              ) -> tuple[pa.Array, dict[str, dict[str, Any]]]:
-    """[ingest] weight_by = "supervised_tokens": the conversations the mix leaves out (their
-    ids), each filtered mix_weight in its source's accounting (its rows, tokens and supervised
-    tokens taken off what the source wrote), and the mix per weighted source."""
-    import polars as pl
-
-    conversations = _conversation_counts(row_files)
-    weights = {k: float(v) for k, v in mix["weights"].items()}
-    empty = [name for name in sorted(weights)
-             if not conversations.filter(pl.col("source") == name)["supervised"].sum()]
-    if empty:
-        raise StageError(
-            f"[ingest] weight_by = \"supervised_tokens\": the weighted source(s) {empty} have no "
-            "supervised tokens after tokenize, so their weights leave the other weighted "
-            "sources none: remove their weights, or see quarantine.parquet for why their rows "
-            "were refused")
-    ids, plan = plan_supervised_mix(conversations, weights, int(mix.get("seed", 0)))
-    left_out = conversations.join(pl.DataFrame({"id": ids.tolist()}, schema={"id": pl.String}),
-                                  on="id", how="semi")
-    for name, n, rows, tokens, supervised in left_out.group_by("source").agg(
-            pl.len(), pl.col("rows").sum(), pl.col("tokens").sum(),
-            pl.col("supervised").sum()).iter_rows():
-        stats = per_source[name]
-        stats.filter(F_MIX_WEIGHT, n)
-        stats.rows_out -= n
-        stats.extra["rows_written"] -= rows
-        stats.extra["tokens"] -= tokens
-        stats.extra["supervised_tokens"] -= supervised
-        plan[name].update(conversations_left_out=n, rows_left_out=rows,
-                          supervised_left_out=supervised)
-    return pa.array(ids.tolist(), pa.string()), plan
-
-
-def _asked_shares(run_root: Path) -> dict[str, float | None]:
-    """The share of rows each weighted source asked for (ingest's mix), by source."""
-    try:
-        sources = json.loads((run_root / "ingest" / "stats.json").read_text())["sources"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    return {name: (s.get("mix") or {}).get("target_share") for name, s in sources.items()}
-
-
-# datasets' Features of ROWS, as save_to_disk records them (dataset_info.json and the Arrow
-# schema's "huggingface" metadata)
-FEATURES = {
-    "input_ids": {"feature": {"dtype": "int32", "_type": "Value"}, "_type": "List"},
-    "loss_mask": {"feature": {"dtype": "int8", "_type": "Value"}, "_type": "List"},
-    "seq_len": {"dtype": "int32", "_type": "Value"},
-    "id": {"dtype": "string", "_type": "Value"},
-    "source": {"dtype": "string", "_type": "Value"},
-    "turn": {"dtype": "int32", "_type": "Value"},
-}
-SHARD_BYTES = 500 * 2**20  # datasets' own default max_shard_size for save_to_disk
-
-
-def _save_dataset(row_files: list[Path], out: Path, fingerprint: str,
-                  shard_bytes: int = SHARD_BYTES, drop: pa.Array | None = None) -> np.ndarray:
-    """A `datasets` save_to_disk directory (Arrow stream shards, dataset_info.json, state.json),
-    written with pyarrow from the chunk files as they are read: one copy of the rows, and no
-    `datasets` import (Dataset.from_parquet + save_to_disk wrote them twice, ~1 s of the stage's
-    serial end on 20k rows). Returns how often each token id is supervised, counted on the way."""
-    shutil.rmtree(out, ignore_errors=True)  # a failed attempt's shards
-    out.mkdir(parents=True)
-    schema = ROWS.with_metadata({"huggingface": json.dumps({"info": {"features": FEATURES}})})
-    shards: list[Path] = []
-    writer: pa.RecordBatchStreamWriter | None = None
-    rows = size = in_shard = 0
-    counts = np.zeros(0, np.int64)
-    for path in row_files:
-        table = read_item_file(path, ROWS).replace_schema_metadata(schema.metadata)
-        if drop is not None and len(drop):  # the conversations the mix left out
-            table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=drop)))
-        if writer is None or (in_shard and in_shard + table.nbytes > shard_bytes):
-            if writer is not None:
-                writer.close()
-            shards.append(out / f".shard-{len(shards)}.arrow")
-            writer = pa.ipc.new_stream(str(shards[-1]), schema)
-            in_shard = 0
-        writer.write_table(table, max_chunksize=1000)  # datasets' writer batch size
-        ids = flat_values(table.column("input_ids"))
-        supervised = flat_values(table.column("loss_mask")).astype(bool)
-        counts = _add_counts(counts, np.bincount(ids[supervised]))
-        rows += table.num_rows
-        size += table.nbytes
-        in_shard += table.nbytes
-    if writer is not None:
-        writer.close()
-    names = [f"data-{k:05d}-of-{len(shards):05d}.arrow" for k in range(len(shards))]
-    for shard, name in zip(shards, names, strict=True):
-        shard.rename(out / name)
-    write_json_atomic(out / "dataset_info.json", {
-        "builder_name": "dflash_etl", "citation": "", "config_name": "default",
-        "dataset_name": "tokenize", "dataset_size": size, "description": "",
-        "features": FEATURES, "homepage": "", "license": "", "size_in_bytes": size,
-        "splits": {"train": {"name": "train", "num_bytes": size, "num_examples": rows,
-                             "dataset_name": "tokenize"}},
-        "version": {"version_str": "0.0.0", "major": 0, "minor": 0, "patch": 0},
-    })
-    # speculators' preprocessing saves its datasets in torch format and its loader relies on it
-    write_json_atomic(out / "state.json", {
-        "_data_files": [{"filename": name} for name in names], "_fingerprint": fingerprint[:16],
-        "_format_columns": ["input_ids", "loss_mask", "seq_len"], "_format_kwargs": {},
-        "_format_type": "torch", "_output_all_columns": True, "_split": "train",
-    })
-    return counts
-
-
-def _add_counts(total: np.ndarray, more: np.ndarray) -> np.ndarray:
-    if len(more) > len(total):
-        total, more = more.astype(np.int64), total
-    total[: len(more)] += more
-    return total
-
-
-def _save_vocab(freq: Counter[int], draft_vocab_size: int, tokenizer_size: int,
-                model_vocab: int, model_vocab_from: str, out: Path) -> dict[str, Any]:
-    ranked = sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))
-    write_json_atomic(out / "token_freq.json", {
-        "vocab_size": tokenizer_size, "supervised_tokens": sum(freq.values()),
-        "distinct_tokens": len(freq), "frequencies": {str(t): n for t, n in ranked},
-    })
-    # what torch.load gives the trainers; in token order, whatever order the chunks were counted in
-    save_plain_dict(dict(sorted(freq.items())), out / "token_freq.pt")
-    d2t, t2d, coverage = draft_vocab(freq, draft_vocab_size, tokenizer_size, model_vocab)
-    d2t_name, t2d_name = vocab_map_names(int(d2t.shape[0]))
-    np.save(out / d2t_name, d2t)
-    np.save(out / t2d_name, t2d)
-    draft = {"size": int(d2t.shape[0]), "coverage": round(coverage, 6), "d2t": d2t_name,
-             "t2d": t2d_name, "t2d_length": int(t2d.shape[0]),
-             "t2d_length_from": model_vocab_from}
-    write_json_atomic(out / "draft_vocab.json", draft)
-    return draft
-
-
 def _contract_params(vocab_size: int, settings: TokenizeSettings) -> dict[str, Any]:
     return {"vocab_size": vocab_size, "seq_length": settings.seq_length,
             "min_supervised_tokens": settings.min_supervised_tokens}
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import stage_main
-
-    return stage_main("tokenize", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -21,28 +21,17 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
 
 from dflash_etl.core.accounting import Stats, stats_document
-from dflash_etl.core.config import (
-    TARGET_HINT,
-    endpoint_list,
-    register_section,
-    setting,
-    stage_settings,
-)
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.outputs import HiddenStatesOutput, TokenizedOutput
-from dflash_etl.core.rundir import (
-    RunDir,
-    Timer,
-    sha256_file,
-    write_json_atomic,
-)
-from dflash_etl.core.stage import Stage, StageContext
+from dflash_etl.core.outputs import DrafterOutput, HiddenStatesOutput, Output, TokenizedOutput
+from dflash_etl.core.rundir import RunDir, StageRecord, Timer, sha256_file, write_json_atomic
+from dflash_etl.core.settings import endpoint_list, fingerprinted, setting
+from dflash_etl.core.stage import Stage, StageContext, counts_line, state_word
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
 from dflash_etl.models.mask_token import resolve_mask_token
@@ -51,7 +40,8 @@ from dflash_etl.models.training.evaluation import TauEvaluator, eval_prompt, hel
 from dflash_etl.models.training.loss import anchor_candidates
 from dflash_etl.models.training.states import ExtractedStates
 from dflash_etl.models.training.trainer import Trainer
-from dflash_etl.stages.shell import settings_of, stage_runner
+from dflash_etl.runner.settings import stage_settings
+from dflash_etl.stages.extract import ExtractStage
 from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
@@ -63,7 +53,9 @@ F_NO_ANCHOR = "no_anchor"  # no position where the loss mask and its successor a
 class TrainSettings:
     """[train] in pipeline.toml; CLI flags override it."""
 
-    target: str = setting("", metavar="DIR",
+    # its identity (its files) is fingerprinted, not its path: a moved run is not redone
+    target: str = setting("", metavar="DIR", required="the target model", target=True,
+                          path=True, fingerprint=False,
                           help="the target model directory (offline; default: [target] model)")
     draft_layers: int = setting(5, min=1, help="decoder layers of the drafter")
     block_size: int = setting(16, min=2, max=256,
@@ -89,33 +81,37 @@ class TrainSettings:
                                help="--online: the states from the target loaded here, or from "
                                     "a hidden-states server (vLLM extract_hidden_states, as "
                                     "extract --backend server): --states-endpoint, --states-dir")
-    states_endpoint: str = setting("", metavar="URL",
+    states_endpoint: str = setting("", fingerprint=False, metavar="URL",
                                    help="--states-from server: the server's /v1 base")
     # a fleet, through the fleet client regenerate and extract use; its limits are [extract]'s
     states_endpoints: tuple[str, ...] = setting(
-        (), metavar="URL,URL", help="--states-from server: several hidden-states servers of one "
+        (), metavar="URL,URL", fingerprint=False,
+        help="--states-from server: several hidden-states servers of one "
         "model, comma-separated; each request goes to the least loaded healthy one, a failed "
         "one is taken out and its rows asked of another ([extract]'s concurrency, timeout_s, "
         "request_deadline_s, retries, cooldown_s; default: --states-endpoint)")
-    states_dir: str = setting("", metavar="DIR", help="--states-from server: the server's "
-                                                      "shared_storage_path (its files go there)")
+    states_dir: str = setting("", metavar="DIR", fingerprint=False,
+                              help="--states-from server: the server's shared_storage_path (its "
+                                   "files go there)")
     layers: str = setting("auto", metavar="auto|1,16,31",
                           help="target layer indices, or 'auto': extract's layers (offline: "
                                "those it stored; --online: [extract] layers and draft_layers "
                                "by extract's rule)")
-    launcher: str = setting("none", choices=("none", "torchrun"),
+    launcher: str = setting("none", fingerprint=False, choices=("none", "torchrun"),
                             help="torchrun: re-run this command under `python -m "
                                  "torch.distributed.run --standalone` (DDP, one node)")
-    nproc_per_node: int = setting(0, min=0, help="--launcher torchrun: processes (0: one per "
-                                                 "visible GPU, at least one)")
-    dist_timeout_s: int = setting(1800, min=1, help="under torchrun: seconds a rank waits for "
-                                                    "the others before the run fails")
+    nproc_per_node: int = setting(0, min=0, fingerprint=False,
+                                  help="--launcher torchrun: processes (0: one per visible GPU, "
+                                       "at least one)")
+    dist_timeout_s: int = setting(1800, min=1, fingerprint=False,
+                                  help="under torchrun: seconds a rank waits for the others "
+                                       "before the run fails")
     eval_prompts: int = setting(16, min=0, help="held-out prompts for tau")
     eval_new_tokens: int = setting(48, min=1, help="tokens decoded per prompt")
     eval_every: int = setting(0, min=0, help="steps between evaluations (0: before and after "
                                              "training only)")
-    save_every: int = setting(200, min=1, help="steps between checkpoints")
-    keep_checkpoints: int = setting(2, min=1, help="checkpoints kept")
+    save_every: int = setting(200, fingerprint=False, min=1, help="steps between checkpoints")
+    keep_checkpoints: int = setting(2, fingerprint=False, min=1, help="checkpoints kept")
     dtype: str = setting("fp32", choices=("fp32", "bf16"),
                          help="the target's dtype (the drafter trains in fp32)")
     head_vocab: str = setting("full", choices=("full", "draft"),
@@ -123,50 +119,38 @@ class TrainSettings:
                                    "its rows of tokenize's draft vocabulary (t2d, as "
                                    "speculators' --draft-vocab-size; labels outside it are left "
                                    "out of the loss and counted)")
-    labels: str = setting("data", choices=("data", "target"),
+    # runs made before the setting (labels from the data) are not redone
+    labels: str = setting("data", choices=("data", "target"), fingerprint="unless_default",
                           help="what each block position learns to predict: the row's token "
                                "(data), or the target's greedy token there (target: the argmax "
                                "of its final norm and LM head over its last layer's state, as "
                                "speculators trains; the anchor stays the row's token)")
-    device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
+    device: str = setting("auto", fingerprint=False, choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target and the drafter run")
-    device_map: str = setting("none", choices=("none", "auto"),
+    device_map: str = setting("none", fingerprint=False, choices=("none", "auto"),
                               help="'auto': place the target's layers over the visible GPUs, "
                                    "then the CPU (the drafter runs with the embedding)")
-    max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB",
+    max_memory: str = setting("", fingerprint=False, metavar="0=70GiB,1=70GiB,cpu=200GiB",
                               help="with --device-map auto: the memory each device may hold "
                                    "(default: accelerate's estimate of what is free)")
 
     def __post_init__(self) -> None:
+        """The placement, and what a server's states need, checked before any work."""
         object.__setattr__(self, "states_endpoints", endpoint_list(self.states_endpoints))
-
-    @classmethod
-    def from_sources(cls, section: dict[str, Any], overrides: dict[str, Any],
-                     base_dir: Path | None) -> TrainSettings:
-        settings = stage_settings(cls, "train", section, overrides, base_dir, ("target",),
-                                  "target", "the target model", TARGET_HINT)
-        if settings.block_size < 2:
-            raise StageError(f"--block-size {settings.block_size}: a block needs the anchor and "
-                             "at least one token to predict")
-        if settings.steps < 1 or settings.batch_rows < 1 or settings.anchors_per_row < 1:
-            raise StageError("--steps, --batch-rows and --anchors-per-row must be >= 1")
-        placement(settings.device_map, settings.max_memory)  # a bad value fails before any work
-        if settings.states_from == "server" and not (
-                settings.online and (settings.states_endpoint or settings.states_endpoints)
-                and settings.states_dir):
+        placement(self.device_map, self.max_memory)
+        if self.states_from == "server" and not (
+                self.online and (self.states_endpoint or self.states_endpoints)
+                and self.states_dir):
             raise StageError("--states-from server needs --online, --states-endpoint URL (the "
                              "hidden-states server's /v1 base; --states-endpoints URL,URL for "
                              "several) and --states-dir DIR (its "
                              "shared_storage_path); train prints the `vllm serve` line that "
                              "starts such a server")
-        return settings
 
     @property
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps >= 0 else max(1, round(0.04 * self.steps))
 
-
-register_section("train", TrainSettings)
 
 
 def _read_index(path: Path) -> list[dict[str, Any]]:
@@ -201,14 +185,14 @@ def target_layers(ctx: StageContext, settings: TrainSettings,
     if settings.layers != "auto":
         return (resolve_layers(settings.layers, settings.target, settings.draft_layers),
                 f"train layers = {settings.layers!r}")
-    ext = settings_of("extract", ctx.config, ctx.run.root, {"model": settings.target})
+    ext = stage_settings(ExtractStage, ctx.config, ctx.run.root, {"model": settings.target})
     return (resolve_layers(ext.layers, ext.model, ext.draft_layers),
             f"[extract] layers = {ext.layers!r}, draft_layers = {ext.draft_layers} (extract's "
             "rule, as an offline run of this config)")
 
 
-def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
-    files = TokenizedOutput.files_of(run.root)
+def _load_rows(tokenized: TokenizedOutput, run: RunDir) -> list[dict[str, Any]]:
+    files = tokenized.dataset_files()
     table = pa.concat_tables([read_arrow(f).select(["input_ids", "loss_mask", "id", "source",
                                                     "turn"]) for f in files])
     rows = table.to_pylist()
@@ -221,28 +205,15 @@ def _load_rows(run: RunDir) -> tuple[list[dict[str, Any]], list[Path]]:
                 f"{len(row['input_ids'])} input_ids; the tokenized output is corrupt: `dflash-etl "
                 f"check --run {run.root}` shows it, `dflash-etl tokenize --run {run.root} "
                 "--force` remakes it")
-    return rows, files
+    return rows
 
 
-def _t2d_file(run: RunDir) -> Path:
+def _t2d_file(tokenized: TokenizedOutput) -> Path:
     """tokenize's t2d map (its typed output names it), for --head-vocab draft."""
-    try:
-        t2d = TokenizedOutput.read(run.stage_dir("tokenize")).t2d_file
-    except StageError as exc:
-        raise StageError(f"--head-vocab draft: {exc}, or train with --head-vocab full") from exc
+    t2d = tokenized.t2d_file
     if not t2d.is_file():
         raise StageError(f"--head-vocab draft: {t2d} is missing; rerun tokenize")
     return t2d
-
-
-def _extract_info(run: RunDir) -> tuple[HiddenStatesOutput, str | None]:
-    """extract's typed output and its fingerprint (the trained drafter depends on it)."""
-    info = run.manifest().get("stages", {}).get("extract", {})
-    out = run.stage_dir("extract")
-    if info.get("status") != "complete" or not (out / "index.parquet").exists():
-        raise StageError(f"no complete extract output in {out}: run `dflash-etl extract` first, "
-                         "or train with --online to compute the hidden states from the target")
-    return HiddenStatesOutput.read(out), info.get("fingerprint")
 
 
 def _require_last_layer(extracted: HiddenStatesOutput) -> None:
@@ -274,20 +245,10 @@ def _server_states(settings: TrainSettings, target: Any, extract: Any, last: boo
                         last=last)
 
 
-# settings that do not change the trained drafter: a resumed run may change them; and the
-# target's path, whose identity (its files) is fingerprinted: a moved run is not redone
-NOT_FINGERPRINTED = ("device", "device_map", "max_memory", "save_every", "keep_checkpoints",
-                     "launcher", "nproc_per_node", "dist_timeout_s", "target",
-                     "states_endpoint", "states_endpoints", "states_dir")
-
-
 def _fingerprint_payload(settings: TrainSettings, files: list[Path],
                          extract_fp: str | None, layers: list[int] | None = None
                          ) -> dict[str, Any]:
-    kept = {k: v for k, v in asdict(settings).items() if k not in NOT_FINGERPRINTED}
-    if kept.get("labels") == "data":  # the behaviour before the setting: runs are not redone
-        del kept["labels"]
-    payload = {"settings": kept, "inputs": [sha256_file(f) for f in files],
+    payload = {"settings": fingerprinted(settings), "inputs": [sha256_file(f) for f in files],
                "extract": extract_fp, "model": model_identity(settings.target)}
     if layers is not None:  # online: [extract] may choose them (offline: extract_fp covers them)
         payload["layers"] = layers
@@ -318,50 +279,69 @@ def _split(rows: list[dict[str, Any]], settings: TrainSettings
     return train_rows, prompts[:settings.eval_prompts], per_source
 
 
+def _rows_extracted(rows: list[dict[str, Any]], index: list[dict[str, Any]], run: RunDir
+                    ) -> list[dict[str, Any]]:
+    """The rows extract stored states of (it quarantined the others), each checked against the
+    length extract's index gives it."""
+    lengths = {e["row"]: e["length"] for e in index}
+    rows = [r for r in rows if r["row"] in lengths]
+    for r in rows:
+        if lengths[r["row"]] != len(r["input_ids"]):
+            raise StageError(
+                f"extract's index gives row {r['row']} ({r['id']!r}) {lengths[r['row']]} "
+                f"tokens, tokenize {len(r['input_ids'])}: the hidden states are of other rows "
+                f"than the tokenized ones (tokenize was redone since?); rerun `dflash-etl "
+                f"extract --run {run.root} --force`")
+    return rows
+
+
 class TrainStage(Stage):
     """Hidden states (or the target, online) -> a DFlash drafter and its tau. Under torchrun
     every rank runs it (the runner joins them: ctx.rank, ctx.world) and trains on its share of
-    each step's batch (DDP); rank 0 alone owns the run directory (lock, partial, publish)."""
+    each step's batch (DDP); rank 0 alone owns the run directory (lock, partial, publish).
+    Offline it reads extract's hidden states too; online the target computes them."""
 
-    name = STAGE
+    name: ClassVar[str] = STAGE
+    help: ClassVar[str] = "hidden states -> a DFlash drafter, with its tau"
+    Settings: ClassVar[type] = TrainSettings
+    reads: ClassVar[tuple[type[Output], ...]] = (TokenizedOutput,)
+    writes: ClassVar[type[DrafterOutput]] = DrafterOutput
+    settings: TrainSettings
 
-    def upstream(self, ctx: StageContext) -> tuple[str, ...]:
-        """Online, the target computes the states: extract's output is not read."""
-        return ("tokenize",) if ctx.settings.online else ("tokenize", "extract")
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []  # the tokenized rows it trains and evaluates on
+        self.extracted: HiddenStatesOutput | None = None  # offline: extract's output
+        self.index: list[dict[str, Any]] = []  # offline: its index (row -> shard)
+        self.layers: list[int] = []
+        self.layers_from = ""  # where the layers came from, in words
+        self.t2d: np.ndarray | None = None  # --head-vocab draft: tokenize's t2d map
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
-        settings: TrainSettings = ctx.settings
-        rows, files = _load_rows(ctx.run)
-        t2d = None
+        settings = self.settings
+        tokenized = ctx.read(TokenizedOutput)
+        self.rows = _load_rows(tokenized, ctx.run)
+        files = tokenized.dataset_files()
         if settings.head_vocab == "draft":
-            t2d_file = _t2d_file(ctx.run)
+            t2d_file = _t2d_file(tokenized)
             files = [*files, t2d_file]
-            t2d = np.load(t2d_file)
-        extracted, extract_fp = (None, None) if settings.online else _extract_info(ctx.run)
-        index: list[dict[str, Any]] = []
-        if extracted is not None:
-            index = _read_index(extracted.index_file)
-            lengths = {e["row"]: e["length"] for e in index}
-            rows = [r for r in rows if r["row"] in lengths]  # extract quarantined the others
-            for r in rows:
-                if lengths[r["row"]] != len(r["input_ids"]):
-                    raise StageError(
-                        f"extract's index gives row {r['row']} ({r['id']!r}) "
-                        f"{lengths[r['row']]} tokens, tokenize {len(r['input_ids'])}: the "
-                        "hidden states are of other rows than the tokenized ones (tokenize "
-                        f"was redone since?); rerun `dflash-etl extract --run {ctx.run.root} "
-                        "--force`")
-        if extracted is not None and settings.labels == "target":
-            _require_last_layer(extracted)
-        layers, layers_from = target_layers(ctx, settings, extracted)
-        ctx.state.update(rows=rows, extracted=extracted, index=index, layers=layers,
-                         layers_from=layers_from, t2d=t2d)
-        return _fingerprint_payload(settings, files, extract_fp, None if extracted else layers)
+            self.t2d = np.load(t2d_file)
+        extract_fp = None
+        if not settings.online:
+            self.extracted = ctx.read(
+                HiddenStatesOutput, hint=", or train with --online to compute the hidden states "
+                                         "from the target")
+            extract_fp = ctx.run.record(self.extracted.stage_dir.name).fingerprint
+            self.index = _read_index(self.extracted.index_file)
+            self.rows = _rows_extracted(self.rows, self.index, ctx.run)
+            if settings.labels == "target":
+                _require_last_layer(self.extracted)
+        self.layers, self.layers_from = target_layers(ctx, settings, self.extracted)
+        return _fingerprint_payload(settings, files, extract_fp,
+                                    None if self.extracted else self.layers)
 
     def execute(self, ctx: StageContext) -> dict[str, Any]:
         call = Timer()  # this call's seconds, recorded with each checkpoint (see _train)
-        settings: TrainSettings = ctx.settings
-        rows, extracted = ctx.state["rows"], ctx.state["extracted"]
+        settings, rows, extracted = self.settings, self.rows, self.extracted
         train_rows, prompts, per_source = _split(rows, settings)
         if not train_rows:
             held = sum(s.rows_filtered.get(F_HELD_OUT, 0) for s in per_source.values())
@@ -373,16 +353,16 @@ class TrainStage(Stage):
             raise StageError("train has no evaluation prompts: no held-out row has a prompt "
                              "before its first supervised token; raise --eval-prompts (now "
                              f"{settings.eval_prompts}) or check the tokenize stage's masks")
-        states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), ctx.state["index"],
+        states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), self.index,
                                   hidden_size=extracted.hidden_size,
                                   last=settings.labels == "target") if extracted else None)
-        trainer = Trainer(settings, train_rows, states, ctx.state["layers"], ctx.partial,
-                          ctx.rank, ctx.world, draft_vocab=ctx.state["t2d"],
+        trainer = Trainer(settings, train_rows, states, self.layers, ctx.partial,
+                          ctx.rank, ctx.world, draft_vocab=self.t2d,
                           mask_token=resolve_mask_token)
-        trainer.layers_from = ctx.state["layers_from"]
+        trainer.layers_from = self.layers_from
         if settings.online and settings.states_from == "server":
-            trainer.states = _server_states(settings, trainer.target, settings_of(
-                "extract", ctx.config, ctx.run.root, {"model": settings.target}),
+            trainer.states = _server_states(settings, trainer.target, stage_settings(
+                ExtractStage, ctx.config, ctx.run.root, {"model": settings.target}),
                 last=settings.labels == "target")
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
@@ -406,8 +386,22 @@ class TrainStage(Stage):
             print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}",
                   file=sys.stderr, flush=True)
 
+    @classmethod
+    def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
+        total = doc["total"]  # timings are the manifest's, not stats.json's (which is data)
+        return [f"train {state_word(doc)}: rows {counts_line(total)}",
+                f"  {total.get('steps')} steps ({total.get('steps_this_run')} this run, "
+                f"{record.get('steps_per_s')} steps/s), final loss {total.get('final_loss')}, "
+                f"{total.get('drafter_parameters')} drafter parameters",
+                f"  acceptance length tau on {total.get('eval_prompts')} held-out prompts: "
+                f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))}"
+                f" trained (block {total.get('block_size')})",
+                f"  drafter: {out / 'drafter'}",
+                f"  eval:    {out / 'eval.json'}"]
 
-run = stage_runner(TrainStage)
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list[list[int]],
@@ -492,7 +486,7 @@ def _stats_document(trainer: Trainer, settings: TrainSettings, per_source: dict[
 
 def _record_checkpoint_seconds(run: RunDir, step: int, seconds: float, keep: int) -> None:
     """The stage's seconds up to checkpoint `step`, all calls together (the newest few)."""
-    recorded = run.manifest().get("stages", {}).get(STAGE, {}).get("checkpoint_seconds") or {}
+    recorded = run.record(STAGE).get("checkpoint_seconds") or {}
     recorded = {**recorded, str(step): round(seconds, 3)}
     newest = sorted(recorded, key=int)[-(keep + 1):]
     run.update_stage(STAGE, checkpoint_seconds={k: recorded[k] for k in newest})
@@ -503,16 +497,6 @@ def _earlier_seconds(run: RunDir, start: int) -> float:
     a checkpoint saved just before a kill but not yet recorded counts the one before it)."""
     if not start:
         return 0.0
-    recorded = run.manifest().get("stages", {}).get(STAGE, {}).get("checkpoint_seconds") or {}
+    recorded = run.record(STAGE).get("checkpoint_seconds") or {}
     steps = [int(k) for k in recorded if str(k).isdigit() and int(k) <= start]
     return float(recorded[str(max(steps))]) if steps else 0.0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dflash_etl.cli.stage import stage_main
-
-    return stage_main("train", argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,23 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.accounting import AccountingError, Stats
-from dflash_etl.core.outputs import TokenizedOutput
-from dflash_etl.stages import STAGES
+from dflash_etl.core.errors import StageError
+from dflash_etl.core.outputs import OUTPUTS, HiddenStatesOutput, Output, TokenizedOutput
+from dflash_etl.core.rundir import RunDir
 from dflash_etl.validation.contracts import format_failures, load_contract, validate_files
-from dflash_etl.validation.suites import (
-    OUTPUT_DIRS,
-    STAGE_SUITES,
-    Thresholds,
-    describe_failure,
-    output_files,
-    run_suite,
-)
+from dflash_etl.validation.suites import Thresholds, describe_failure, output_files, run_suite
 
-# A stage output is recognised by what it holds (the registry's `output`): a stage with a suite
-# by its subdirectory of shards (stage -> (subdirectory, contract name)), extract and train by a
-# marker file (stage -> the file); the contract and the suite of a stage share a name.
-LAYOUTS = {s.name: (OUTPUT_DIRS[s.suite], s.contract) for s in STAGES if s.suite}
-MODEL_STAGES = {s.name: s.output for s in STAGES if not s.suite}
+# A stage output is recognised by what it holds: its kind's marker (core/outputs.py), a folder
+# of shards for the kinds with a suite (its contract and suite share its name), a file for
+# hidden states and a drafter; it is named by its directory (ingest/, tokenize/, ...).
+SUITES = tuple(o.suite for o in OUTPUTS if o.suite)
 
 
 def _check_stats(stage_dir: Path) -> list[str]:
@@ -40,37 +33,39 @@ def _check_stats(stage_dir: Path) -> list[str]:
     return problems
 
 
-def check_stage(stage_dir: Path, kind: str, suites: bool = True) -> dict[str, Any]:
-    _, contract_name = LAYOUTS[kind]
-    files = output_files(stage_dir, contract_name)
+def check_stage(stage_dir: Path, kind: type[Output], suites: bool = True) -> dict[str, Any]:
+    """The contract, accounting and (with `suites`) the suite of an output with a suite."""
+    assert kind.suite is not None
+    files = output_files(stage_dir, kind.suite)
     # the tokenized rows are checked against the limits tokenize made them with
-    params = TokenizedOutput.read(stage_dir).contract_params() if kind == "tokenize" else {}
-    report = validate_files(load_contract(contract_name, params), files)
+    params = (TokenizedOutput.read(stage_dir).contract_params() if kind is TokenizedOutput
+              else {})
+    report = validate_files(load_contract(kind.contract, params), files)
     accounting = _check_stats(stage_dir)
-    report["stage"] = kind
+    report["stage"] = stage_dir.name
     report["path"] = str(stage_dir)
     report["accounting_problems"] = accounting
     report["passed"] = report["passed"] and not accounting
     if suites:  # thresholds: the run's [expectations] (its manifest), else the defaults
-        suite = run_suite(stage_dir, STAGE_SUITES[kind], Thresholds.from_manifest(
-            stage_dir.parent))
+        suite = run_suite(stage_dir, kind.suite, Thresholds.from_manifest(stage_dir.parent))
         report["suite_result"] = suite
         report["passed"] = report["passed"] and suite["passed"]
     return report
 
 
-def check_model_stage(stage_dir: Path, kind: str) -> dict[str, Any]:
-    """extract (hidden states: shape, finite, token ids) or train (the drafter loads, finite
-    weights, tau in range): their contracts, and the row accounting."""
+def check_model_stage(stage_dir: Path, kind: type[Output]) -> dict[str, Any]:
+    """Hidden states (shape, finite, token ids) or a drafter (it loads, finite weights, tau in
+    range): their contracts, and the row accounting."""
     from dflash_etl.validation.model_outputs import check_drafter, check_states
 
-    contract = STAGES[kind].contract
-    check_output = check_states if kind == "extract" else check_drafter
+    contract = kind.contract
+    states = kind is HiddenStatesOutput
+    check_output = check_states if states else check_drafter
     accounting = _check_stats(stage_dir)  # says so when stats.json is missing
     rows, shards, problems = (check_output(stage_dir) if (stage_dir / "stats.json").exists()
                               else (0, 0, []))
-    return {"stage": kind, "path": str(stage_dir), "contract": contract, "rows": rows,
-            "shards": shards, "unit": "shard files" if kind == "extract" else "checkpoints",
+    return {"stage": stage_dir.name, "path": str(stage_dir), "contract": contract, "rows": rows,
+            "shards": shards, "unit": "shard files" if states else "checkpoints",
             "accounting_problems": accounting,
             "failures": [{"check": contract, "column": None, "shard": stage_dir.name,
                           "count": 1, "samples": [p]} for p in problems],
@@ -134,16 +129,8 @@ def check_foreign_states(directory: Path) -> dict[str, Any]:
             "passed": not problems}
 
 
-def _kind(path: Path) -> str | None:
-    for kind, marker in MODEL_STAGES.items():
-        if (path / marker).exists():
-            return kind
-    if path.name in LAYOUTS and (path / LAYOUTS[path.name][0]).is_dir():
-        return path.name  # ingest/ and regenerate/ both hold conversations/
-    for kind, (subdir, _) in LAYOUTS.items():
-        if (path / subdir).is_dir():
-            return kind
-    return None
+def _kind(path: Path) -> type[Output] | None:
+    return next((kind for kind in OUTPUTS if kind.found_in(path)), None)
 
 
 def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
@@ -151,16 +138,14 @@ def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
     still `running` (a live process on them, or one that died): their output is missing (or an
     older one is stale), and complete stages built on an upstream output since replaced (stale):
     the run is not whole even when every published output passes."""
-    path = run_dir / "manifest.json"
+    run = RunDir(run_dir)
     try:
-        stages = json.loads(path.read_text()).get("stages", {}) if path.is_file() else {}
-    except (OSError, ValueError) as exc:
-        return [{"stage": "manifest", "error": f"{path} cannot be read: {exc}"}]
-    failures = [{"stage": name, "error": str(info.get("error") or "no message recorded")}
-                for name, info in stages.items()
-                if isinstance(info, dict) and info.get("status") == "failed"]
-    running = [name for name, info in stages.items()
-               if isinstance(info, dict) and info.get("status") == "running"]
+        records = run.records()
+    except StageError as exc:
+        return [{"stage": "manifest", "error": f"{run.manifest_path} cannot be read: {exc}"}]
+    failures = [{"stage": name, "error": str(record.error or "no message recorded")}
+                for name, record in records.items() if record.status == "failed"]
+    running = [name for name, record in records.items() if record.status == "running"]
     if running:
         from dflash_etl.core.lock import live_holder
 
@@ -170,13 +155,10 @@ def manifest_failures(run_dir: Path) -> list[dict[str, str]]:
                "left running by a process that died (SIGKILL, a lost machine): rerun the stage "
                "to resume it")
         failures += [{"stage": name, "error": why, "state": "running"} for name in running]
-    from dflash_etl.core.rundir import stale_stages
-
-    for stale in stale_stages(stages):
-        failures.append({"stage": stale["stage"], "state": "stale", "error": (
-            f"built on the {stale['upstream']} output of its time, which is "
-            f"{stale['why']}: its output no longer follows from the run's; rerun `dflash-etl "
-            f"{stale['stage']} --run {run_dir}`")})
+    for name, why in run.stale().items():
+        failures.append({"stage": name, "state": "stale", "error": (
+            f"{why}: its output no longer follows from the run's; rerun `dflash-etl {name} "
+            f"--run {run_dir}`")})
     return failures
 
 
@@ -184,9 +166,9 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
     """Check one stage output, or every stage output found in a run directory; `suite` limits
     the check to the outputs of that suite (conversations, tokenized). extract and train
     outputs have contracts and accounting but no suite."""
-    if suite is not None and suite not in STAGE_SUITES.values():
+    if suite is not None and suite not in SUITES:
         return {"passed": False, "stages": [], "summary":
-                f"FAIL: unknown suite {suite!r}; known: {sorted(STAGE_SUITES.values())}"}
+                f"FAIL: unknown suite {suite!r}; known: {sorted(SUITES)}"}
     if not path.exists():
         return {"passed": False, "stages": [], "summary": f"FAIL: {path} does not exist"}
     kind = _kind(path)
@@ -210,15 +192,13 @@ def check_path(path: Path, suite: str | None = None, suites: bool = True) -> dic
         (child, _kind(child)) for child in sorted(path.iterdir())
         if child.is_dir() and not child.name.startswith(".")  # .<stage>.partial: unpublished
     ]
-    targets = [(p, k) for p, k in targets
-               if k and (suite is None or STAGE_SUITES.get(k) == suite)]
+    targets = [(p, k) for p, k in targets if k and (suite is None or k.suite == suite)]
     if not targets:
-        known = ", ".join([f"{k}/ (with {s}/)" for k, (s, _) in LAYOUTS.items()]
-                          + [f"{k}/ (with {m})" for k, m in MODEL_STAGES.items()])
+        known = ", ".join(f"a stage directory with {o.marker} ({o.kind})" for o in OUTPUTS)
         return {"passed": False, "stages": [], "manifest_failures": broken,
                 "summary": "\n".join([*failed_lines, f"FAIL: no stage output found in {path}; "
                                       f"expected one of: {known}"])}
-    reports = [check_model_stage(p, k) if k in MODEL_STAGES else check_stage(p, k, suites)
+    reports = [check_model_stage(p, k) if k.suite is None else check_stage(p, k, suites)
                for p, k in targets]
     lines = []
     for r in reports:

@@ -27,14 +27,13 @@ import pyarrow as pa
 
 from dflash_etl.core.config import ConfigError, project_path
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.outputs import TokenizedOutput
+from dflash_etl.core.outputs import OUTPUTS, TokenizedOutput
 from dflash_etl.formats import roles
-from dflash_etl.stages import STAGES
 from dflash_etl.validation.contracts import arrow_slices, read_arrow
 
-STAGE_SUITES = {s.name: s.suite for s in STAGES if s.suite}
-# Where each suite's stage writes its shards (the contract of the same name checks them).
-OUTPUT_DIRS = {s.suite: s.output for s in STAGES if s.suite}
+# suite -> the folder of an output of its kind that holds the shards (the contract of the same
+# name checks them)
+OUTPUT_DIRS = {o.suite: o.marker for o in OUTPUTS if o.suite}
 RESULT_FILE = "validation.json"
 SAMPLES = 5  # unexpected values / rows kept per failing expectation
 
@@ -581,12 +580,13 @@ def warming_up(modules: tuple[str, ...] = ()) -> Iterator[Callable[[], None]]:
             thread.join()
 
 
-def gate(stage: str, stage_dir: Path, run_root: Path, thresholds: Thresholds) -> dict[str, Any]:
-    """Run a stage's suite on its (partial) output and save the result there; raise SuiteError
+def gate(stage: str, suite: str, stage_dir: Path, run_root: Path, thresholds: Thresholds
+         ) -> dict[str, Any]:
+    """Run `suite` on a stage's (partial) output and save the result there; raise SuiteError
     when it fails. The stage then marks itself failed and builds the report the message names."""
     from dflash_etl.core.rundir import write_json_atomic
 
-    result = run_suite(stage_dir, STAGE_SUITES[stage], thresholds)
+    result = run_suite(stage_dir, suite, thresholds)
     result_path = Path(stage_dir) / RESULT_FILE
     write_json_atomic(result_path, result)
     if not result["passed"]:

@@ -1,6 +1,5 @@
-"""The OpenAI-compatible wire format as the fleet client reads it: model lists, chat-completion
-bodies and SSE streams, each read within a size cap and checked; anything malformed raises
-`Retry` with an excerpt of what the server sent."""
+"""Chat completions as the openai backend reads them: a completion body or SSE stream chunks,
+each checked (the HTTP reading every fleet client shares is models/http.py)."""
 
 from __future__ import annotations
 
@@ -8,72 +7,11 @@ import json
 from typing import Any
 
 from dflash_etl.models.generation.replies import Reply
+from dflash_etl.models.http import Retry, excerpt, json_object, text_of
 
 # the openai backend reads at most this much of one reply: a server that sends more is broken
 REPLY_BYTES_PER_TOKEN = 256  # a JSON body: content and reasoning, escaped, with margin
 STREAM_BYTES_PER_CHUNK = 2048  # an SSE chunk carries about one token, plus its JSON envelope
-REPLY_BYTES_BASE = 65536
-EXCERPT_CHARS = 300  # of a server's text in an error message
-
-
-def list_models(httpx: Any, url: str, timeout: float, deadline: float) -> list[str]:
-    """The model ids `url`/models lists, within `deadline` s in all (a server that trickles its
-    answer cannot hang the start); raises httpx's errors, KeyError, TypeError, ValueError."""
-    import asyncio
-
-    async def get() -> Any:
-        async with asyncio.timeout(deadline), httpx.AsyncClient(timeout=timeout) as client:
-            return await client.get(f"{url}/models")
-
-    try:
-        response = asyncio.run(get())
-    except TimeoutError:
-        raise httpx.TimeoutException(f"no complete answer within {deadline:g} s") from None
-    response.raise_for_status()
-    return [m["id"] for m in response.json()["data"]]
-
-
-class Retry(Exception):
-    """A reply that failed in a way worth retrying (the message says how)."""
-
-
-async def read_capped(response: Any, cap: int, source: str) -> bytes:
-    """A response body, or Retry when it runs past `cap` bytes (an endless body); `source`
-    says what the cap comes from."""
-    parts, size = [], 0
-    async for piece in response.aiter_bytes():
-        size += len(piece)
-        if size > cap:
-            raise Retry(f"the reply passed {cap} bytes without ending (the cap from "
-                         f"{source}, with margin)")
-        parts.append(piece)
-    return b"".join(parts)
-
-
-def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
-    """A server's text for a message: whitespace collapsed, cut at `limit`."""
-    flat = " ".join(text.split())
-    return repr(flat if len(flat) <= limit else flat[:limit] + f"... ({len(text)} chars)")
-
-
-def text_of(value: Any, data: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise Retry(f"a malformed reply (text that is not a string): {excerpt(data)}")
-    return value
-
-
-def json_object(text: str, what: str, where: str = "") -> dict[str, Any]:
-    """A server's JSON object; anything else raises Retry saying `what` it was ("a broken
-    stream chunk"), `where` ("HTTP 200, ") and the text's excerpt."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise Retry(f"{what} ({where}not JSON): {excerpt(text)}") from None
-    if not isinstance(value, dict):
-        raise Retry(f"{what} ({where}not an object): {excerpt(text)}")
-    return value
 
 
 def stream_choice(data: str) -> dict[str, Any] | None:
@@ -87,19 +25,6 @@ def stream_choice(data: str) -> dict[str, Any] | None:
     if not isinstance(choices, list) or not isinstance(choices[0], dict):
         raise Retry(f"a broken stream chunk (choices): {excerpt(data)}")
     return choices[0]
-
-
-def refusal(url: str, status: int, text: str) -> str | None:
-    """An HTTP answer's status read the one way every fleet request reads it: None for a reply
-    (200), the refusal for a 4xx (the request itself is wrong: no other server would take it),
-    Retry for 429, 5xx and anything else that is not a reply."""
-    if status == 429 or status >= 500:
-        raise Retry(f"HTTP {status}: {excerpt(text)}")
-    if status >= 400:
-        return f"{url} refused the request: HTTP {status}: {excerpt(text, 500)}"
-    if status != 200:
-        raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
-    return None
 
 
 def reply_from_completion(text: str) -> Reply:

@@ -13,20 +13,22 @@ from typing import Any
 from dflash_etl.core.rundir import sha256_file
 from dflash_etl.models.fleet import BREAK_AFTER, Fleet
 from dflash_etl.models.generation.completions import (
-    EXCERPT_CHARS,
-    REPLY_BYTES_BASE,
     REPLY_BYTES_PER_TOKEN,
     STREAM_BYTES_PER_CHUNK,
+    reply_from_completion,
+    stream_choice,
+)
+from dflash_etl.models.generation.replies import Reply, Request
+from dflash_etl.models.generation.settings import GenerationSettings, render_kwargs
+from dflash_etl.models.http import (
+    EXCERPT_CHARS,
+    REPLY_BYTES_BASE,
     Retry,
     excerpt,
     read_capped,
     refusal,
-    reply_from_completion,
-    stream_choice,
     text_of,
 )
-from dflash_etl.models.generation.replies import Reply, Request
-from dflash_etl.models.generation.settings import GenerationSettings, render_kwargs
 
 __all__ = ["BREAK_AFTER", "OpenAIBackend"]
 

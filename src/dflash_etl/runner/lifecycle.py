@@ -1,9 +1,10 @@
 """The one lifecycle every stage runs through.
 
-settings -> lock -> (under torchrun: join the ranks) -> prepare (inputs, fingerprint) -> skip if
-complete and intact -> partial directory -> execute (the work) -> accounting, contract, suite ->
-publish or fail -> report. Under torchrun rank 0 alone holds the lock and writes the run
-directory; every rank prepares and executes (its executor gives it its share of the work).
+lock -> settings -> (under torchrun: join the ranks) -> prepare (inputs, fingerprint) -> skip if
+complete and intact -> partial directory -> execute (the work; a batch stage's items on its
+executor) -> accounting, contract, suite -> publish or fail -> report. Under torchrun rank 0
+alone holds the lock and writes the run directory; every rank prepares and executes (its
+executor gives it its share of the work).
 Any error ends with the stage marked `failed` in the manifest, with the same message the user
 sees.
 """
@@ -25,7 +26,10 @@ from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_w
 from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer, output_identity, setting_changes
-from dflash_etl.core.stage import RunOptions, Shell, Stage, StageContext
+from dflash_etl.core.stage import BatchStage, ItemResults, RunOptions, Stage, StageContext
+from dflash_etl.executors import get_executor
+from dflash_etl.runner.gate import gate, warming_up
+from dflash_etl.runner.settings import stage_settings
 
 
 def fingerprint_of(payload: dict[str, Any]) -> str:
@@ -37,13 +41,14 @@ def _say(text: str) -> None:
 
 
 def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, *,
-              force: bool = False, progress: bool | None = None, workers: int | None = None,
+              upstream: tuple[tuple[str, str], ...] = (), force: bool = False,
+              progress: bool | None = None, workers: int | None = None,
               executor: str | None = None, ray_address: str | None = None,
-              shell: Shell | None = None, **overrides: Any) -> dict[str, Any]:
+              **overrides: Any) -> dict[str, Any]:
     """Run `stage` into `run_dir/<stage>`; returns its stats document (`skipped: True` when it
-    was already complete for the same inputs and its published files are intact). `shell`:
-    what the layers above lend (see `Shell`); `dflash_etl.stages.shell.run_stage` passes it."""
-    shell = shell or Shell()
+    was already complete for the same inputs and its published files are intact). `upstream`:
+    the (stage, kind of output) before it in its pipeline (`Pipeline.run` passes it), where its
+    inputs are read from; `overrides`: its settings given by the caller (None: not given)."""
     rank, world = rank_world()
     run = RunDir(run_dir)
     options = RunOptions.resolve(config, stage.name, {
@@ -51,7 +56,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     ctx = StageContext(
         name=stage.name, run=run, config=config, progress=progress, workers=options.workers,
         executor=options.executor, ray_address=options.ray_address, rank=rank, world=world,
-        shell=shell,
+        upstream=upstream,
     )
     lock = run_lock(run.root, stage.name) if rank == 0 else contextlib.nullcontext()
     with lock as stale:
@@ -90,13 +95,13 @@ class _Attempt:
 def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: bool,
              attempt: _Attempt) -> dict[str, Any]:
     """settings -> (join) -> prepare -> skip, or partial -> execute -> gate -> publish."""
-    run, rank, shell = ctx.run, ctx.rank, ctx.shell
+    run, rank = ctx.run, ctx.rank
     if rank == 0:
         _recover(run, stage.name)
-    ctx.settings = shell.settings(stage.name, ctx.config, run.root, overrides)
+    stage.settings = stage_settings(type(stage), ctx.config, run.root, overrides)
     # under torchrun every rank joins here, after rank 0's recovery; the launch's deadline for
     # a lost rank is the stage's dist_timeout_s
-    ctx.rank, ctx.world = join(getattr(ctx.settings, "dist_timeout_s", DEFAULT_TIMEOUT_S))
+    ctx.rank, ctx.world = join(getattr(stage.settings, "dist_timeout_s", DEFAULT_TIMEOUT_S))
     prepared = stage.prepare(ctx)
     ctx.fingerprint = fingerprint_of(prepared)
     if not force and (done := run.completed_stats(stage.name, ctx.fingerprint, say=_say)):
@@ -114,20 +119,36 @@ def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: 
         run.update_stage(stage.name, resolved=json.loads(json.dumps(resolved, default=str)))
         stage.begin(ctx)
     barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
-    doc = stage.execute(ctx)
+    doc = _execute(stage, ctx)
     if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
         check_accounting(doc, stage.name)
-        shell.gate(ctx, doc, stage.contract_params(ctx))
+        gate(stage, ctx, doc)
         stage.cleanup(ctx)
         doc["total"].update(ctx.call_totals)
         # a resumed stage's seconds include the earlier calls' work it resumed from
         seconds = attempt.timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
         attempt.publishing = True
-        stages = run.manifest().get("stages", {})
-        built_on = {up: identity for up in stage.upstream(ctx)
-                    if (identity := output_identity(stages.get(up)))}
+        records = run.records()
+        built_on = {up: identity for up in ctx.read_from
+                    if (identity := output_identity(records[up].entry if up in records
+                                                    else None))}
         run.commit(stage.name, doc["total"], seconds, built_on=built_on, **ctx.timings)
     return doc
+
+
+def _execute(stage: Stage, ctx: StageContext) -> dict[str, Any]:
+    """The stage's work; a batch stage's items on its executor, then its `finish` (on rank 0:
+    under torchrun the others return nothing), the gate's imports on a thread meanwhile."""
+    if not isinstance(stage, BatchStage):
+        return stage.execute(ctx)
+    work_dir = ctx.partial / "units"
+    work_dir.mkdir(exist_ok=True)
+    with warming_up(stage) as workers_started:
+        items = stage.plan(ctx)
+        results = get_executor(ctx).map(stage, ctx, items, work_dir, workers_started)
+        if ctx.rank != 0:
+            return {}
+        return stage.finish(ctx, ItemResults(results, work_dir))
 
 
 def _say_what_changes(run: RunDir, name: str, resolved: dict[str, Any]) -> None:
@@ -139,9 +160,8 @@ def _say_what_changes(run: RunDir, name: str, resolved: dict[str, Any]) -> None:
         return
     changes = setting_changes(entry.get("resolved"), json.loads(json.dumps(resolved,
                                                                            default=str)))
-    dependents = [other for other, info in run.manifest().get("stages", {}).items()
-                  if isinstance(info, dict) and info.get("status") == "complete"
-                  and name in (info.get("built_on") or {})]
+    dependents = [other for other, record in run.records().items()
+                  if record.complete and name in record.built_on]
     if not changes:  # forced with the same settings: the same output, most likely
         return
     what = f"other settings than its published output: {'; '.join(changes[:8])}"
@@ -189,14 +209,15 @@ def _record_failure(ctx: StageContext, error: BaseException, attempt: _Attempt) 
 
 
 def _publish_docs(ctx: StageContext) -> None:
-    ctx.shell.publish_docs(ctx.run.root)
+    from dflash_etl.report import publish_docs  # the report's pages: loaded when one is due
+
+    publish_docs(ctx.run.root)
 
 
 def _recover(run: RunDir, name: str) -> None:
     """Finish the publishing a killed process left half done: this stage's, and any other's
     (a later stage reads its inputs' status)."""
-    stages = run.manifest().get("stages", {})
-    for other in [s for s, info in stages.items() if info.get("status") == "publishing"
+    for other in [s for s, record in run.records().items() if record.status == "publishing"
                   and s != name] + [name]:
         if recovered := run.recover(other):
             _say(recovered)
@@ -206,8 +227,8 @@ def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
     """A holder that died (SIGKILL, OOM) left its stage `running`: say what happened. Every
     stage still `running` is its (the record names `run` under `dflash-etl run`, or the stage it
     was on when it died; we hold the lock now, so no other process runs one)."""
-    for stage, info in run.manifest().get("stages", {}).items():
-        if info.get("status") == "running":
+    for stage, record in run.records().items():
+        if record.status == "running":
             message = (f"the process running it (pid {stale.get('pid')} on {stale.get('host')}) "
                        "died before it finished; its completed work is kept and a rerun resumes it")
             if (kept := run.published_entry(stage)) is not None:  # a rerun of a complete stage
