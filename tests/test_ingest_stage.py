@@ -40,7 +40,7 @@ def suite_gate_calls(monkeypatch) -> list[str]:
 
     calls: list[str] = []
 
-    def record(stage, stage_dir, run_root, thresholds):
+    def record(stage, suite, stage_dir, run_root, thresholds):
         calls.append(stage)
         return {"passed": True}
 

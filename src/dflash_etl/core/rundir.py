@@ -189,34 +189,41 @@ class RunDir:
                             f"{s['why']}" for s in stale_stages(self.manifest().get("stages"))}
 
     def output(self, kind: type[OutputT], writers: Sequence[str], reader: str,
-               stale: str = "error", hint: str = "") -> OutputT:
+               stale: str = "error", hint: str = "", stale_hint: str = "") -> OutputT:
         """The current output of `kind` for `reader`: that of the last stage among `writers` (the
-        stages before the reader that write this kind, in pipeline order) that ran here. One
-        that ran but is not complete, or is stale, is an error naming what to rerun (`hint` says
-        the alternative), or with `stale="previous"` a warning, and the writer before it is
-        read: never a silent fallback to an older output."""
+        stages before the reader that write this kind, in pipeline order) that ran here, or
+        whose output is here (copied in, without a record). One that ran but is not complete,
+        is stale or lost its files is an error naming what to rerun, or with
+        `stale="previous"` a warning, and the writer before it is read: never a silent fallback
+        to an older output. `hint`: the reader's alternative in every error (train --online);
+        `stale_hint`: in the errors about a writer that ran."""
         records = self.records()
-        ran = [w for w in writers if w in records]
-        if not ran:
+        present = [w for w in writers if w in records or kind.found_in(self.stage_dir(w))]
+        where = f" (run directory {self.root})"
+        if not present:
             raise StageError(f"{reader} reads {kind.kind.replace('_', ' ')}, which no stage of "
                              f"this run wrote yet: run `dflash-etl "
-                             f"{writers[0] if writers else '<stage>'} --run {self.root}` "
-                             f"first{hint}")
+                             f"{writers[0] if writers else '<stage>'}` first{hint}{where}")
         stale_now = self.stale()
-        for k in range(len(ran) - 1, -1, -1):
-            record = records[ran[k]]
-            if record.complete and record.name not in stale_now \
-                    and self.stage_dir(record.name).is_dir():
-                return kind.read(self.stage_dir(record.name))
-            why = (f"was made from an older {_replaced(record, records)} output "
-                   f"({_replaced(record, records)} was rerun since)" if record.complete else
-                   f"is {record.status or 'not complete'}, not complete")
-            earlier = ran[k - 1] if k else None
-            message = f"{record.name}'s output {why}" + (
-                f": {reader} would read {earlier}'s {kind.kind} instead" if earlier else "")
+        for k in range(len(present) - 1, -1, -1):
+            name, record = present[k], records.get(present[k])
+            found = kind.found_in(self.stage_dir(name))
+            if found and (record is None or (record.complete and name not in stale_now)):
+                return kind.read(self.stage_dir(name))
+            if record is None or not record.complete:
+                why = f"is {record.status if record else 'missing'}, not complete"
+            elif not found:
+                why = f"is gone ({self.stage_dir(name) / kind.marker} is missing)"
+            else:
+                replaced = _replaced(record, records)
+                why = f"was made from an older {replaced} output ({replaced} was rerun since)"
+            earlier = present[k - 1] if k else None
+            message = f"{name}'s output {why}" + (
+                f": {reader} would read {earlier}'s {kind.kind.replace('_', ' ')} instead"
+                if earlier else "")
             if stale != "previous" or earlier is None:
-                raise StageError(f"{message}. Rerun `dflash-etl {record.name} --run {self.root}` "
-                                 f"first{hint}")
+                raise StageError(f"{message}; rerun `dflash-etl {name}` first{stale_hint}{hint}"
+                                 f"{where}")
             print(f"{reader}: WARNING: {message}", file=sys.stderr, flush=True)
         raise AssertionError("unreachable: the first writer returns or raises")
 

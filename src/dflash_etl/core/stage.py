@@ -93,10 +93,11 @@ class StageContext:
         """The stages before this one that write `kind`, in pipeline order."""
         return [name for name, written in self.upstream if written == kind.kind]
 
-    def read(self, kind: type[OutputT], stale: str = "error", hint: str = "") -> OutputT:
+    def read(self, kind: type[OutputT], stale: str = "error", hint: str = "",
+             stale_hint: str = "") -> OutputT:
         """The current output of `kind` (`RunDir.output`: the last stage before this one that
         writes it and ran here), recorded as what this stage is built on."""
-        output = self.run.output(kind, self.writers(kind), self.name, stale, hint)
+        output = self.run.output(kind, self.writers(kind), self.name, stale, hint, stale_hint)
         if output.stage_dir.name not in self.read_from:
             self.read_from.append(output.stage_dir.name)
         return output

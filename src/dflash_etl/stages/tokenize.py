@@ -333,8 +333,8 @@ class TokenizeStage(BatchStage):
         settings = self.settings
         self.conversations = ctx.read(
             ConversationsOutput, stale=STALE_POLICY[settings.stale_regenerate],
-            hint=", or read the earlier conversations on purpose with --stale-regenerate "
-                 "read_ingest")
+            stale_hint=", or read the earlier conversations on purpose with "
+                       "--stale-regenerate read_ingest")
         self.files = self.conversations.files()
         tokenizer = load_tokenizer(settings.model)
         self.vocab_size = len(tokenizer)
