@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from dflash_etl.templates.limits import RenderLimitExceeded, render_clock
 from dflash_etl.templates.masks.shortcuts import fast_paths_for
 from dflash_etl.templates.probe_record import (
     STRATEGY_GENERATION,
@@ -26,11 +27,9 @@ from dflash_etl.templates.render import (
     EMPTY_THINK_RE,
     LEADING_MARKER_RE,
     THINK_CLOSE,
-    RenderLimitExceeded,
     common_prefix_len,
     guarded_call,
     inline_reasoning,
-    render_clock,
     try_render,
 )
 

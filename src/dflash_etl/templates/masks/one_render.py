@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError
 from dflash_etl.templates.masks.per_turn import _check_turn, _Turn, _turn_variants
 from dflash_etl.templates.masks.policy import MaskPolicy, MaskRefused
 from dflash_etl.templates.masks.prepare import _prepare, _Prepared
@@ -36,7 +37,7 @@ from dflash_etl.templates.masks.renders import (
     _turn_end,
 )
 from dflash_etl.templates.probe_record import TemplateProbe
-from dflash_etl.templates.render import RenderError, render, render_message_spans
+from dflash_etl.templates.render import render, render_message_spans
 
 # per (tokenizer (held: an id could be reused), template, the conversation's shape, kwargs): per
 # message, the generation prompt after its history where a conversation of that shape proved it

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError, RenderLimitExceeded
 from dflash_etl.templates.masks.policy import (
     R_DUPLICATED_THINK,
     R_EMPTY_THINK_SUPERVISED,
@@ -31,8 +32,6 @@ from dflash_etl.templates.render import (
     EMPTY_REASONING_AT_END_RE,
     LEADING_EMPTY_THINK_RE,
     TRAILING_MARKER_RE,
-    RenderError,
-    RenderLimitExceeded,
     common_prefix_len,
 )
 

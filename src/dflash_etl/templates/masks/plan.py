@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError
 from dflash_etl.templates.masks.encoding import _Encoded
 from dflash_etl.templates.masks.generation import _generation_row
 from dflash_etl.templates.masks.one_render import _turns_from_one_render
@@ -37,7 +38,6 @@ from dflash_etl.templates.probe_record import (
     STRATEGY_RENDER_DIFF,
     TemplateProbe,
 )
-from dflash_etl.templates.render import RenderError
 
 
 @dataclass
