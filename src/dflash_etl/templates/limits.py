@@ -9,8 +9,8 @@ it (sandbox.py), and the output is counted as it is produced (compiled.py). A re
 raises `RenderLimitExceeded`.
 
 This module holds what those checks share, below the sandbox and the renderers that read it: the
-render errors, the limits, one render's budget (`_guarded`), the alarm, and the clock a template
-that prints the time reads (a `RenderLimits` setting too).
+render errors, the limits, one render's budget (`_Budget`, in force within `_guarded`), the alarm,
+and the clock a template that prints the time reads (a `RenderLimits` setting too).
 """
 
 from __future__ import annotations
