@@ -14,8 +14,9 @@ import os
 import pytest
 
 from dflash_etl.templates import MaskPolicy, MaskRefused, TemplateUnusable, probe_template
+from dflash_etl.templates.limits import RenderError
 from dflash_etl.templates.masks.prepare import _prepare
-from dflash_etl.templates.render import RenderError, render, render_with_transformers
+from dflash_etl.templates.render import render, render_with_transformers
 from templates_helpers import (
     TEMPLATES_DIR,
     qwen_tokenizer,
@@ -42,7 +43,7 @@ def _one_clock(monkeypatch):
 
     from transformers.utils import chat_template_utils
 
-    from dflash_etl.templates.render import RenderLimits, render_time
+    from dflash_etl.templates.limits import RenderLimits, render_time
 
     class Frozen(datetime.datetime):
         @classmethod
@@ -134,7 +135,7 @@ def test_every_render_reads_one_clock():
     and reads a fixed time unless told "now": a rerun on another day gives the same rows."""
     import time
 
-    from dflash_etl.templates.render import PROCESS_START, RenderLimits, render_limits
+    from dflash_etl.templates.limits import PROCESS_START, RenderLimits, render_limits
 
     require_fixtures()
     tok = qwen_tokenizer()

@@ -14,14 +14,14 @@ import pytest
 
 from dflash_etl.core.errors import StageError
 from dflash_etl.stages import ingest, parse_config, tokenize
-from dflash_etl.templates.render import (
+from dflash_etl.templates.limits import (
     RenderError,
     RenderLimits,
     RenderTimeout,
     RenderTooLarge,
-    render,
     render_limits,
 )
+from dflash_etl.templates.render import render
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer"

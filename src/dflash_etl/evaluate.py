@@ -102,7 +102,8 @@ class Evaluator:
         self.propose = propose or drafter_proposer(self.target, self.drafter)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        from dflash_etl.templates.render import RenderError, render
+        from dflash_etl.templates.limits import RenderError
+        from dflash_etl.templates.render import render
 
         try:
             text = render(self.tokenizer, messages, chat_template=None,

@@ -223,7 +223,8 @@ class SpecEngine:
 
     def _complete(self, body: dict[str, Any]) -> tuple[str, str, int]:
         from dflash_etl.models.acceptance import speculative_decode
-        from dflash_etl.templates.render import RenderError, render
+        from dflash_etl.templates.limits import RenderError
+        from dflash_etl.templates.render import render
 
         try:
             text = render(self.tokenizer, body["messages"], chat_template=None,

@@ -120,7 +120,7 @@ class TokenizeSettings:
 
     @property
     def render_limits(self) -> Any:
-        from dflash_etl.templates.render import RenderLimits
+        from dflash_etl.templates.limits import RenderLimits
 
         return RenderLimits(timeout_s=self.render_timeout_s, size_factor=self.render_size_factor,
                             size_extra=self.render_size_extra, clock=self.template_clock)
@@ -132,7 +132,7 @@ def probe(settings: TokenizeSettings, tokenizer: Any = None) -> Any:
     """The template probe (TemplateUnusable becomes a StageError naming the reason, and so does
     a probe render over the render limits: such a template would fail every row)."""
     from dflash_etl.templates import TemplateUnusable, probe_template
-    from dflash_etl.templates.render import RenderLimitExceeded, render_limits
+    from dflash_etl.templates.limits import RenderLimitExceeded, render_limits
 
     tokenizer = tokenizer or load_tokenizer(settings.model)
     try:
@@ -372,7 +372,7 @@ class TokenizeStage(BatchStage):
         return table.slice(start, length)
 
     def process_batch(self, batch: pa.Table, item: WorkItem) -> BatchOutput:
-        from dflash_etl.templates.render import render_limits
+        from dflash_etl.templates.limits import render_limits
 
         with render_limits(self.settings.render_limits):  # in the worker: a hung render ends
             rows, quarantine, per_source = tokenize_rows(

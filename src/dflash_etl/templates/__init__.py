@@ -11,7 +11,9 @@ from dflash_etl.templates.masks import (
     tokenize_conversations,
     verify_row,
 )
-from dflash_etl.templates.probe import TemplateProbe, TemplateUnusable, probe_template
+from dflash_etl.templates.probe import probe_template
+from dflash_etl.templates.probe_record import TemplateProbe
+from dflash_etl.templates.probes import TemplateUnusable
 
 __all__ = [
     "FILTER_CODES",

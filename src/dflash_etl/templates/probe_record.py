@@ -10,11 +10,20 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_etl.templates.render import MessageFormat
-
 STRATEGY_GENERATION = "generation"
 STRATEGY_RENDER_DIFF = "render_diff"
 STRATEGY_PER_TURN = "per_turn"
+
+
+@dataclass(frozen=True)
+class MessageFormat:
+    """How canonical messages are spelled for one template (decided by the probe)."""
+
+    reasoning_key: str | None = "reasoning_content"  # field the template reads, None = never
+    reasoning_inline: bool = False  # put reasoning into content as <think>..</think> instead
+    tool_args: str = "object"  # "object" | "string": how tool-call arguments are passed
+    empty_content: str = "none"  # "none" | "empty": content of a tool-call-only assistant turn
+    system_mode: str = "native"  # "native" | "merge_into_user"
 
 
 @dataclass

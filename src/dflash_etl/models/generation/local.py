@@ -14,7 +14,7 @@ from dflash_etl.models.generation.replies import THINK_OPEN, Reply, Request
 from dflash_etl.models.generation.settings import GenerationSettings, render_kwargs
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.loading import placement
-from dflash_etl.templates.render import RenderError
+from dflash_etl.templates.limits import RenderError
 
 
 class _LocalTemplate:

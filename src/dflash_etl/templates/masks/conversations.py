@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError, RenderLimitExceeded, conversation_budget
 from dflash_etl.templates.masks.encoding import _encode_many, _Encoded
 from dflash_etl.templates.masks.plan import _build_planned, _plan, _Planned
 from dflash_etl.templates.masks.policy import (
@@ -21,11 +22,6 @@ from dflash_etl.templates.masks.policy import (
 from dflash_etl.templates.masks.prepare import _prepare, _Prepared
 from dflash_etl.templates.masks.renders import _classify_render_error, _render_prefix
 from dflash_etl.templates.probe_record import TemplateProbe
-from dflash_etl.templates.render import (
-    RenderError,
-    RenderLimitExceeded,
-    conversation_budget,
-)
 
 
 def tokenize_conversation(

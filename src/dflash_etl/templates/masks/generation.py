@@ -6,26 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_etl.templates.masks.encoding import _runs
-from dflash_etl.templates.masks.per_turn import _check_turn, _spans_in, _Turn
-from dflash_etl.templates.masks.policy import (
-    R_MASK_VERIFICATION_FAILED,
-    MaskPolicy,
-    MaskRefused,
-)
-from dflash_etl.templates.masks.prepare import _Prepared
+from dflash_etl.templates.masks.per_turn import _spans_in, _Turn, _TurnAttempt
+from dflash_etl.templates.masks.policy import R_MASK_VERIFICATION_FAILED, MaskRefused
+from dflash_etl.templates.masks.prepare import _Masking
 from dflash_etl.templates.masks.renders import _hf_assistant_mask, _tagged_turns
 from dflash_etl.templates.masks.rows import _RowPlan
-from dflash_etl.templates.probe_record import STRATEGY_GENERATION, TemplateProbe
+from dflash_etl.templates.probe_record import STRATEGY_GENERATION
 
 
 def _generation_row(
-    tokenizer: Any,
-    probe: TemplateProbe,
-    prep: _Prepared,
-    policy: MaskPolicy,
-    template: str | None,
-    targets: list[int],
-    ordinals: dict[int, int],
+    masking: _Masking, targets: list[int], ordinals: dict[int, int]
 ) -> _RowPlan | None:
     """The one-row plan of a {% generation %}-tag template from one render of the conversation.
 
@@ -33,18 +23,19 @@ def _generation_row(
     the model sees before it generates), and the reply is checked as every render-diff reply is
     (its end-of-turn marker, the message's content in it, no duplicated think markup). None when
     any of that does not hold: the caller then plans as before (render diff + HF's mask)."""
+    probe, prep = masking.probe, masking.prep
     if probe.thinking_kwargs or not probe.prefix_stable or not probe.generation_prompt:
         return None
-    tagged = _tagged_turns(tokenizer, probe, prep, template, targets)
+    tagged = _tagged_turns(masking.tokenizer, probe, prep, masking.template, targets)
     if tagged is None:
         return None
     full, found = tagged
     turns: list[_Turn] = []
     for i, prompt, upto in found:
-        ok = _check_turn(probe, prep, i, prompt, upto, policy, [], {})
-        if ok is None or ok[1] or ok[3]:  # an appended eos or a pre-fill: the full path
+        turn = _TurnAttempt(masking, i, ordinals[i]).turn(prompt, upto, {})
+        if turn is None or turn.append_eos or turn.prefill:  # an eos or a pre-fill: the full path
             return None
-        turns.append(_Turn(ordinals[i], i, prompt, ok[0], False, {}, ok[2]))
+        turns.append(turn)
     spans = _spans_in(full, turns)
     if isinstance(spans, str):
         return None
@@ -57,11 +48,8 @@ def _generation_row(
 
 
 def _check_generation_mask(
-    tokenizer: Any,
-    probe: TemplateProbe,
-    prep: _Prepared,
+    masking: _Masking,
     kw: dict[str, Any],
-    template: str | None,
     spans: list[tuple[int, int]],
     text: str,
     indices: list[int],
@@ -69,12 +57,13 @@ def _check_generation_mask(
     """HF's {% generation %} mask must cover the render-diff replies of the supervised turns
     (`indices`: with turns = "last" HF still marks every turn), with or without the end-of-turn
     marker (the policy's `include_eot` decides that, not the tags)."""
-    ids, mask = _hf_assistant_mask(tokenizer, prep, kw, template)
+    tokenizer, prep = masking.tokenizer, masking.prep
+    ids, mask = _hf_assistant_mask(tokenizer, prep, kw, masking.template)
     got = [tokenizer.decode(ids[a:b], skip_special_tokens=False) for a, b in _runs(mask)]
     if len(got) == len(prep.assistant_idx):
         got = [g for g, i in zip(got, prep.assistant_idx, strict=True) if i in indices]
     want = [text[s:e] for s, e in spans]
-    eot = probe.eot_text.strip()
+    eot = masking.probe.eot_text.strip()
 
     def bare(reply: str) -> str:
         reply = reply.strip()

@@ -11,7 +11,7 @@ What the render diff renders per turn, and what stands in for it here:
 - the turn's render, render(history <= i): up to the turn's first end-of-turn marker after the
   prompt (as the N+1 shortcut reads it off the next prompt), a marker message i's own iteration
   made; the last turn's is the full render itself, made with that turn's kwargs.
-Each turn is then checked exactly as a rendered one (`per_turn._check_turn`). Anything else (no
+Each turn is then checked exactly as a rendered one (`per_turn._TurnAttempt`). Anything else (no
 single loop over the messages, a header not where it belongs, a turn that needs an appended eos
 or a pre-fill, a variant other than the first on the last turn, a render error) returns None
 and the caller renders every turn: never a guessed row. A shape's sample proves what the
@@ -24,11 +24,12 @@ re-does a share of the conversations the full way, and every row is verified.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
-from dflash_etl.templates.masks.per_turn import _check_turn, _Turn, _turn_variants
+from dflash_etl.templates.limits import RenderError
+from dflash_etl.templates.masks.per_turn import _Turn, _turn_variants, _TurnAttempt
 from dflash_etl.templates.masks.policy import MaskPolicy, MaskRefused
-from dflash_etl.templates.masks.prepare import _prepare, _Prepared
+from dflash_etl.templates.masks.prepare import _Masking, _prepare, _Prepared
 from dflash_etl.templates.masks.renders import (
     RENDER_PATH_ONE,
     _holds_marker,
@@ -36,7 +37,7 @@ from dflash_etl.templates.masks.renders import (
     _turn_end,
 )
 from dflash_etl.templates.probe_record import TemplateProbe
-from dflash_etl.templates.render import RenderError, render, render_message_spans
+from dflash_etl.templates.render import render, render_message_spans
 
 # per (tokenizer (held: an id could be reused), template, the conversation's shape, kwargs): per
 # message, the generation prompt after its history where a conversation of that shape proved it
@@ -143,19 +144,24 @@ def _header_at(
     return header if truth.startswith(full[:start]) and full.startswith(header, start) else None
 
 
+class _FullRender(NamedTuple):
+    """The conversation's one marked render: its text, the kwargs it was made with (`base` and
+    the last turn's first variant's), `base`, and the conversation's shape (`_shape`)."""
+
+    text: str
+    kwargs: dict[str, Any]
+    base: dict[str, Any]
+    shape: tuple[Any, ...]
+
+
 def _turns_from_one_render(
-    tokenizer: Any,
-    probe: TemplateProbe,
-    prep: _Prepared,
-    base: dict[str, Any],
-    policy: MaskPolicy,
-    template: str | None,
-    targets: list[int],
-    ordinals: dict[int, int],
+    masking: _Masking, base: dict[str, Any], targets: list[int], ordinals: dict[int, int]
 ) -> list[_Turn] | None:
-    """The target turns (as `per_turn._render_turn` makes them) from one marked render of the
-    conversation under `base` kwargs and the last turn's first variant; None where any turn
+    """The target turns (as `per_turn._TurnAttempt.render` makes them) from one marked render of
+    the conversation under `base` kwargs and the last turn's first variant; None where any turn
     cannot be read off it exactly (the caller renders every turn)."""
+    tokenizer, template = masking.tokenizer, masking.template
+    probe, prep = masking.probe, masking.prep
     last = targets[-1]
     if last != len(prep.messages) - 1:
         return None
@@ -173,10 +179,9 @@ def _turns_from_one_render(
     prep.renders.setdefault(_render_key(len(prep.messages), False, full_kw), full)
     if spans is None:
         return None
-    turns, shape = [], _shape(prep)
+    turns, rendered = [], _FullRender(full, full_kw, base, _shape(prep))
     for i in targets:
-        turn = _turn_in(tokenizer, probe, prep, policy, template, (full, full_kw, shape),
-                        spans[i], i, base, i == last, ordinals[i])
+        turn = _turn_in(_TurnAttempt(masking, i, ordinals[i]), rendered, spans[i], i == last)
         if turn is None:
             return None
         turns.append(turn)
@@ -185,29 +190,20 @@ def _turns_from_one_render(
 
 
 def _turn_in(
-    tokenizer: Any,
-    probe: TemplateProbe,
-    prep: _Prepared,
-    policy: MaskPolicy,
-    template: str | None,
-    rendered: tuple[str, dict[str, Any], tuple[Any, ...]],
-    span: tuple[int, int] | None,
-    i: int,
-    base: dict[str, Any],
-    last: bool,
-    ordinal: int,
+    attempt: _TurnAttempt, rendered: _FullRender, span: tuple[int, int] | None, last: bool
 ) -> _Turn | None:
-    """Turn i read off the full render (`rendered`: its text, kwargs and the conversation's
-    shape), its variants tried in the order rendering tries them; `last`: the full render is
-    this turn's own. None where the turn cannot be read off exactly."""
+    """The attempt's turn read off the full render, its variants tried in the order rendering
+    tries them; `last`: the full render is this turn's own. None where the turn cannot be read
+    off exactly."""
     if span is None:
         return None
-    full, full_kw, shape = rendered
+    masking, i = attempt.masking, attempt.i
+    full, full_kw = rendered.text, rendered.kwargs
     start, stop = span
-    failures: list[tuple[str, str]] = []
-    for variant in _turn_variants(probe, prep, i):
-        kw = {**probe.render_kwargs, **base, **variant}
-        header = _generation_headers(tokenizer, probe, template, full_kw, kw, prep, shape)[i]
+    for variant in attempt.variants():
+        kw = attempt.kwargs(rendered.base, variant)
+        header = _generation_headers(masking.tokenizer, masking.probe, masking.template, full_kw,
+                                     kw, masking.prep, rendered.shape)[i]
         if header is None or not full.startswith(header, start):
             return None
         prompt = full[: start + len(header)]
@@ -216,19 +212,15 @@ def _turn_in(
                 return None
             upto: str | None = full
         else:
-            upto = _upto_in(probe, prep, i, full, len(prompt), stop)
+            upto = _upto_in(masking.probe, masking.prep, i, full, len(prompt), stop)
         if upto is None:
             return None
-        ok = _check_turn(probe, prep, i, prompt, upto, policy, failures, variant)
-        if ok is None:
+        turn = attempt.turn(prompt, upto, variant)
+        if turn is None:
             continue
-        reply, append_eos, notes, prefill = ok
-        if append_eos or prefill:
+        if turn.append_eos or turn.prefill:
             return None
-        if variant:
-            notes.append(
-                "generation_prompt_kwargs:" + ",".join(f"{k}={v}" for k, v in variant.items()))
-        return _Turn(ordinal, i, prompt, reply, False, variant, notes)
+        return turn
     return None
 
 

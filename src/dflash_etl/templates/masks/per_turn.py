@@ -3,9 +3,10 @@ prompt) and the reply the model generates after it, checked against the message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError, RenderLimitExceeded
 from dflash_etl.templates.masks.policy import (
     R_DUPLICATED_THINK,
     R_EMPTY_THINK_SUPERVISED,
@@ -15,7 +16,6 @@ from dflash_etl.templates.masks.policy import (
     R_REASONING_NOT_RENDERED,
     R_RENDER_ERROR,
     R_REPLY_MISSING_CONTENT,
-    MaskPolicy,
     MaskRefused,
     duplicated_think,
 )
@@ -24,15 +24,13 @@ from dflash_etl.templates.masks.prefill import (
     _reply_after_prefill,
     _thinking_on_drops_reasoning,
 )
-from dflash_etl.templates.masks.prepare import _Prepared
+from dflash_etl.templates.masks.prepare import _Masking, _Prepared
 from dflash_etl.templates.masks.renders import _render_prefix, _upto_from_next_prompt
 from dflash_etl.templates.probe_record import TemplateProbe
 from dflash_etl.templates.render import (
     EMPTY_REASONING_AT_END_RE,
     LEADING_EMPTY_THINK_RE,
     TRAILING_MARKER_RE,
-    RenderError,
-    RenderLimitExceeded,
     common_prefix_len,
 )
 
@@ -67,130 +65,209 @@ def _turn_variants(probe: TemplateProbe, prep: _Prepared, i: int) -> list[dict[s
     return _variants(probe, prep.reasoning_passed.get(i, False))
 
 
-def _render_turn(
-    tokenizer: Any,
-    probe: TemplateProbe,
-    prep: _Prepared,
-    ordinal: int,
-    i: int,
-    base: dict[str, Any],
-    policy: MaskPolicy,
-    template: str | None,
-    next_prompt_at: int | None = None,
-) -> _Turn:
-    """Prompt (history<i + generation prompt) and the reply of message i rendered as final turn.
+@dataclass
+class _TurnAttempt:
+    """One assistant turn's mask attempt: message i (the conversation's `ordinal`-th assistant
+    turn) tried under its variants in order (`variants`) until one gives a reply that checks
+    out; `failures` keeps why each one before it did not, the refusal when none does."""
 
-    With `next_prompt_at` (the next target turn's index, whose prompt was rendered first, on a
-    template prefix-stable under these kwargs) the history up to this turn is read off that
-    prompt instead of rendered: N+1 renders for N replies, not 2N."""
-    failures: list[tuple[str, str]] = []
+    masking: _Masking
+    i: int
+    ordinal: int
+    failures: list[tuple[str, str]] = field(default_factory=list)
 
-    for variant in _turn_variants(probe, prep, i):
-        kw = {**probe.render_kwargs, **base, **variant}
-        try:
-            prompt = _render_prefix(tokenizer, prep, i, True, kw, template)
-            upto = (_upto_from_next_prompt(probe, prep, i, next_prompt_at, prompt, kw)
-                    if next_prompt_at is not None else None)
-            if upto is None:
-                upto = _render_prefix(tokenizer, prep, i + 1, False, kw, template)
-        except RenderLimitExceeded:
-            raise  # the conversation's verdict: another variant would only spend the limit again
-        except RenderError as exc:
-            failures.append((R_RENDER_ERROR, f"{variant or 'default'}: {exc}"))
-            continue
-        ok = _check_turn(probe, prep, i, prompt, upto, policy, failures, variant)
-        if ok is not None:
-            reply, append_eos, notes, prefill = ok
-            if variant:
-                notes.append(
-                    "generation_prompt_kwargs:" + ",".join(f"{k}={v}" for k, v in variant.items())
+    def variants(self) -> list[dict[str, Any]]:
+        return _turn_variants(self.masking.probe, self.masking.prep, self.i)
+
+    def kwargs(self, base: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
+        """A variant's render kwargs: the probe's, then `base`, then the variant's own."""
+        return {**self.masking.probe.render_kwargs, **base, **variant}
+
+    def render(self, base: dict[str, Any], next_prompt_at: int | None = None) -> _Turn:
+        """Prompt (history<i + generation prompt) and the reply of message i rendered as final turn.
+
+        With `next_prompt_at` (the next target turn's index, whose prompt was rendered first, on a
+        template prefix-stable under these kwargs) the history up to this turn is read off that
+        prompt instead of rendered: N+1 renders for N replies, not 2N."""
+        tokenizer, template = self.masking.tokenizer, self.masking.template
+        probe, prep, i = self.masking.probe, self.masking.prep, self.i
+        for variant in self.variants():
+            kw = self.kwargs(base, variant)
+            try:
+                prompt = _render_prefix(tokenizer, prep, i, True, kw, template)
+                upto = (_upto_from_next_prompt(probe, prep, i, next_prompt_at, prompt, kw)
+                        if next_prompt_at is not None else None)
+                if upto is None:
+                    upto = _render_prefix(tokenizer, prep, i + 1, False, kw, template)
+            except RenderLimitExceeded:
+                raise  # the conversation's verdict: another variant would spend the limit again
+            except RenderError as exc:
+                self.failures.append((R_RENDER_ERROR, f"{variant or 'default'}: {exc}"))
+                continue
+            turn = self.turn(prompt, upto, variant)
+            if turn is not None:
+                return turn
+        raise self.refusal()
+
+    def refusal(self) -> MaskRefused:
+        """The turn refused: why its first try failed, and every try's reason when there were
+        several."""
+        failures = self.failures
+        code, message = failures[0] if failures else (R_RENDER_ERROR, "no variant rendered")
+        detail = "; ".join(f"[{c}] {m}" for c, m in failures)
+        return MaskRefused(
+            code,
+            f"assistant turn {self.ordinal}: {message}"
+            + (f" (all tries: {detail})" if len(failures) > 1 else ""),
+        )
+
+    def turn(self, prompt: str, upto: str, variant: dict[str, Any]) -> _Turn | None:
+        """The turn made of `prompt` and the reply read off `upto` (the turn's render up to its
+        end) under `variant`, or None after recording why the reply does not check out."""
+        ok = self._check(prompt, upto, variant)
+        if ok is None:
+            return None
+        reply, append_eos, notes, prefill = ok
+        if variant:
+            notes.append(
+                "generation_prompt_kwargs:" + ",".join(f"{k}={v}" for k, v in variant.items())
+            )
+        return _Turn(self.ordinal, self.i, prompt, reply, append_eos, variant, notes, prefill)
+
+    def _check(
+        self, prompt: str, upto: str, variant: dict[str, Any]
+    ) -> tuple[str, bool, list[str], str] | None:
+        """(reply, append_eos, notes, prefill) for one variant, or None after recording why it
+        failed. `prefill` is the reasoning opener the prompt ends with when the reply is
+        supervised after it."""
+        tag = str(variant or "default")
+        if _thinking_on_drops_reasoning(self.masking.prep, self.i, prompt, variant):
+            return None  # a try made only for an opener that is not there: not the turn's verdict
+        notes: list[str] = []
+        found = self._reply_body(prompt, upto, tag, notes)
+        if found is None or self._bad_think_markup(prompt, found[0], tag):
+            return None
+        body, prefill = found
+        cut = self._cut_end_of_turn(body, tag, notes)
+        if cut is None:
+            return None
+        content_part, reply, append_eos = cut
+        if self._lacks_content(content_part, reply, tag):
+            return None
+        return reply, append_eos, notes, prefill
+
+    def _reply_body(
+        self, prompt: str, upto: str, tag: str, notes: list[str]
+    ) -> tuple[str, str] | None:
+        """(what the model generates after `prompt`: the turn's render up to its end, the
+        pre-filled opener it continues or ""), or None after recording why the prompt and turn
+        disagree."""
+        probe, prep, i, failures = self.masking.probe, self.masking.prep, self.i, self.failures
+        h = common_prefix_len(prompt, upto)
+        if h == len(prompt):  # the prompt is a prefix of the history-with-this-turn render
+            return upto[h:], ""
+        m = EMPTY_REASONING_AT_END_RE.search(prompt)
+        reasoning = _reasoning_text(prep, i)
+        at = upto.rfind(reasoning[:40]) if reasoning else -1
+        gp = probe.generation_prompt
+        if m and m.start() <= h and not prep.reasoning_passed.get(i):
+            notes.append("generation_prompt_empty_think_is_prompt")
+            return _after_empty_think(prompt, upto, m.start()), ""
+        if (
+            len(gp.strip()) >= 3
+            and prompt.endswith(gp)
+            and 0 <= (hs := upto.find(gp, max(0, h - len(gp)))) <= h
+        ):
+            # the template renders text after the last message (Command-R tool use: a trailing
+            # instruction) and then the generation prompt; the turn starts with that header
+            notes.append("generation_prompt_after_trailing_text")
+            return upto[hs + len(gp) :], ""
+        if reasoning and 0 <= at <= h:
+            # the generation prompt pre-fills the start of the reasoning (Apriel: "Here are my
+            # reasoning steps:"); the model continues with the reasoning as the template renders it
+            notes.append("generation_prompt_prefill_is_prompt")
+            return upto[at:], ""
+        if (opened := _open_reasoning_prefill(prompt, upto)) is not None:
+            after = _reply_after_prefill(prep, i, prompt, upto, opened, tag, failures)
+            if after is not None:
+                notes.append(f"reasoning_supervised_after_prefill:{after[1]!r}")
+            return after
+        failures.append((
+            R_GENERATION_PROMPT_MISMATCH,
+            f"{tag}: generation prompt ends {prompt[h:][-60:]!r} but the turn renders as "
+            f"{upto[h:][:60]!r}",
+        ))
+        return None
+
+    def _bad_think_markup(self, prompt: str, body: str, tag: str) -> bool:
+        """The turn would train a think tag twice, or an empty think block the model did not
+        generate (recorded in `failures`)."""
+        prep, i, failures = self.masking.prep, self.i, self.failures
+        eot = self.masking.probe.eot_text.strip()
+        head = prompt[prompt.rfind(eot) + len(eot):] if eot and eot in prompt else ""
+        if tag_twice := duplicated_think(head + body):
+            failures.append((R_DUPLICATED_THINK, f"{tag}: the turn holds {tag_twice!r} twice: "
+                             f"{(head + body)[:80]!r}"))
+            return True
+        if not prep.reasoning_passed.get(i) and LEADING_EMPTY_THINK_RE.match(body):
+            failures.append(
+                (
+                    R_EMPTY_THINK_SUPERVISED,
+                    f"{tag}: reply would start with an empty think block the model did not "
+                    "generate",
                 )
-            return _Turn(ordinal, i, prompt, reply, append_eos, variant, notes, prefill)
-    code, message = failures[0] if failures else (R_RENDER_ERROR, "no variant rendered")
-    detail = "; ".join(f"[{c}] {m}" for c, m in failures)
-    raise MaskRefused(
-        code,
-        f"assistant turn {ordinal}: {message}"
-        + (f" (all tries: {detail})" if len(failures) > 1 else ""),
-    )
+            )
+            return True
+        return False
 
+    def _cut_end_of_turn(
+        self, body: str, tag: str, notes: list[str]
+    ) -> tuple[str, str, bool] | None:
+        """(the turn's text before its end-of-turn marker, the reply the policy supervises,
+        whether an eos is appended to it): the body without what the template puts after the
+        marker. None after recording why the turn's end is not found."""
+        probe, policy, failures = self.masking.probe, self.masking.policy, self.failures
+        post = probe.post_eot
+        if post:
+            if not body.endswith(post):
+                failures.append((R_EOT_NOT_FOUND, f"{tag}: turn does not end with {post!r}"))
+                return None
+            body = body[: -len(post)]
+        if probe.eot_source == "template":
+            m2 = TRAILING_MARKER_RE.search(body)
+            eot = probe.eot_text.strip()
+            if eot and body.endswith(eot):
+                cut = len(body) - len(eot)
+            elif m2:  # another marker ends this turn (gpt-oss: <|call|> after a tool call)
+                cut = m2.start()
+            else:
+                failures.append(
+                    (R_EOT_NOT_FOUND, f"{tag}: no end-of-turn marker at {body[-40:]!r}"))
+                return None
+            return body[:cut], body if policy.include_eot else body[:cut], False
+        if not policy.include_eot:
+            return body, body, False
+        if probe.eos_fallback_id is None:
+            failures.append((R_NO_EOS, "no end-of-turn marker and no eos token to supervise"))
+            return None
+        notes.append(f"eot_appended:{probe.eos_fallback_token}({probe.eot_source})")
+        return body, body, True
 
-def _check_turn(
-    probe: TemplateProbe,
-    prep: _Prepared,
-    i: int,
-    prompt: str,
-    upto: str,
-    policy: MaskPolicy,
-    failures: list[tuple[str, str]],
-    variant: dict[str, Any],
-) -> tuple[str, bool, list[str], str] | None:
-    """(reply, append_eos, notes, prefill) for one variant, or None after recording why it failed.
-    `prefill` is the reasoning opener the prompt ends with when the reply is supervised after it."""
-    tag = str(variant or "default")
-    if _thinking_on_drops_reasoning(prep, i, prompt, variant):
-        return None  # a try made only for an opener that is not there: not the turn's verdict
-    notes: list[str] = []
-    found = _reply_body(probe, prep, i, prompt, upto, tag, notes, failures)
-    if found is None or _bad_think_markup(probe, prep, i, prompt, found[0], tag, failures):
-        return None
-    body, prefill = found
-    cut = _cut_end_of_turn(probe, policy, body, tag, notes, failures)
-    if cut is None:
-        return None
-    content_part, reply, append_eos = cut
-    if _lacks_content(prep, i, content_part, reply, tag, failures):
-        return None
-    return reply, append_eos, notes, prefill
-
-
-def _reply_body(
-    probe: TemplateProbe,
-    prep: _Prepared,
-    i: int,
-    prompt: str,
-    upto: str,
-    tag: str,
-    notes: list[str],
-    failures: list[tuple[str, str]],
-) -> tuple[str, str] | None:
-    """(what the model generates after `prompt`: the turn's render up to its end, the pre-filled
-    opener it continues or ""), or None after recording why the prompt and turn disagree."""
-    h = common_prefix_len(prompt, upto)
-    if h == len(prompt):  # the prompt is a prefix of the history-with-this-turn render
-        return upto[h:], ""
-    m = EMPTY_REASONING_AT_END_RE.search(prompt)
-    reasoning = _reasoning_text(prep, i)
-    at = upto.rfind(reasoning[:40]) if reasoning else -1
-    gp = probe.generation_prompt
-    if m and m.start() <= h and not prep.reasoning_passed.get(i):
-        notes.append("generation_prompt_empty_think_is_prompt")
-        return _after_empty_think(prompt, upto, m.start()), ""
-    if (
-        len(gp.strip()) >= 3
-        and prompt.endswith(gp)
-        and 0 <= (hs := upto.find(gp, max(0, h - len(gp)))) <= h
-    ):
-        # the template renders text after the last message (Command-R tool use: a trailing
-        # instruction) and then the generation prompt; the turn starts with that header
-        notes.append("generation_prompt_after_trailing_text")
-        return upto[hs + len(gp) :], ""
-    if reasoning and 0 <= at <= h:
-        # the generation prompt pre-fills the start of the reasoning (Apriel: "Here are my
-        # reasoning steps:"); the model continues with the reasoning as the template renders it
-        notes.append("generation_prompt_prefill_is_prompt")
-        return upto[at:], ""
-    if (opened := _open_reasoning_prefill(prompt, upto)) is not None:
-        after = _reply_after_prefill(prep, i, prompt, upto, opened, tag, failures)
-        if after is not None:
-            notes.append(f"reasoning_supervised_after_prefill:{after[1]!r}")
-        return after
-    failures.append((
-        R_GENERATION_PROMPT_MISMATCH,
-        f"{tag}: generation prompt ends {prompt[h:][-60:]!r} but the turn renders as "
-        f"{upto[h:][:60]!r}",
-    ))
-    return None
+    def _lacks_content(self, content_part: str, reply: str, tag: str) -> bool:
+        """The rendered turn lacks a text of message i (its content, reasoning, tool calls) or
+        the reply is empty (recorded in `failures`)."""
+        prep, i, failures = self.masking.prep, self.i, self.failures
+        missing = [p for p in prep.pieces.get(i, []) if p not in content_part]
+        if missing:
+            code = R_REPLY_MISSING_CONTENT
+            if prep.reasoning_passed.get(i) and missing[0] in _reasoning_of(prep, i):
+                code = R_REASONING_NOT_RENDERED
+            failures.append((code, f"{tag}: rendered reply lacks {missing[0][:60]!r}"))
+            return True
+        if not reply:
+            failures.append((R_REPLY_MISSING_CONTENT, f"{tag}: empty reply"))
+            return True
+        return False
 
 
 def _after_empty_think(prompt: str, upto: str, start: int) -> str:
@@ -204,94 +281,6 @@ def _after_empty_think(prompt: str, upto: str, start: int) -> str:
         if prompt[-1:].isspace():
             body = body.lstrip()
     return body
-
-
-def _bad_think_markup(
-    probe: TemplateProbe,
-    prep: _Prepared,
-    i: int,
-    prompt: str,
-    body: str,
-    tag: str,
-    failures: list[tuple[str, str]],
-) -> bool:
-    """The turn would train a think tag twice, or an empty think block the model did not
-    generate (recorded in `failures`)."""
-    eot = probe.eot_text.strip()
-    head = prompt[prompt.rfind(eot) + len(eot):] if eot and eot in prompt else ""
-    if tag_twice := duplicated_think(head + body):
-        failures.append((R_DUPLICATED_THINK, f"{tag}: the turn holds {tag_twice!r} twice: "
-                         f"{(head + body)[:80]!r}"))
-        return True
-    if not prep.reasoning_passed.get(i) and LEADING_EMPTY_THINK_RE.match(body):
-        failures.append(
-            (
-                R_EMPTY_THINK_SUPERVISED,
-                f"{tag}: reply would start with an empty think block the model did not generate",
-            )
-        )
-        return True
-    return False
-
-
-def _cut_end_of_turn(
-    probe: TemplateProbe,
-    policy: MaskPolicy,
-    body: str,
-    tag: str,
-    notes: list[str],
-    failures: list[tuple[str, str]],
-) -> tuple[str, str, bool] | None:
-    """(the turn's text before its end-of-turn marker, the reply the policy supervises, whether
-    an eos is appended to it): the body without what the template puts after the marker. None
-    after recording why the turn's end is not found."""
-    post = probe.post_eot
-    if post:
-        if not body.endswith(post):
-            failures.append((R_EOT_NOT_FOUND, f"{tag}: turn does not end with {post!r}"))
-            return None
-        body = body[: -len(post)]
-    if probe.eot_source == "template":
-        m2 = TRAILING_MARKER_RE.search(body)
-        eot = probe.eot_text.strip()
-        if eot and body.endswith(eot):
-            cut = len(body) - len(eot)
-        elif m2:  # another marker ends this turn (gpt-oss: <|call|> after a tool call)
-            cut = m2.start()
-        else:
-            failures.append((R_EOT_NOT_FOUND, f"{tag}: no end-of-turn marker at {body[-40:]!r}"))
-            return None
-        return body[:cut], body if policy.include_eot else body[:cut], False
-    if not policy.include_eot:
-        return body, body, False
-    if probe.eos_fallback_id is None:
-        failures.append((R_NO_EOS, "no end-of-turn marker and no eos token to supervise"))
-        return None
-    notes.append(f"eot_appended:{probe.eos_fallback_token}({probe.eot_source})")
-    return body, body, True
-
-
-def _lacks_content(
-    prep: _Prepared,
-    i: int,
-    content_part: str,
-    reply: str,
-    tag: str,
-    failures: list[tuple[str, str]],
-) -> bool:
-    """The rendered turn lacks a text of message i (its content, reasoning, tool calls) or the
-    reply is empty (recorded in `failures`)."""
-    missing = [p for p in prep.pieces.get(i, []) if p not in content_part]
-    if missing:
-        code = R_REPLY_MISSING_CONTENT
-        if prep.reasoning_passed.get(i) and missing[0] in _reasoning_of(prep, i):
-            code = R_REASONING_NOT_RENDERED
-        failures.append((code, f"{tag}: rendered reply lacks {missing[0][:60]!r}"))
-        return True
-    if not reply:
-        failures.append((R_REPLY_MISSING_CONTENT, f"{tag}: empty reply"))
-        return True
-    return False
 
 
 def _reasoning_text(prep: _Prepared, i: int) -> str:

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError
 from dflash_etl.templates.masks.encoding import _Encoded
 from dflash_etl.templates.masks.generation import _generation_row
 from dflash_etl.templates.masks.one_render import _turns_from_one_render
-from dflash_etl.templates.masks.per_turn import _render_turn, _Turn
+from dflash_etl.templates.masks.per_turn import _Turn, _TurnAttempt
 from dflash_etl.templates.masks.policy import (
     FILTER_CODES,
     LIMIT_CODES,
@@ -22,7 +23,7 @@ from dflash_etl.templates.masks.policy import (
     MaskRefused,
     TokenizedRow,
 )
-from dflash_etl.templates.masks.prepare import _Prepared
+from dflash_etl.templates.masks.prepare import _Masking, _Prepared
 from dflash_etl.templates.masks.render_diff import _single_row
 from dflash_etl.templates.masks.renders import (
     FAST_GENERATION,
@@ -37,7 +38,6 @@ from dflash_etl.templates.probe_record import (
     STRATEGY_RENDER_DIFF,
     TemplateProbe,
 )
-from dflash_etl.templates.render import RenderError
 
 
 @dataclass
@@ -86,8 +86,7 @@ def _plan(
     # e.g. a BPE token across a tag's end, gets per-turn rows, verified as every row is
     auto = policy.strategy == "auto"
     if strategy == STRATEGY_GENERATION and fast and probe.fast_paths.get(FAST_GENERATION):
-        row = _generation_row(tokenizer, probe, prep, policy, template, planner.targets,
-                              planner.ordinals)
+        row = _generation_row(planner, planner.targets, planner.ordinals)
         if row is not None:
             prep.render_path = RENDER_PATH_TAGS
             return _Planned(prep, [row], planner.per_turn if auto else lambda _why: _plan(
@@ -100,8 +99,7 @@ def _plan(
         raise MaskRefused(R_NOT_PREFIX_STABLE, single_failure)
     if strategy == STRATEGY_GENERATION and len(planner.targets) == 1:  # cross-check HF's mask
         try:
-            row_or_why = _single_row(tokenizer, probe, prep, planner.turns_for({}), {}, policy,
-                                     template, strategy)
+            row_or_why = _single_row(planner, planner.turns_for({}), {}, strategy)
         except MaskRefused as exc:
             if not auto or exc.code in FILTER_CODES or exc.code in LIMIT_CODES:
                 raise
@@ -127,15 +125,10 @@ def _strategy(probe: TemplateProbe, policy: MaskPolicy) -> str:
 
 
 @dataclass
-class _Planner:
+class _Planner(_Masking):
     """What a conversation's plans share: its target turns and, per base kwargs, those turns
     rendered (once: the single-row attempt and the per-turn rows use the same)."""
 
-    prep: _Prepared
-    tokenizer: Any
-    probe: TemplateProbe
-    policy: MaskPolicy
-    template: str | None
     fast: bool
     rendered: dict[str, list[_Turn]] = field(default_factory=dict)
 
@@ -160,9 +153,7 @@ class _Planner:
             made = None
             if (self.fast and (stable or len(self.targets) == 1)
                     and probe.fast_paths.get(FAST_ONE_RENDER)):
-                made = _turns_from_one_render(self.tokenizer, probe, self.prep, base,
-                                              self.policy, self.template, self.targets,
-                                              self.ordinals)
+                made = _turns_from_one_render(self, base, self.targets, self.ordinals)
             if made is None:
                 self.prep.render_path = RENDER_PATH_EVERY
                 made = self._render_every_turn(base, self.fast and stable)
@@ -178,9 +169,8 @@ class _Planner:
         following: int | None = None
         for i in reversed(self.targets):
             try:
-                made.append(_render_turn(
-                    self.tokenizer, self.probe, self.prep, ordinals[i], i, base, self.policy,
-                    self.template, following if shortcut else None))
+                made.append(_TurnAttempt(self, i, ordinals[i]).render(
+                    base, following if shortcut else None))
             except (MaskRefused, RenderError) as exc:
                 made.append(exc)
             following = i
@@ -221,8 +211,7 @@ class _Planner:
         why = "" if bases else "the template is not prefix-stable (probe)"
         for base in bases:
             try:
-                row_or_why = _single_row(self.tokenizer, probe, self.prep, self.turns_for(base),
-                                         base, self.policy, self.template, strategy)
+                row_or_why = _single_row(self, self.turns_for(base), base, strategy)
             except MaskRefused as exc:
                 if (exc.code in FILTER_CODES or exc.code in LIMIT_CODES
                         or self.policy.strategy != "auto"):

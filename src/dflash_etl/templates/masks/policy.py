@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dflash_etl.templates.render import RenderTimeout, RenderTooLarge
+from dflash_etl.templates.limits import RenderTimeout, RenderTooLarge
 
 # Filters: the row is fine but there is nothing (or too little) to train on; counted as filtered.
 R_NEEDS_RESPONSE = "needs_response"

@@ -1,5 +1,6 @@
 """A canonical conversation made template-ready: normalized as the probe found the template
-needs, each normalization recorded, and what each reply must contain."""
+needs, each normalization recorded, and what each reply must contain; and the prepared
+conversation with what masking it reads (`_Masking`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ class _Prepared:
     # the path its rows came from (masks.plan's RENDER_PATH_* names)
     renders_made: int = 0
     render_path: str = "render_every_turn"
+
+
+@dataclass
+class _Masking:
+    """A prepared conversation with what masking it reads throughout: the tokenizer, the probe,
+    the policy and the template. Passed whole to the strategies and to each turn's attempt
+    (`per_turn._TurnAttempt`) instead of as five parameters each."""
+
+    prep: _Prepared
+    tokenizer: Any
+    probe: TemplateProbe
+    policy: MaskPolicy
+    template: str | None
 
 
 def _prepare(conv: dict[str, Any], probe: TemplateProbe, policy: MaskPolicy) -> _Prepared:

@@ -7,26 +7,14 @@ from typing import Any
 
 from dflash_etl.templates.masks.generation import _check_generation_mask
 from dflash_etl.templates.masks.per_turn import _spans_in, _Turn
-from dflash_etl.templates.masks.policy import MaskPolicy
-from dflash_etl.templates.masks.prepare import _Prepared
+from dflash_etl.templates.masks.prepare import _Masking
 from dflash_etl.templates.masks.renders import _render_prefix
 from dflash_etl.templates.masks.rows import _RowPlan
-from dflash_etl.templates.probe_record import (
-    STRATEGY_GENERATION,
-    STRATEGY_RENDER_DIFF,
-    TemplateProbe,
-)
+from dflash_etl.templates.probe_record import STRATEGY_GENERATION, STRATEGY_RENDER_DIFF
 
 
 def _single_row(
-    tokenizer: Any,
-    probe: TemplateProbe,
-    prep: _Prepared,
-    turns: list[_Turn],
-    base: dict[str, Any],
-    policy: MaskPolicy,
-    template: str | None,
-    strategy: str,
+    masking: _Masking, turns: list[_Turn], base: dict[str, Any], strategy: str
 ) -> _RowPlan | str:
     """One row holding every target turn, if each prompt+reply is a prefix of the full render.
 
@@ -34,6 +22,7 @@ def _single_row(
     render that turn's reply came from, already made), else with the base kwargs alone: any text
     that holds every turn's prompt and reply in place is an exact row.
     """
+    probe, prep = masking.probe, masking.prep
     if any(t.append_eos for t in turns):
         return "turns need an appended eos (no end-of-turn marker): one row per turn instead"
     if any(t.prefill for t in turns):
@@ -44,7 +33,8 @@ def _single_row(
         tries.insert(0, {**kw, **turns[-1].kwargs})
     why = ""
     for full_kw in tries:
-        full = _render_prefix(tokenizer, prep, len(prep.messages), False, full_kw, template)
+        full = _render_prefix(masking.tokenizer, prep, len(prep.messages), False, full_kw,
+                              masking.template)
         spans = _spans_in(full, turns)
         if isinstance(spans, str):
             why = spans
@@ -57,8 +47,7 @@ def _single_row(
             norms.extend(n for n in t.notes if n not in norms)
         turn_id = -1 if len(turns) > 1 else turns[0].ordinal
         if strategy == STRATEGY_GENERATION:
-            _check_generation_mask(tokenizer, probe, prep, full_kw, template, spans, text,
-                                   [t.index for t in turns])
+            _check_generation_mask(masking, full_kw, spans, text, [t.index for t in turns])
         name = STRATEGY_GENERATION if strategy == STRATEGY_GENERATION else STRATEGY_RENDER_DIFF
         return _RowPlan(text, spans, [t.reply for t in turns], False, turn_id, norms, name)
     return why

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_etl.templates.limits import RenderError, RenderLimitExceeded
 from dflash_etl.templates.masks.policy import (
     R_GENERATION_TAGS_UNUSABLE,
     R_RENDER_ERROR,
@@ -13,13 +14,7 @@ from dflash_etl.templates.masks.policy import (
 )
 from dflash_etl.templates.masks.prepare import _Prepared
 from dflash_etl.templates.probe_record import TemplateProbe
-from dflash_etl.templates.render import (
-    RenderError,
-    RenderLimitExceeded,
-    guarded_call,
-    render,
-    render_generation_spans,
-)
+from dflash_etl.templates.render import guarded_call, render, render_generation_spans
 
 # the shortcuts, by the names probe.fast_paths records them under
 FAST_GENERATION = "generation_one_render"  # a tag template's mask from one render

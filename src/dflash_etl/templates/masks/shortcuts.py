@@ -7,11 +7,11 @@ import dataclasses
 import json
 from typing import Any
 
+from dflash_etl.templates.limits import RenderLimitExceeded
 from dflash_etl.templates.masks.conversations import _outcome, tokenize_conversations
 from dflash_etl.templates.masks.policy import MaskPolicy
 from dflash_etl.templates.masks.renders import FAST_GENERATION, FAST_ONE_RENDER, FAST_TURN_END
 from dflash_etl.templates.probe_record import STRATEGY_GENERATION, TemplateProbe
-from dflash_etl.templates.render import RenderLimitExceeded
 
 
 def _sample_conversations(probe: TemplateProbe) -> list[dict[str, Any]]:
