@@ -69,11 +69,13 @@ browser:
 	fi
 
 # The Python set-up and the browser install run side by side (both take minutes on a slow machine).
+# The suite writes its wall time and its slowest tests to build/test-durations.txt (CI prints it);
+# the inner loop is `.venv/bin/python -m pytest -m "not slow"` (docs/tests.md).
 test:
 	@date -u +"%T set-up starts"
 	$(MAKE) --no-print-directory -j2 setup browser
 	@date -u +"%T set-up done, tests start"
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q
 
 # The package as a user gets it, not this checkout: the sdist and the wheel built from it, the
 # wheel installed with its dependencies (torch as above) into a fresh environment, and from an

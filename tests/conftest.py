@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,40 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _start_default_run()
 
 
+# ---------------------------------------------------------------- test time, kept in view
+DURATIONS_FILE = REPO_ROOT / "build" / "test-durations.txt"  # CI prints it (.ci/run)
+_TIMES: dict[str, float] = {}
+_SESSION: dict[str, float] = {}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SESSION["start"] = time.perf_counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's seconds: its setup (a session fixture it is the first to ask for), call and
+    teardown."""
+    _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+
+
+def _write_durations(session: pytest.Session, slowest: int = 40) -> None:
+    """build/test-durations.txt: the session's wall time, its tests and the slowest of them."""
+    wall = time.perf_counter() - _SESSION.get("start", time.perf_counter())
+    ranked = sorted(_TIMES.items(), key=lambda kv: -kv[1])
+    marks = {item.nodeid: item.get_closest_marker("slow") is not None for item in session.items}
+    lines = [f"{len(_TIMES)} tests in {wall:.0f} s wall ({time.strftime('%Y-%m-%d %H:%M')}, "
+             f"{os.cpu_count()} cores, 1-min load {os.getloadavg()[0]:.1f} at the end); "
+             f"{sum(_TIMES.values()):.0f} s in the tests themselves", "",
+             f"the {min(slowest, len(ranked))} slowest (setup + call + teardown):"]
+    lines += [f"{seconds:8.1f} s  {'slow ' if marks.get(node) else '     '}{node}"
+              for node, seconds in ranked[:slowest]]
+    DURATIONS_FILE.parent.mkdir(exist_ok=True)
+    DURATIONS_FILE.write_text("\n".join(lines) + "\n")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _TIMES:
+        _write_durations(session)
     process = _DEFAULT_RUN.get("process")
     if isinstance(process, subprocess.Popen) and process.poll() is None:
         process.kill()

@@ -140,6 +140,21 @@ def test_python_dash_m_runs_like_the_subcommand(tmp_path, monkeypatch, capsys):
     assert "ingest done" in capsys.readouterr().out
 
 
+def test_the_entries_before_the_one_entry_are_refused_not_silent(tmp_path):
+    """`python -m dflash_etl.stages.ingest` ran the stage before `python -m dflash_etl ingest`
+    did: it now ends with exit 1 naming the command to run, never exit 0 having done nothing."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    for module, command in (("dflash_etl.stages.ingest", "ingest"),
+                            ("dflash_etl.evaluate", "eval")):
+        result = subprocess.run([sys.executable, "-m", module, "--run", str(tmp_path / "r")],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 1
+        assert f"run `python -m dflash_etl {command} ...`" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_errors_exit_nonzero_with_a_message(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text(
         '[[sources]]\nname = "x"\npath = "x.jsonl"\nformat = "csv"\n'

@@ -268,3 +268,27 @@ def test_a_flag_a_stage_has_no_use_for_is_refused_naming_what_it_is_for(tmp_path
     assert "--ray-address auto applies to the Ray executor: add --executor ray" in \
         capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # refused before the run directory is touched
+
+
+def test_a_setting_that_does_nothing_with_the_others_is_refused_as_a_flag(tmp_path, capsys):
+    """`--concurrency` does nothing on the transformers backend, `--states-dir` without server
+    states, `--nproc-per-node` without the launcher: given as flags they are refused, naming the
+    flag that makes them apply (a config may keep them: it may switch backends with a flag)."""
+    from dflash_etl.core.config import build_settings
+    from dflash_etl.stages.regenerate import RegenerateSettings
+
+    run = str(tmp_path / "r")
+    assert main(["regenerate", "--run", run, "--model", "m", "--concurrency", "4"]) == 1
+    assert "--concurrency applies only with --backend openai (backend is \"transformers\" " \
+           "now): drop it, or add --backend openai" in capsys.readouterr().err
+    assert main(["extract", "--run", run, "--model", "m", "--nproc-per-node", "2"]) == 1
+    assert "--nproc-per-node applies only with --launcher torchrun" in capsys.readouterr().err
+    assert main(["train", "--run", run, "--target", "t", "--states-dir", "s"]) == 1
+    assert "--states-dir applies only with --states-from server" in capsys.readouterr().err
+    config = str(Path(__file__).resolve().parents[1] / "data" / "pipeline.toml")
+    assert main(["ingest", "--config", config, "--run", run, "--near-dedup-ngram", "5"]) == 1
+    assert "--near-dedup-ngram applies only with --near-dedup" in capsys.readouterr().err
+    # in the config section it is kept, and applies once a flag switches the backend
+    settings = build_settings(RegenerateSettings, "regenerate", {"concurrency": 4},
+                              {"model": "m", "backend": "openai"})
+    assert settings.concurrency == 4

@@ -10,12 +10,7 @@ import sys
 import pytest
 
 from dflash_etl.io.torch_pickle import save_plain_dict
-
-try:
-    from tests.run_compare import differing_files
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from run_compare import differing_files
-
+from run_compare import differing_files
 
 
 @pytest.mark.slow

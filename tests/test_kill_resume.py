@@ -26,10 +26,7 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from tests.run_compare import differing_files
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from run_compare import differing_files
+from run_compare import differing_files
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}

@@ -6,22 +6,13 @@ import json
 
 import pytest
 
-try:
-    from tests.templates_helpers import (
-        DATA_DIR,
-        TEMPLATES_DIR,
-        independent_problems,
-        runs,
-    )
-    from tests.test_template_probe import STRICT_CHATML
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from templates_helpers import (
-        DATA_DIR,
-        TEMPLATES_DIR,
-        independent_problems,
-        runs,
-    )
-    from test_template_probe import STRICT_CHATML
+from templates_helpers import (
+    DATA_DIR,
+    TEMPLATES_DIR,
+    independent_problems,
+    runs,
+)
+from test_template_probe import STRICT_CHATML
 
 hyp = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

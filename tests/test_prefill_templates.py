@@ -16,23 +16,6 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from tests.templates_helpers import (
-        TEMPLATES_DIR,
-        independent_problems,
-        load_rows,
-        prefill_conversations,
-        require_fixtures,
-    )
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from templates_helpers import (
-        TEMPLATES_DIR,
-        independent_problems,
-        load_rows,
-        prefill_conversations,
-        require_fixtures,
-    )
-
 from dflash_etl.templates import (
     MaskPolicy,
     MaskRefused,
@@ -40,6 +23,13 @@ from dflash_etl.templates import (
     probe_template,
     tokenize_conversation,
     verify_row,
+)
+from templates_helpers import (
+    TEMPLATES_DIR,
+    independent_problems,
+    load_rows,
+    prefill_conversations,
+    require_fixtures,
 )
 
 R1_EOT = "<｜end▁of▁sentence｜>"

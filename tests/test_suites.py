@@ -16,11 +16,7 @@ import pytest
 from dflash_etl.cli.main import main
 from dflash_etl.core.config import ConfigError
 from dflash_etl.validation import suites
-
-try:
-    from tests.run_compare import without_keys
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from run_compare import without_keys
+from run_compare import without_keys
 
 DEFAULT_LIMITS = {"max_quarantine_rate_per_source": {"openai_chat": 0.10}}
 

@@ -22,31 +22,20 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from tests.templates_helpers import (
-        TEMPLATES_DIR,
-        independent_problems,
-        prefill_conversations,
-        qwen_tokenizer,
-        representative_conversations,
-        require_fixtures,
-    )
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from templates_helpers import (
-        TEMPLATES_DIR,
-        independent_problems,
-        prefill_conversations,
-        qwen_tokenizer,
-        representative_conversations,
-        require_fixtures,
-    )
-
 from dflash_etl.templates import (
     MaskRefused,
     TemplateUnusable,
     probe_template,
     tokenize_conversation,
     tokenize_conversations,
+)
+from templates_helpers import (
+    TEMPLATES_DIR,
+    independent_problems,
+    prefill_conversations,
+    qwen_tokenizer,
+    representative_conversations,
+    require_fixtures,
 )
 
 REPORT = (Path(os.environ.get("DFLASH_CONFORMANCE_OUT") or

@@ -6,10 +6,7 @@ import json
 
 import pytest
 
-try:
-    from tests.templates_helpers import TEMPLATES_DIR
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from templates_helpers import TEMPLATES_DIR
+from templates_helpers import TEMPLATES_DIR
 
 STRICT_CHATML = (
     "{%- for m in messages %}"

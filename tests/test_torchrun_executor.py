@@ -126,7 +126,7 @@ def _data_files(run: Path, stage: str) -> dict[str, bytes]:
 def _torchrun(stage: str, run_dir: Path) -> subprocess.CompletedProcess[Any]:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "--", f"dflash_etl.stages.{stage}", "--config", str(CONFIG), "--run",
+         "-m", "--", "dflash_etl", stage, "--config", str(CONFIG), "--run",
          str(run_dir)],
         capture_output=True, text=True, env=ENV, timeout=600)
 

@@ -25,6 +25,7 @@ from dflash_etl.core.settings import (
     check_section,
     check_value,
     flag_name,
+    inapplicable,
     marked,
     problem_list,
     setting,
@@ -306,6 +307,8 @@ def build_settings(cls: type, stage: str, section: dict[str, Any], overrides: di
         if section.get(key) and config is not None and overrides.get(key) is None:
             values[key] = str((config.base_dir / section[key]).resolve())
     settings = cls(**values)
+    if problems := inapplicable(settings, given):
+        raise StageError(problem_list(problems))
     for spec in marked(cls, "required"):
         if not getattr(settings, spec.name):
             hint = TARGET_HINT if spec.metadata.get("target") else ""

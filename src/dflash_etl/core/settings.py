@@ -27,7 +27,8 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             choices: Iterable[str] | None = None, why: str | None = None,
             help: str | None = None, flags: Iterable[str] = (), metavar: str | None = None,
             required: str | None = None, target: bool = False, inherit: str | None = None,
-            path: bool = False, fingerprint: bool | str = True) -> Any:
+            path: bool = False, fingerprint: bool | str = True,
+            applies: tuple[str, tuple[Any, ...]] | None = None) -> Any:
     """A settings dataclass field with the range its value must be in: `min` <= value <= `max`,
     value > `above`, value in `choices` (a choice "x:N" also accepts "x:0", "x:1", ...); `why`
     is added to the error message. For a dict field the range applies to its values.
@@ -41,12 +42,15 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
     config's [target] model when unset; `inherit`: the named section's value when unset; `path`:
     a config value is relative to the config's folder; `fingerprint`: False leaves it out of the
     stage's fingerprint (where or how the work runs, not what it makes), "unless_default" only
-    while it has its default (a setting added later: runs made before it are not redone)."""
+    while it has its default (a setting added later: runs made before it are not redone);
+    `applies=("backend", ("openai",))`: it does something only while that setting has one of
+    those values, and a flag given otherwise is refused, naming the one that makes it apply."""
     meta = {"min": min, "max": max, "above": above, "why": why,
             "choices": tuple(choices) if choices is not None else None,
             "help": help, "flags": tuple(flags) or None, "metavar": metavar,
             "required": required, "target": target or None, "inherit": inherit,
-            "path": path or None, "fingerprint": None if fingerprint is True else fingerprint}
+            "path": path or None, "fingerprint": None if fingerprint is True else fingerprint,
+            "applies": applies}
     meta = {k: v for k, v in meta.items() if v is not None}
     if default_factory is not dataclasses.MISSING:  # a dict or list: out of the hash, as
         # a frozen settings object stays hashable (equality still compares it)
@@ -56,8 +60,23 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
 
 def marked(cls: type, key: str) -> list[dataclasses.Field[Any]]:
     """The fields of the settings dataclass `cls` whose `setting` sets `key` (required, target,
-    inherit, path)."""
+    inherit, path, applies)."""
     return [f for f in fields(cls) if f.metadata.get(key)]
+
+
+def inapplicable(settings: Any, given: Iterable[str]) -> list[str]:
+    """The `given` flags that do nothing with these settings (`setting(applies=...)`), each
+    with the flag that would make it apply."""
+    problems = []
+    for spec in marked(type(settings), "applies"):
+        key, allowed = spec.metadata["applies"]
+        if spec.name not in given or getattr(settings, key) in allowed:
+            continue
+        needs = (flag_name(key) if allowed == (True,) else
+                 f"{flag_name(key)} {' or '.join(map(str, allowed))}")
+        problems.append(f"{flag_name(spec.name)} applies only with {needs} ({key} is "
+                        f"{show_value(getattr(settings, key))} now): drop it, or add {needs}")
+    return problems
 
 
 def fingerprinted(settings: Any) -> dict[str, Any]:

@@ -81,6 +81,7 @@ STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
                    ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
 QUARANTINE = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("reason", pa.string())])
+SERVER = ("backend", ("server",))  # the settings of the server backend alone
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class ExtractSettings:
                             help="torchrun: re-run this command under `python -m "
                                  "torch.distributed.run --standalone` (data parallel, one node)")
     nproc_per_node: int = setting(0, min=0, fingerprint=False,
+                                  applies=("launcher", ("torchrun",)),
                                   help="--launcher torchrun: processes (0: one per visible GPU, "
                                        "at least one)")
     dist_timeout_s: int = setting(1800, min=1, fingerprint=False,
@@ -125,30 +127,31 @@ class ExtractSettings:
                          help="a dry run: measure a few batches, project the whole dataset's "
                               "bytes and hours against free disk, write "
                               "<run>/extract.plan.json; nothing is published")
-    plan_batches: int = setting(4, min=1, fingerprint=False,
+    plan_batches: int = setting(4, min=1, fingerprint=False, applies=("plan", (True,)),
                                 help="--plan: length-bucketed batches to measure (spread over "
                                      "the length range)")
     backend: str = setting("hooks", choices=("hooks", "server"),
                            help="hooks: the target under transformers here; server: a vLLM "
                                 "server with the extract_hidden_states method (--endpoint)")
-    endpoint: str = setting("", metavar="URL", fingerprint=False,
+    endpoint: str = setting("", metavar="URL", fingerprint=False, applies=SERVER,
                             help="--backend server: the server's /v1 base")
     # a fleet of servers and its limits: regenerate's fleet client and declarations
     # (core/settings.py FLEET_SETTINGS); the served model defaults to the first the server lists
-    endpoints: tuple[str, ...] = fleet_setting("endpoints", "--backend server")
+    endpoints: tuple[str, ...] = fleet_setting("endpoints", "--backend server", applies=SERVER)
     served_model: str | None = fleet_setting("served_model", "--backend server",
-                                             fingerprint=False)
-    states_dir: str = setting("", metavar="DIR", fingerprint=False,
+                                             fingerprint=False, applies=SERVER)
+    states_dir: str = setting("", metavar="DIR", fingerprint=False, applies=SERVER,
                               help="--backend server: the connector's shared_storage_path; a "
                                    "file named elsewhere is refused")
-    keep_server_files: bool = setting(False, fingerprint=False,
+    keep_server_files: bool = setting(False, fingerprint=False, applies=SERVER,
                                       help="--backend server: keep the server's files after "
                                            "they are copied")
-    concurrency: int = fleet_setting("concurrency", "--backend server")
-    timeout_s: float = fleet_setting("timeout_s", "--backend server")
-    request_deadline_s: float = fleet_setting("request_deadline_s", "--backend server")
-    retries: int = fleet_setting("retries", "--backend server")
-    cooldown_s: float = fleet_setting("cooldown_s", "--backend server")
+    concurrency: int = fleet_setting("concurrency", "--backend server", applies=SERVER)
+    timeout_s: float = fleet_setting("timeout_s", "--backend server", applies=SERVER)
+    request_deadline_s: float = fleet_setting("request_deadline_s", "--backend server",
+                                              applies=SERVER)
+    retries: int = fleet_setting("retries", "--backend server", applies=SERVER)
+    cooldown_s: float = fleet_setting("cooldown_s", "--backend server", applies=SERVER)
 
     def __post_init__(self) -> None:
         """The placement and the fleet, checked before any work."""

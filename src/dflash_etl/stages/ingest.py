@@ -53,6 +53,7 @@ _MIX = pa.schema([("_bench", pa.string()), ("_bench_item", pa.string()),
                   ("_bench_shared", pa.string()),
                   ("_minhash", pa.binary(4 * 128)), ("_bands", pa.binary(8 * 16))])
 UNIT_FORMAT = 2  # of the unit files: a resumed run never reuses another layout's
+NEAR_DEDUP = ("near_dedup", (True,))  # the near-dedup filter's settings
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,11 @@ class IngestSettings:
     decontaminate_ngram: int = setting(13, min=MIN_WORDS, help="words in a shared run")
     near_dedup: bool = setting(False, help="filter near-duplicate conversations (MinHash LSH): "
                                "of each cluster the first (source, file, line) is kept")
-    near_dedup_threshold: float = setting(0.8, above=0, max=1,
+    near_dedup_threshold: float = setting(0.8, above=0, max=1, applies=NEAR_DEDUP,
                                           help="Jaccard similarity of a near-duplicate")
-    near_dedup_ngram: int = setting(3, min=1, help="words per shingle")
+    near_dedup_ngram: int = setting(3, min=1, applies=NEAR_DEDUP, help="words per shingle")
     near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
+                                    applies=NEAR_DEDUP,
                                     help="compare the user turns, or every message")
     weight_by: str = setting(
         "rows", choices=("rows", "supervised_tokens"), fingerprint="unless_default",

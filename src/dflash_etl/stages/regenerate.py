@@ -65,6 +65,7 @@ from dflash_etl.models.loading import placement
 
 STAGE = "regenerate"
 BACKENDS = ("transformers", "openai", "vllm")
+OPENAI = ("backend", ("openai",))  # the settings of the openai backend alone
 
 # One row per generated assistant turn of the kept conversations (message index = turn).
 GENERATED_TURNS = pa.schema([("id", pa.string()), ("turn", pa.int32()),
@@ -95,7 +96,8 @@ class RegenerateSettings:
     max_new_tokens: int = setting(256, min=1, help="per reply")
     temperature: float = setting(0.0, min=0, help="0 = greedy")
     seed: int = setting(0, min=0, help="sampling seed")
-    batch_size: int = setting(8, min=1, help="prompts per generate call")
+    batch_size: int = setting(8, min=1, applies=("backend", ("transformers", "vllm")),
+                              help="prompts per generate call")
     thinking: str = setting("keep", choices=("on", "off", "keep"),
                             help="the template's enable_thinking (keep: as the template does)")
     template_kwargs: dict[str, Any] = setting(  # noqa: RUF009 (setting() returns a field)
@@ -116,25 +118,29 @@ class RegenerateSettings:
                                           "is a dummy (quarantined)")
     # openai backend
     endpoint: str = setting("http://127.0.0.1:8000/v1", metavar="URL", fingerprint=False,
+                            applies=OPENAI,
                             help="openai backend: the server's /v1 URL")
     # several servers of one model (empty: `endpoint` alone); requests go to the least loaded
     # healthy one, a failed server sits out `cooldown_s` and is probed before it comes back;
     # these limits are the fleet client's, declared once (core/settings.py FLEET_SETTINGS)
-    endpoints: tuple[str, ...] = fleet_setting("endpoints", "openai backend")
-    served_model: str | None = fleet_setting("served_model", "openai backend")
-    concurrency: int = fleet_setting("concurrency", "openai backend")
-    timeout_s: float = fleet_setting("timeout_s", "openai backend")
-    request_deadline_s: float = fleet_setting("request_deadline_s", "openai backend")
-    retries: int = fleet_setting("retries", "openai backend")
-    stream: bool = setting(False, help="openai backend: stream the responses")
+    endpoints: tuple[str, ...] = fleet_setting("endpoints", "openai backend", applies=OPENAI)
+    served_model: str | None = fleet_setting("served_model", "openai backend", applies=OPENAI)
+    concurrency: int = fleet_setting("concurrency", "openai backend", applies=OPENAI)
+    timeout_s: float = fleet_setting("timeout_s", "openai backend", applies=OPENAI)
+    request_deadline_s: float = fleet_setting("request_deadline_s", "openai backend",
+                                              applies=OPENAI)
+    retries: int = fleet_setting("retries", "openai backend", applies=OPENAI)
+    stream: bool = setting(False, applies=OPENAI, help="openai backend: stream the responses")
     device_map: str = setting("none", choices=("none", "auto"), fingerprint=False,
+                              applies=("backend", ("transformers",)),
                               help="transformers backend, 'auto': place the model's layers over "
                                    "the visible GPUs, then the CPU (accelerate)")
     max_memory: str = setting("", metavar="0=70GiB,1=70GiB,cpu=200GiB", fingerprint=False,
+                              applies=("backend", ("transformers",)),
                               help="transformers backend with --device-map auto: the memory "
                                    "each device may hold (default: accelerate's estimate)")
-    cooldown_s: float = fleet_setting("cooldown_s", "openai backend")
-    retry_failed: bool = setting(True, fingerprint=False,
+    cooldown_s: float = fleet_setting("cooldown_s", "openai backend", applies=OPENAI)
+    retry_failed: bool = setting(True, fingerprint=False, applies=OPENAI,
                                  help="openai backend: a rerun of a complete stage that has "
                                       "generation_failed rows retries them (the cached replies "
                                       "are reused); off: it is skipped")

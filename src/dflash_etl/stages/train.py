@@ -46,6 +46,7 @@ from dflash_etl.validation.contracts import read_arrow
 
 STAGE = "train"
 F_HELD_OUT = "held_out_for_eval"
+STATE_SERVER = ("states_from", ("server",))  # the settings of --states-from server alone
 F_NO_ANCHOR = "no_anchor"  # no position where the loss mask and its successor are both 1
 
 
@@ -77,20 +78,20 @@ class TrainSettings:
                                                   "mask token, a spare embedding row, or pad)")
     online: bool = setting(False, help="compute the hidden states from the target (no extract "
                                        "output needed)")
-    states_from: str = setting("target", choices=("target", "server"),
+    states_from: str = setting("target", choices=("target", "server"), applies=("online", (True,)),
                                help="--online: the states from the target loaded here, or from "
                                     "a hidden-states server (vLLM extract_hidden_states, as "
                                     "extract --backend server): --states-endpoint, --states-dir")
-    states_endpoint: str = setting("", fingerprint=False, metavar="URL",
+    states_endpoint: str = setting("", fingerprint=False, metavar="URL", applies=STATE_SERVER,
                                    help="--states-from server: the server's /v1 base")
     # a fleet, through the fleet client regenerate and extract use; its limits are [extract]'s
     states_endpoints: tuple[str, ...] = setting(
-        (), metavar="URL,URL", fingerprint=False,
+        (), metavar="URL,URL", fingerprint=False, applies=STATE_SERVER,
         help="--states-from server: several hidden-states servers of one "
         "model, comma-separated; each request goes to the least loaded healthy one, a failed "
         "one is taken out and its rows asked of another ([extract]'s concurrency, timeout_s, "
         "request_deadline_s, retries, cooldown_s; default: --states-endpoint)")
-    states_dir: str = setting("", metavar="DIR", fingerprint=False,
+    states_dir: str = setting("", metavar="DIR", fingerprint=False, applies=STATE_SERVER,
                               help="--states-from server: the server's shared_storage_path (its "
                                    "files go there)")
     layers: str = setting("auto", metavar="auto|1,16,31",
@@ -101,6 +102,7 @@ class TrainSettings:
                             help="torchrun: re-run this command under `python -m "
                                  "torch.distributed.run --standalone` (DDP, one node)")
     nproc_per_node: int = setting(0, min=0, fingerprint=False,
+                                  applies=("launcher", ("torchrun",)),
                                   help="--launcher torchrun: processes (0: one per visible GPU, "
                                        "at least one)")
     dist_timeout_s: int = setting(1800, min=1, fingerprint=False,
