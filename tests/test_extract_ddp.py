@@ -89,6 +89,7 @@ def test_run_does_not_launch_torchrun(tmp_path):
     assert relaunch(None, {"launcher": "none"}, ["--run", "x"]) is None
 
 
+@pytest.mark.slow
 def test_torchrun_extract_equals_one_process(tiny_target, default_tokenized, one_process, tmp_path,
                                              copy_run):
     """`dflash-etl extract --launcher torchrun --nproc-per-node 2` runs itself again under

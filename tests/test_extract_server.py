@@ -60,6 +60,7 @@ def hooks_run(tiny_target, default_tokenized, copy_run, tmp_path_factory) -> Pat
     return run
 
 
+@pytest.mark.slow
 def test_server_states_equal_the_hooks_states(tiny_target, default_tokenized, copy_run,
                                               tmp_path, server, hooks_run, capsys):
     from dflash_etl.stages import extract
@@ -245,6 +246,7 @@ def test_a_server_killed_mid_stage_is_taken_out_and_its_rows_retried(
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow
 def test_a_slow_server_is_taken_out_past_its_deadline_and_its_rows_retried(
         fleet, default_tokenized, copy_run, tmp_path, tiny_target, hooks_run):
     import time

@@ -319,9 +319,10 @@ def test_probe_json_and_the_report_show_the_appended_eos(tmp_path):
     assert "no end-of-turn marker" in html
 
 
-def test_readme_documents_the_appended_eos_and_prefill():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert "eos_appended" in readme and "prefill_needs_reasoning" in readme
+def test_the_docs_document_the_appended_eos_and_prefill():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "stages" / "tokenize.md").read_text(
+        encoding="utf-8")
+    assert "eos_appended" in page and "prefill_needs_reasoning" in page
 
 
 def test_report_says_nothing_is_appended_when_include_eot_is_off(tok, tmp_path):

@@ -394,6 +394,7 @@ def _md(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
+@pytest.mark.slow
 def test_conformance_templates(conformance):
     _tok, convs, results = conformance
     if ALL:

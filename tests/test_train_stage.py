@@ -39,6 +39,7 @@ def extracted(tmp_path_factory, untied_target) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, untied_target, tmp_path,
                                                                copy_run, monkeypatch):
     run_dir = copy_run(extracted, tmp_path, "*train*", "docs")

@@ -199,31 +199,31 @@ class RunDir:
         `stale_hint`: in the errors about a writer that ran."""
         records = self.records()
         present = [w for w in writers if w in records or kind.found_in(self.stage_dir(w))]
-        where = f" (run directory {self.root})"
+        words = kind.kind.replace("_", " ")
         if not present:
-            raise StageError(f"{reader} reads {kind.kind.replace('_', ' ')}, which no stage of "
-                             f"this run wrote yet: run `dflash-etl "
-                             f"{writers[0] if writers else '<stage>'}` first{hint}{where}")
+            raise StageError(f"{reader} reads {words}, which no stage of this run wrote yet: run "
+                             f"`dflash-etl {writers[0] if writers else '<stage>'}` for this run "
+                             f"first{hint} (run directory {self.root})")
         stale_now = self.stale()
         for k in range(len(present) - 1, -1, -1):
             name, record = present[k], records.get(present[k])
             found = kind.found_in(self.stage_dir(name))
             if found and (record is None or (record.complete and name not in stale_now)):
                 return kind.read(self.stage_dir(name))
+            if record is not None and record.complete and not found:
+                raise StageError(f"{name}'s output is gone ({self.stage_dir(name) / kind.marker} "
+                                 f"is missing): run `dflash-etl {name}` first{hint}")
             if record is None or not record.complete:
                 why = f"is {record.status if record else 'missing'}, not complete"
-            elif not found:
-                why = f"is gone ({self.stage_dir(name) / kind.marker} is missing)"
             else:
                 replaced = _replaced(record, records)
                 why = f"was made from an older {replaced} output ({replaced} was rerun since)"
             earlier = present[k - 1] if k else None
             message = f"{name}'s output {why}" + (
-                f": {reader} would read {earlier}'s {kind.kind.replace('_', ' ')} instead"
-                if earlier else "")
+                f": {reader} would read {earlier}'s {words} instead" if earlier else "")
             if stale != "previous" or earlier is None:
-                raise StageError(f"{message}; rerun `dflash-etl {name}` first{stale_hint}{hint}"
-                                 f"{where}")
+                raise StageError(f"{message}. Rerun `dflash-etl {name} --run {self.root}` first"
+                                 f"{stale_hint}{hint}")
             print(f"{reader}: WARNING: {message}", file=sys.stderr, flush=True)
         raise AssertionError("unreachable: the first writer returns or raises")
 
