@@ -74,6 +74,7 @@ class LocalExecutor:
             if todo:
                 stage.setup()  # once, here: forked workers inherit the loaded tokenizer or model
             if n_workers == 1:
+                workers_started()  # no fork follows: the gate's imports may overlap the items
                 for item in todo:
                     results[item.index] = run_item(stage, item, work_dir)
                     bar.advance(1)
