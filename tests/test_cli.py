@@ -161,3 +161,16 @@ def test_errors_exit_nonzero_with_a_message(tmp_path, capsys):
     )
     assert main(["ingest", "--config", str(tmp_path / "bad.toml"), "--run", str(tmp_path)]) == 1
     assert "format='csv'" in capsys.readouterr().err
+
+
+def test_check_names_a_corrupt_manifest(ingest_rows, capsys):
+    """`check` on a run whose manifest.json is cut was an internal error (reliability issue,
+    item 13): it names the file, as the other commands do."""
+    run = ingest_rows([{"messages": [{"role": "user", "content": f"q{k}"},
+                                     {"role": "assistant", "content": f"a{k}"}]}
+                       for k in range(3)], "mini")
+    (run / "manifest.json").write_text('{"stages": {"ingest": {"status": "compl')
+    assert main(["check", str(run)]) == 1
+    captured = capsys.readouterr()
+    assert "manifest.json is not valid JSON" in captured.err + captured.out
+    assert "internal error" not in captured.err

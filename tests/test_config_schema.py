@@ -278,3 +278,20 @@ def test_core_config_imports_no_stage():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout
     assert out.strip() == "[]"
+
+
+def test_values_that_failed_later_are_refused_with_the_config(tmp_path):
+    """Reliability issue, item 15: `near_dedup_ngram = 100000` passed the schema and failed as
+    an internal error; `[target] tiny` with a negative size was refused only after ingest had
+    run (hours at scale); `decontaminate = "file.jsonl"` (a string) was read character by
+    character."""
+    from dflash_etl.stages.ingest import IngestSettings
+
+    with pytest.raises(ConfigError, match=r"near_dedup_ngram = 100000: must be an integer in "
+                                          r"\[1, 32\]"):
+        parse_config({"sources": [{"path": "a"}], "ingest": {"near_dedup_ngram": 100000}},
+                     tmp_path)
+    with pytest.raises(ConfigError, match=r"\[target\] tiny: layers = -2: give a whole number"):
+        parse_config({"sources": [{"path": "a"}], "target": {"tiny": {"layers": -2}}}, tmp_path)
+    settings = build_settings(IngestSettings, "ingest", {"decontaminate": "gsm8k.jsonl"}, {})
+    assert settings.decontaminate == ("gsm8k.jsonl",)

@@ -753,3 +753,27 @@ def test_a_corrupt_manifest_is_named_with_what_to_do(tmp_path, capsys):
         message = _error(code, err)
         assert str(run / "manifest.json") in message and "not valid JSON" in message
         assert "internal error" not in message
+
+
+def test_a_rerun_that_makes_the_same_data_leaves_the_stages_built_on_it_current(tmp_path):
+    """`tokenize --force` with byte-identical data marked extract and train stale for good
+    (reliability issue, item 5): the output identity hashed files.json, which hashes
+    validation.json, whose great_expectations run record differs every validation. The
+    identity is the data's: the same data is current, other data is stale."""
+    from dflash_etl.core.rundir import RunDir, output_identity
+
+    run = RunDir(tmp_path / "run")
+
+    def publish(stage: str, data: bytes, record: str, built_on: dict) -> None:
+        partial = run.begin(stage, f"fingerprint-{stage}")
+        (partial / "rows.bin").write_bytes(data)
+        (partial / "validation.json").write_text(json.dumps({"run_id": record}))
+        run.commit(stage, {"rows_in": 1, "rows_out": 1}, 0.1, built_on=built_on)
+
+    publish("tokenize", b"rows", "first validation", {})
+    publish("extract", b"states", "x", {"tokenize": output_identity(
+        run.record("tokenize").entry)})
+    publish("tokenize", b"rows", "second validation", {})  # forced: the same data
+    assert run.stale() == {}
+    publish("tokenize", b"other rows", "third validation", {})
+    assert "extract" in run.stale()

@@ -10,6 +10,7 @@ import json
 import random
 
 import polars as pl
+import pytest
 
 from dflash_etl.mix.near_dedup import shingles, text_of
 from dflash_etl.stages import ingest, load_config
@@ -163,6 +164,7 @@ def test_word_hashes_run_in_a_worker_forked_from_a_busy_polars_parent():
     script = """
 import os, sys
 import polars as pl
+import pytest
 from dflash_etl.mix.ngrams import word_hashes
 frame = pl.DataFrame({"k": list(range(200_000)), "v": [str(i) for i in range(200_000)]})
 for _ in range(5):
@@ -264,3 +266,19 @@ def test_the_greedy_pass_equals_the_row_by_row_reference_on_families_and_twins()
             want = _greedy_reference(keys, digests, threshold)
             assert near_duplicates(keys, digests, threshold) == want, (trial, threshold)
     assert near_duplicates(keys[:0], digests[:0], 0.8) == []
+
+
+def test_near_dedup_with_dedup_off_is_refused_before_any_work(tmp_path):
+    """[run] dedup = false with near-dedup on kept 50 exact copies of a conversation and removed
+    its one near copy (reliability issue, item 6): the combination is refused, naming why."""
+    from dflash_etl.core.errors import StageError
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(_conv(r)) + "\n"
+                                                 for r in _planted()))
+    (tmp_path / "pipeline.toml").write_text(
+        '[run]\ndedup = false\n[[sources]]\nname = "mix"\npath = "rows.jsonl"\n\n'
+        '[ingest]\nnear_dedup = true\n')
+    with pytest.raises(StageError, match="would keep every exact copy"):
+        ingest.run(load_config(tmp_path / "pipeline.toml"), tmp_path / "run", progress=False,
+                   workers=1)
+    assert not (tmp_path / "run" / "ingest").exists()

@@ -194,11 +194,42 @@ def _source(entry: dict[str, Any], index: int) -> SourceConfig:
     )
 
 
+TINY_LIMITS = {"hidden_size": 4096, "layers": 64, "heads": 64, "kv_heads": 64}
+
+
+def tiny_target_problems(spec: Any) -> list[str]:
+    """What is wrong with [target] tiny's sizes (whole, positive, small: the model is built on
+    this machine), checked with the config, before any stage runs."""
+    if not isinstance(spec, dict):
+        return [f"[target] tiny = {show_value(spec)}: give a table of build arguments"]
+    problems = []
+    for key, most in TINY_LIMITS.items():
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 1 <= value <= most):
+            problems.append(f"[target] tiny: {key} = {value!r}: give a whole number from 1 to "
+                            f"{most} (a tiny random target; name a real one with [target] "
+                            "model = \"DIR\")")
+    if problems:
+        return problems
+    hidden, heads = spec.get("hidden_size", 64), spec.get("heads", 4)
+    kv_heads = spec.get("kv_heads", 2)
+    if hidden % heads or heads % kv_heads:
+        problems.append(f"[target] tiny: hidden_size {hidden} must be a multiple of heads "
+                        f"{heads}, and heads of kv_heads {kv_heads}")
+    if "seed" in spec and (not isinstance(spec["seed"], int) or isinstance(spec["seed"], bool)):
+        problems.append(f"[target] tiny: seed = {spec['seed']!r}: give a whole number")
+    return problems
+
+
 def parse_config(data: dict[str, Any], base_dir: Path, *, sections: Mapping[str, type]
                  ) -> PipelineConfig:
     """The checked config (ConfigError naming every unknown section or key and every value of
     the wrong type or out of range); `sections`: the stages' (name -> settings class)."""
     problems = check_schema(data, sections)
+    target = data.get("target")
+    if isinstance(target, dict) and "tiny" in target:
+        problems += tiny_target_problems(target["tiny"])
     sources = []
     entries = data.get("sources", [])
     for index, entry in enumerate(entries if isinstance(entries, list) else []):

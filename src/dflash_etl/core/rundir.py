@@ -341,7 +341,8 @@ class RunDir:
             stage, status="publishing", finished_at=now(), seconds=round(seconds, 3), **timings,
             counts=summary,
             files={"count": len(listing), "bytes": sum(e["size"] for e in listing.values()),
-                   "listing_sha256": sha256_file(partial / FILES_JSON)}, error=None,
+                   "listing_sha256": sha256_file(partial / FILES_JSON),
+                   "data_sha256": data_digest(listing)}, error=None,
         )
         self._publish(stage)
         return final
@@ -468,12 +469,25 @@ def restore_old(final: Path, old: Path) -> bool:
 
 
 # ---------------------------------------------------------------- what a stage was built on
+# a gate's record in a published output: its great_expectations run record (ids, times) differs
+# from one validation of the same data to the next, so it is not the output's data
+REPORTS = ("validation.json",)
+
+
+def data_digest(listing: dict[str, dict[str, Any]]) -> str:
+    """The hash of a published listing's data files: every file but the gates' records."""
+    data = {rel: entry for rel, entry in listing.items() if Path(rel).name not in REPORTS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
 def output_identity(entry: dict[str, Any] | None) -> str | None:
     """A complete stage's published output, as the stages after it record what they read: its
-    fingerprint (inputs and settings) and its files' listing; None when it is not complete."""
+    fingerprint (inputs and settings) and its data files (not the gates' records: a forced
+    rerun that makes the same data is the same output); None when it is not complete."""
     if not entry or entry.get("status") != "complete":
         return None
-    return f"{entry.get('fingerprint')}:{(entry.get('files') or {}).get('listing_sha256')}"
+    files = entry.get("files") or {}
+    return f"{entry.get('fingerprint')}:{files.get('data_sha256') or files.get('listing_sha256')}"
 
 
 def stale_stages(stages: Any) -> list[dict[str, str]]:

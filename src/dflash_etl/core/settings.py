@@ -305,8 +305,8 @@ def fleet_setting(name: str, scope: str, **more: Any) -> Any:
 
 
 def endpoint_list(value: Any) -> tuple[str, ...]:
-    """`endpoints` as a tuple of URLs: from a list, or "URL,URL" (a TOML string, the flag's
-    text); blanks dropped."""
+    """A list setting (`endpoints`, `decontaminate`) as a tuple: from a list, or "A,B" (a TOML
+    string, the flag's text); blanks dropped."""
     items = (value or "").split(",") if isinstance(value, str) or not value else value
     return tuple(u.strip() for u in items if u and u.strip())
 

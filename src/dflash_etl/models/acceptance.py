@@ -156,10 +156,20 @@ def _pick(logits: Any, temperature: float, generator: torch.Generator | None) ->
 
 
 def _croppable_cache(target: Any) -> Any:
+    """A cache the verify loop can crop back to the kept tokens, or None (the loop then feeds
+    the whole sequence each step). A linear-attention layer (Gated DeltaNet: Qwen3.5/3.6) says
+    it is croppable from transformers 5.25 on, but crops only what it recorded, and recording
+    its recurrent states changes how the model computes them: such a cache is taken as not
+    croppable, as every earlier transformers said it was."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.model.config)
-    return cache if cache.is_croppable else None
+    if not cache.is_croppable:
+        return None
+    linear = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "conv_states")]
+    if any(getattr(layer, "record_past", None) is False for layer in linear):
+        return None
+    return cache
 
 
 def acceptance_length(target: Any, drafter: Any, prompts: list[list[int]], max_new_tokens: int,

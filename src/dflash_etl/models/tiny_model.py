@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.core.config import PipelineConfig, project_path
+from dflash_etl.core.config import PipelineConfig, project_path, tiny_target_problems
 from dflash_etl.core.errors import StageError
 
 CREATED_MARKER = ".dflash_etl_target"  # in a target directory the project made (and may replace)
@@ -120,28 +120,6 @@ def configured_target(config: PipelineConfig | None, run_dir: str | Path) -> str
     return None
 
 
-TINY_LIMITS = {"hidden_size": 4096, "layers": 64, "heads": 64, "kv_heads": 64}
-
-
-def _check_tiny_spec(spec: dict[str, Any]) -> None:
-    """Sizes a tiny model can have (whole, positive, small: it is built on this machine), before
-    torch is asked to build one."""
-    for key, most in TINY_LIMITS.items():
-        value = spec.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or not 1 <= value <= most):
-            raise StageError(f"[target] tiny: {key} = {value!r}: give a whole number from 1 to "
-                             f"{most} (a tiny random target; name a real one with [target] "
-                             "model = \"DIR\")")
-    hidden, heads = spec.get("hidden_size", 64), spec.get("heads", 4)
-    kv_heads = spec.get("kv_heads", 2)
-    if hidden % heads or heads % kv_heads:
-        raise StageError(f"[target] tiny: hidden_size {hidden} must be a multiple of heads "
-                         f"{heads}, and heads of kv_heads {kv_heads}")
-    if "seed" in spec and (not isinstance(spec["seed"], int) or isinstance(spec["seed"], bool)):
-        raise StageError(f"[target] tiny: seed = {spec['seed']!r}: give a whole number")
-
-
 def _tiny_target(out: Path, spec: dict[str, Any]) -> Path:
     """The run's tiny target, rebuilt when the config's spec changed (the stages' fingerprints
     then change with its files)."""
@@ -151,7 +129,8 @@ def _tiny_target(out: Path, spec: dict[str, Any]) -> Path:
     if set(spec) - allowed:
         raise StageError(f"[target] tiny: unknown keys {sorted(set(spec) - allowed)}; known: "
                          f"{sorted(allowed)}")
-    _check_tiny_spec(spec)
+    if problems := tiny_target_problems(spec):
+        raise StageError("; ".join(problems))
     marker = out / "tiny_spec.json"
     wanted = json.dumps(spec, sort_keys=True)
     if out.is_symlink() or (out.exists() and not out.is_dir()):

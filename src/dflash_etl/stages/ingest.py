@@ -28,7 +28,7 @@ from dflash_etl.core.config import PipelineConfig, SourceConfig
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.outputs import ConversationsOutput
 from dflash_etl.core.rundir import StageRecord, sha256_file
-from dflash_etl.core.settings import fingerprinted, setting
+from dflash_etl.core.settings import endpoint_list, fingerprinted, setting
 from dflash_etl.core.stage import (
     BatchOutput,
     BatchStage,
@@ -72,12 +72,13 @@ class IngestSettings:
         help="benchmark files (MT-Bench, GSM8K, HumanEval, messages/prompt JSONL; relative to "
              "the config) whose items are kept out of the mix: a conversation sharing a run of "
              "decontaminate_ngram words with one is filtered benchmark_contamination")
-    decontaminate_ngram: int = setting(13, min=MIN_WORDS, help="words in a shared run")
+    decontaminate_ngram: int = setting(13, min=MIN_WORDS, max=200, help="words in a shared run")
     near_dedup: bool = setting(False, help="filter near-duplicate conversations (MinHash LSH): "
                                "of each cluster the first (source, file, line) is kept")
     near_dedup_threshold: float = setting(0.8, above=0, max=1, applies=NEAR_DEDUP,
                                           help="Jaccard similarity of a near-duplicate")
-    near_dedup_ngram: int = setting(3, min=1, applies=NEAR_DEDUP, help="words per shingle")
+    near_dedup_ngram: int = setting(3, min=1, max=32, applies=NEAR_DEDUP,
+                                    help="words per shingle")
     near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
                                     applies=NEAR_DEDUP,
                                     help="compare the user turns, or every message")
@@ -87,6 +88,10 @@ class IngestSettings:
              "or supervised tokens, what the drafter trains on (ingest keeps the weighted "
              "sources whole and tokenize, which counts them, leaves out conversations, "
              "filtered mix_weight)")
+
+    def __post_init__(self) -> None:
+        # one file named as a TOML string (not a list) was read character by character
+        object.__setattr__(self, "decontaminate", endpoint_list(self.decontaminate))
 
 
 
@@ -269,6 +274,10 @@ class IngestStage(BatchStage):
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         config = _require_config(ctx.config)
+        if self.settings.near_dedup and not config.run.dedup:
+            raise StageError("[ingest] near_dedup = true with [run] dedup = false would keep every "
+                             "exact copy while it removes their near copies: exact copies are "
+                             "dedup's; set dedup = true (or near_dedup = false)")
         self.sources = _inputs(config)
         inputs = [
             {"source": s.name, "path": p, "size": os.path.getsize(p), "sha256": sha256_file(p)}

@@ -205,7 +205,7 @@ def _load_rows(tokenized: TokenizedOutput, run: RunDir) -> list[dict[str, Any]]:
                 f"tokenized row {row['id']!r} (row {position} of the dataset in "
                 f"{files[0].parent}): loss_mask has {len(row['loss_mask'])} entries for "
                 f"{len(row['input_ids'])} input_ids; the tokenized output is corrupt: `dflash-etl "
-                f"check --run {run.root}` shows it, `dflash-etl tokenize --run {run.root} "
+                f"check {run.root}` shows it, `dflash-etl tokenize --run {run.root} "
                 "--force` remakes it")
     return rows
 

@@ -95,11 +95,14 @@ class Thresholds:
 
     @classmethod
     def from_manifest(cls, run_root: Path) -> Thresholds:
-        """The thresholds a run was configured with (its manifest), or the defaults."""
-        path = Path(run_root) / "manifest.json"
-        if not path.exists():
+        """The thresholds a run was configured with (its manifest), or the defaults; a manifest
+        that cannot be read is a StageError naming it."""
+        from dflash_etl.core.rundir import RunDir
+
+        run = RunDir(run_root)
+        if not run.manifest_path.exists():
             return cls()
-        config = json.loads(path.read_text()).get("config") or {}
+        config = run.manifest().get("config") or {}
         return cls.from_section(config.get("sections", {}).get("expectations"),
                                 config.get("run"))
 
