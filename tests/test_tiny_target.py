@@ -41,15 +41,20 @@ def test_the_default_target_ends_its_replies_at_varied_lengths(default_cli_run):
     ({"seed": "x"}, "seed = 'x': give a whole number"),
 ])
 def test_a_tiny_spec_torch_cannot_build_is_refused_naming_the_key(tmp_path, spec, expected):
-    """A zero-layer or negative-width tiny target failed inside torch as an internal error."""
+    """A zero-layer or negative-width tiny target failed inside torch as an internal error;
+    then it was refused when a stage first built it (after ingest: hours at scale). It is
+    refused with the config, before any stage runs; the builder keeps the check too."""
+    from dflash_etl.core.config import ConfigError
     from dflash_etl.core.errors import StageError
-    from dflash_etl.models.tiny_model import configured_target
+    from dflash_etl.models.tiny_model import _tiny_target
 
     (tmp_path / "pipeline.toml").write_text(
         '[[sources]]\npath = "a.jsonl"\n[target]\ntiny = ' + _toml(spec) + "\n")
     (tmp_path / "a.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(tmp_path / "pipeline.toml")
     with pytest.raises(StageError, match=re.escape(expected)):
-        configured_target(load_config(tmp_path / "pipeline.toml"), tmp_path / "run")
+        _tiny_target(tmp_path / "run" / "target", spec)
     assert not (tmp_path / "run" / "target").exists()
 
 
