@@ -194,3 +194,21 @@ def test_sampled_eval_is_seeded(run):
     other = evaluator.item(item)
     assert first == again and first["accepted"] != other["accepted"]
     assert 1 < first["tau"] < evaluator.drafter.config.block_size
+
+
+def test_a_benchmark_that_cannot_give_a_figure_is_refused_naming_the_file(tmp_path):
+    """An empty benchmark file gave "tau 1.000 on 0 prompts", rc 0; two files of one name ran
+    one of them (reliability issue, item 7)."""
+    from dflash_etl.evaluate import _benchmark_items
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(StageError, match=r"empty\.jsonl holds no benchmark item"):
+        _benchmark_items([empty], None, 0)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "gsm8k.jsonl").write_text('{"prompt": "What is 2 + 2?"}\n')
+    with pytest.raises(StageError, match="two benchmark files share the name 'gsm8k'"):
+        _benchmark_items([tmp_path / "a" / "gsm8k.jsonl", tmp_path / "b" / "gsm8k.jsonl"],
+                         None, 0)

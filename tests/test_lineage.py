@@ -70,3 +70,21 @@ def test_a_held_out_row_a_quarantined_line_and_an_unknown_id(default_run_dir, ca
     assert "no conversation of this run has that id" in capsys.readouterr().out
     with pytest.raises(StageError, match="has no ingest output"):
         trace(run / "nothing", "abc")
+
+
+def test_show_says_when_the_source_file_changed_since_ingest(ingest_rows, tmp_path):
+    """`show` printed the source file's current line even after the file changed (another row
+    by then): it checks the file against the size and hash ingest recorded (reliability issue,
+    item 8)."""
+    from dflash_etl.lineage import trace
+
+    rows = [{"messages": [{"role": "user", "content": f"question {k}"},
+                          {"role": "assistant", "content": f"answer {k}"}]} for k in range(3)]
+    run = ingest_rows(rows, "mini")
+    doc = trace(run, "rows.jsonl:2")
+    assert "question 1" in doc["ingest"]["source_line"] and not doc["ingest"]["source_changed"]
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"messages": []}\n' + source.read_text())  # every row one line down
+    doc = trace(run, "rows.jsonl:2")
+    assert doc["ingest"]["source_line"] is None
+    assert "bytes when ingest read it" in doc["ingest"]["source_changed"]

@@ -47,3 +47,15 @@ def test_served_tau_is_vllms_mean_acceptance_length_between_readings():
 def test_the_metrics_page_sits_beside_v1():
     assert metrics_url("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000/metrics"
     assert metrics_url("http://h:1") == "http://h:1/metrics"
+
+
+def test_counters_that_cannot_be_true_are_refused_with_what_likely_happened():
+    """A restarted engine of a data-parallel deployment made the counters go backwards: "served
+    tau -5.667", rc 0; NaN counters were internal errors (reliability issue, item 7)."""
+    before = parse_counters(PAGE, "m")
+    restarted = parse_counters(PAGE.replace("30.0", "5.0").replace("} 120.0", "} 160.0"), "m")
+    with pytest.raises(StageError, match=r"went backwards .* an engine restarted"):
+        served_acceptance(before, restarted, completion_tokens=10)
+    broken = parse_counters(PAGE.replace("30.0", "NaN"), "m")
+    with pytest.raises(StageError, match="not finite numbers"):
+        served_acceptance(before, broken, completion_tokens=10)

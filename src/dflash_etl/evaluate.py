@@ -213,7 +213,7 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
     files = [Path(b) for b in benches]
     if not files:
         raise StageError("give --bench FILE[,FILE...]: the benchmark prompt files")
-    items = {f.stem: sample_items(read_benchmark(f), limit, decoding.seed) for f in files}
+    items = _benchmark_items(files, limit, decoding.seed)
     evaluator = (Evaluator(drafter_dir, target_dir, kwargs, decoding, propose=propose)
                  if drafter_dir is not None and target_dir is not None else None)
     base = (Evaluator(drafter_dir, target_dir, kwargs, decoding, True, shared=evaluator)
@@ -243,6 +243,25 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
     return results
 
 
+def _benchmark_items(files: list[Path], limit: int | None, seed: int
+                     ) -> dict[str, list[BenchmarkItem]]:
+    """Each benchmark's items, by its name (the file's stem, which names its results): two
+    files of one name, or a file without an item, is an error naming them, not a result that
+    is never written or one of tau 1.0 on 0 prompts."""
+    names = [f.stem for f in files]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise StageError(f"two benchmark files share the name {twice[0]!r} "
+                         f"({', '.join(str(f) for f in files if f.stem == twice[0])}): their "
+                         "results would go to one <out>/<name>.json; rename one")
+    items = {f.stem: sample_items(read_benchmark(f), limit, seed) for f in files}
+    for f in files:
+        if not items[f.stem]:
+            raise StageError(f"{f} holds no benchmark item (an empty file, or no line with a "
+                             "prompt, messages or MT-Bench turns): nothing to measure tau on")
+    return items
+
+
 def _offline(evaluator: Evaluator, base: Evaluator | None, name: str,
              items: list[BenchmarkItem]) -> dict[str, Any]:
     """The simulator's figures for one benchmark: tau, per category and per step, the
@@ -251,6 +270,12 @@ def _offline(evaluator: Evaluator, base: Evaluator | None, name: str,
 
     per_prompt = [evaluator.item(i) for i in items]
     doc = summarize(name, per_prompt)
+    block = evaluator.drafter.config.block_size
+    if not doc["verify_steps"] or not 1 <= doc["tau"] <= block:
+        raise StageError(f"{name}: {doc['verify_steps']} verify steps and tau {doc['tau']} over "
+                         f"{len(items)} prompts (a drafter of block {block} gives tau in [1, "
+                         f"{block}] over at least one step): no figure is written; every "
+                         "prompt ended before its first step (raise --max-new-tokens?)")
     if base is not None:
         doc["baseline"] = summarize("", [base.item(i) for i in items])["tau"]
     doc["per_prompt"] = [{k: v for k, v in p.items() if k != "accepted"} for p in per_prompt]

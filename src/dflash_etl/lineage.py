@@ -109,10 +109,15 @@ def trace(run_dir: str | Path, key: str, turn: int | None = None) -> dict[str, A
             "max_rows, mix_weight — are counted in ingest/stats.json, not listed; "
             "benchmark_contamination and near_duplicate ones are in ingest/contamination.parquet "
             "and ingest/near_duplicates.parquet)")}}
+    from dflash_etl.core.rundir import RunDir
+
+    changed = RunDir(run).source_file_changed(row["file"])
     doc: dict[str, Any] = {"key": key, "id": conv_id, "ingest": {
         "status": "kept", "source": row["source"], "file": row["file"], "line": row["line"],
         "format": row["format"], "messages": len(row["messages"]),
-        "source_line": _source_line(row["file"], row["line"])}}
+        # a changed file's line is another row now: not shown as this one's
+        "source_line": None if changed else _source_line(row["file"], row["line"]),
+        "source_changed": changed}}
     doc["regenerate"] = _regenerate(run, conv_id, row["file"], row["line"])
     doc["tokenize"] = _tokenize(run, conv_id, turn)
     doc["extract"] = _extract(run, conv_id)
@@ -250,6 +255,9 @@ def render_text(doc: dict[str, Any], tokenizer: Any = None, color: bool = False)
                  f"{ingest['line']} ({ingest['format']}, {ingest['messages']} messages)")
     if ingest.get("source_line"):
         lines.append(f"    {ingest['source_line']!r}")
+    if ingest.get("source_changed"):
+        lines.append(f"    (the source file changed since ingest: {ingest['source_changed']}; "
+                     "its line is not shown, it may be another row now)")
     for stage in ("regenerate", "tokenize", "extract", "train"):
         part = doc[stage]
         lines.append(f"  {stage}: {part['status']}"

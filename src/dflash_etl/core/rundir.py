@@ -183,6 +183,23 @@ class RunDir:
         """The stage's record (an empty one when it never ran here)."""
         return self.records().get(stage) or StageRecord(stage)
 
+    def source_file_changed(self, path: str) -> str | None:
+        """How a source file differs from what ingest read (its size and sha256, recorded in
+        the manifest), or None: unchanged, or not a source ingest recorded."""
+        recorded = next((i for i in self.manifest().get("inputs") or []
+                         if isinstance(i, dict) and i.get("path") == path), None)
+        if recorded is None:
+            return None
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return "it is gone"
+        if size != recorded.get("size"):
+            return f"{recorded.get('size')} bytes when ingest read it, {size} now"
+        if sha256_file(path) != recorded.get("sha256"):
+            return "its content changed since ingest read it"
+        return None
+
     def stale(self) -> dict[str, str]:
         """Complete stages whose output no longer follows from the run's, each with why."""
         return {s["stage"]: f"built on the {s['upstream']} output of its time, which is "

@@ -12,6 +12,7 @@ text format is read directly.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,9 +115,20 @@ def served_acceptance(before: SpecCounters, after: SpecCounters,
     """What the deployment did between two readings: its mean acceptance length (vLLM's
     1 + accepted / drafts), acceptance rate, per-position rates, and the tokens it generated
     beyond the ones we asked for (other clients' traffic mixed into the figure)."""
+    readings = (before.drafts, before.accepted, before.draft_tokens, after.drafts,
+                after.accepted, after.draft_tokens)
+    if not all(math.isfinite(v) for v in readings):
+        raise StageError(f"the server's spec-decode counters are not finite numbers "
+                         f"({readings}): its metrics page is broken; nothing is computed from it")
     drafts = after.drafts - before.drafts
     accepted = after.accepted - before.accepted
     drafted = after.draft_tokens - before.draft_tokens
+    if min(drafts, accepted, drafted) < 0:
+        raise StageError("the server's spec-decode counters went backwards while it answered "
+                         f"(drafts {before.drafts:g} -> {after.drafts:g}, accepted "
+                         f"{before.accepted:g} -> {after.accepted:g}): an engine restarted (or "
+                         "one of a data-parallel deployment's did) between the readings; rerun "
+                         "against a server that stays up")
     if drafts <= 0:
         raise StageError("the server's spec-decode counters did not move while it answered "
                          f"{completion_tokens} tokens: it does not draft for this model (check "
@@ -125,6 +137,9 @@ def served_acceptance(before: SpecCounters, after: SpecCounters,
     other = None
     if after.generated is not None and before.generated is not None:
         other = int(after.generated - before.generated) - completion_tokens
+    if drafted and accepted > drafted:
+        raise StageError(f"the server reports {accepted:g} accepted of {drafted:g} drafted "
+                         "tokens: its counters are not vLLM's, or are broken")
     return {
         "tau": round(1 + accepted / drafts, 4),
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
