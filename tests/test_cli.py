@@ -174,3 +174,21 @@ def test_check_names_a_corrupt_manifest(ingest_rows, capsys):
     captured = capsys.readouterr()
     assert "manifest.json is not valid JSON" in captured.err + captured.out
     assert "internal error" not in captured.err
+
+
+def test_the_report_never_writes_into_a_folder_it_did_not_make(ingest_rows, capsys):
+    """A stage run with `--run .` in a project that has a docs/ folder overwrote its index.html
+    and deleted its docs/validations/*.html (reliability issue, item 17): a docs/ holding files
+    the report did not write is left as it is, and `dflash-etl docs` says why."""
+    rows = [{"messages": [{"role": "user", "content": f"q{k}"},
+                          {"role": "assistant", "content": f"a{k}"}]} for k in range(3)]
+    run = ingest_rows(rows, "mini")
+    shutil.rmtree(run / "docs")
+    (run / "docs" / "validations").mkdir(parents=True)
+    (run / "docs" / "index.html").write_text("the project's own page")
+    (run / "docs" / "validations" / "ingest.html").write_text("the project's own")
+    (run / "docs" / "guide.md").write_text("# the project's guide")
+    assert main(["docs", "--run", str(run)]) == 1
+    assert "holds files the report did not write" in capsys.readouterr().err
+    assert (run / "docs" / "index.html").read_text() == "the project's own page"
+    assert (run / "docs" / "validations" / "ingest.html").read_text() == "the project's own"
