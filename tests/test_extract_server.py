@@ -332,3 +332,25 @@ def _extract_stats(run: Path) -> dict:
     import json
 
     return json.loads((run / "extract" / "stats.json").read_text())["total"]
+
+
+@pytest.mark.slow
+def test_a_server_fault_stops_the_stage_and_a_rerun_retries_its_rows(
+        server, tiny_target, default_tokenized, copy_run, tmp_path, hooks_run):
+    """A server answering with another row's states file: "257 in -> 3 out, 254 quarantined",
+    rc 0, and a rerun skipped them for good (reliability issue, item 1). Such rows are the
+    server's failure: the stage stops at the shard, unwritten, and once the server is right a
+    rerun resumes and gets every row."""
+    from dflash_etl.stages import extract
+
+    run = copy_run(default_tokenized, tmp_path / "faulty")
+    server.states.fault = "other"
+    with pytest.raises(StageError, match=r"rows got no states from the servers \(\{'state_"):
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_server_kw(server))
+    assert not (run / "extract").exists()
+    server.states.fault = ""
+    doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                      **_server_kw(server))
+    assert doc["total"]["rows_out"] == doc["total"]["rows_in"] == 257
+    _assert_same_states(hooks_run, run)

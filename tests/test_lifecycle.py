@@ -777,3 +777,26 @@ def test_a_rerun_that_makes_the_same_data_leaves_the_stages_built_on_it_current(
     assert run.stale() == {}
     publish("tokenize", b"other rows", "third validation", {})
     assert "extract" in run.stale()
+
+
+def test_a_full_disk_in_a_librarys_own_words_is_said_as_a_full_disk():
+    """extract's shard write (safetensors, in Rust) and the export's (torch's zip writer) said
+    a full disk as an internal error (reliability issue, item 12)."""
+    from dflash_etl.core.errors import describe_error
+
+    rust = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                        'message: "No space left on device" })')
+    torch_zip = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter "
+                             "failed writing file data/0: file write failed ... unexpected pos")
+    for exc in (rust, torch_zip):
+        message = str(describe_error(exc, "extract"))
+        assert "the disk is full" in message and "free space and rerun" in message
+        assert "internal error" not in message
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise ValueError("while saving") from inner
+    except ValueError as wrapped:
+        assert "the disk is full" in str(describe_error(wrapped, "export"))
+    assert "internal error" in str(describe_error(RuntimeError("another bug"), "extract"))

@@ -41,6 +41,10 @@ def describe_error(exc: BaseException, stage: str) -> StageError | BaseException
             f"{stage}: a worker process died (killed by the operating system — often out of "
             "memory — or crashed). Completed work is kept: rerun to resume, with fewer "
             "--workers if memory is short (see `dmesg` for the kernel's reason)")
+    if not isinstance(exc, OSError) and _disk_full(exc):  # a library's own words for ENOSPC
+        return StageError(f"{stage}: the disk is full ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}). Completed work is kept: free space and rerun to "
+                          "resume")
     if isinstance(exc, OSError):
         where = exc.filename or "the run directory"
         if exc.errno == errno.ENOSPC:
@@ -57,6 +61,25 @@ def describe_error(exc: BaseException, stage: str) -> StageError | BaseException
     return StageError(f"{stage}: internal error {type(exc).__name__}: {exc}. This is a bug in "
                       "dflash_etl: rerun with --debug for the traceback and report it with the "
                       "run's manifest.json")
+
+
+# how writers that are not Python's own say ENOSPC: safetensors (Rust: "os error 28",
+# "StorageFull"), torch's zip writer ("unexpected pos": its write came back short)
+DISK_FULL = re.compile(r"os error 28|StorageFull|No space left on device|"
+                       r"PytorchStreamWriter failed writing file .*unexpected pos")
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is a full disk."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if not isinstance(exc, OSError) and DISK_FULL.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def missing_module(exc: ModuleNotFoundError, stage: str) -> StageError:

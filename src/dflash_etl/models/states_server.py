@@ -38,6 +38,8 @@ from dflash_etl.models.http import (
 Q_TOKEN_MISMATCH = "state_token_mismatch"
 Q_SERVER_FAILED = "state_request_failed"  # no server answered: extract and train stop
 Q_FILE_UNREADABLE = "state_file_unreadable"  # missing or cut
+# a row's states the servers failed to give: extract and train stop (a rerun asks again)
+SERVER_FAULTS = (Q_SERVER_FAILED, Q_TOKEN_MISMATCH, Q_FILE_UNREADABLE)
 LOCK_WAIT_S = 30.0  # the connector's .lock on a file it is still writing
 REPLY_BYTES_PER_ID = 32  # a reply's bytes per prompt token, with margin (the cap's)
 

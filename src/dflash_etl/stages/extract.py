@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -203,7 +204,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
         _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra)
         for k, s in zip(batch, got, strict=True):
             states[k] = s
-    _stop_on_unserved(target, states, name)
+    _stop_on_server_faults(target, states, name)
     quarantine, keep = [], []
     for k, row in enumerate(rows):
         if isinstance(states[k], str):  # the server backend: failed, or another row's states
@@ -223,19 +224,22 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
             health)
 
 
-def _stop_on_unserved(target: Any, states: list[Any], name: str) -> None:
-    """Rows no server answered are the servers' failure, not the data's: the stage stops at
-    this shard naming the servers (as regenerate's failed rows fail its stage), before it is
+def _stop_on_server_faults(target: Any, states: list[Any], name: str) -> None:
+    """Rows a server failed (none answered, another row's states, a states file missing or
+    cut) are the servers' failure, not the data's: the stage stops at this shard naming the
+    reasons (as train stops, and regenerate fails its stage on such rows), before it is
     written, so a rerun resumes here and asks again; quarantined, they would be lost to every
-    rerun of the complete stage."""
-    from dflash_etl.models.states_server import Q_SERVER_FAILED
+    rerun of a complete stage."""
+    from dflash_etl.models.states_server import SERVER_FAULTS
 
-    unserved = sum(1 for s in states if isinstance(s, str) and s == Q_SERVER_FAILED)
-    if unserved:
+    faults = Counter(s for s in states if isinstance(s, str) and s in SERVER_FAULTS)
+    if faults:
+        last = f": {target.last_problem}" if getattr(target, "last_problem", "") else ""
         raise StageError(
-            f"extract: {unserved} of {name}'s {len(states)} rows got no states from the "
-            f"servers ({target.last_problem}): the stage stops here, the shards done are kept; "
-            "check the servers (--endpoint / --endpoints) and rerun to resume")
+            f"extract: {sum(faults.values())} of {name}'s {len(states)} rows got no "
+            f"states from the servers ({dict(faults)}{last}): the stage stops here, the shards "
+            "done are kept; check the servers (--endpoint / --endpoints, --states-dir) and "
+            "rerun to resume")
 
 
 def _save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]], name: str,
