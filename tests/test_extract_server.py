@@ -354,3 +354,16 @@ def test_a_server_fault_stops_the_stage_and_a_rerun_retries_its_rows(
                       **_server_kw(server))
     assert doc["total"]["rows_out"] == doc["total"]["rows_in"] == 257
     _assert_same_states(hooks_run, run)
+
+
+def test_a_reply_without_a_states_path_says_the_connector_is_missing(tmp_path):
+    """A plain vLLM (no connector) answers without a states path: the error named the
+    client's working directory as what "the server named" (reliability issue, item 14)."""
+    from dflash_etl.models.states_server import ServerTarget
+
+    target = object.__new__(ServerTarget)
+    target.states_dir = tmp_path
+    reply = {"choices": [{"prompt_token_ids": [5, 6]}], "kv_transfer_params": None}
+    with pytest.raises(StageError, match=r"names no states file .* extract_hidden_states "
+                                         r"connector"):
+        target._states([5, 6], reply)

@@ -145,8 +145,12 @@ class ServerTarget:
         choice = (reply.get("choices") or [{}])[0]
         if choice.get("prompt_token_ids") != ids:
             return Q_TOKEN_MISMATCH
-        path = Path(str((reply.get("kv_transfer_params") or {}).get("hidden_states_path")
-                        or "")).resolve()
+        named = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not named:
+            raise StageError("the server's reply names no states file (no kv_transfer_params."
+                             "hidden_states_path): it does not run vLLM's extract_hidden_states "
+                             "connector; start it with the printed `vllm serve` line")
+        path = Path(str(named)).resolve()
         if not path.is_relative_to(self.states_dir):
             raise StageError(f"the server named {path} for a row's states, outside --states-dir "
                              f"{self.states_dir}: refused (start the server with "

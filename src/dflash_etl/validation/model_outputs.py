@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,23 @@ def validate_model_output(contract: str, stage_dir: Path, params: dict[str, Any]
     checks[contract](stage_dir, params)
 
 
+# what to do about the reason most of extract's rows were quarantined for
+NO_ROWS_HINTS = {
+    Q_NON_FINITE: "the target computes non-finite states: try --dtype fp32",
+    Q_UNHEALTHY: "the shards' health check failed: see the problems above and "
+                 "extract/stats.json's health",
+}
+
+
+def no_rows_kept(total: dict[str, Any]) -> str:
+    """Why extract kept no row, from the reasons its rows were quarantined for (not a guess)."""
+    reasons = Counter(total.get("quarantine_reasons") or {})
+    lines = [f"extract kept no rows of {total.get('rows_in')}: quarantined {dict(reasons)}"]
+    lines += [f"{reason}: {NO_ROWS_HINTS[reason]}" for reason, _ in reasons.most_common()
+              if reason in NO_ROWS_HINTS]
+    return "; ".join(lines)
+
+
 def validate_hidden_states(stage_dir: Path, params: dict[str, Any]) -> None:
     """The gate of an extract output (its stats.json written): the shards' health, a kept row,
     then the contract against the tokenized rows (`params["dataset"]`: its Arrow files);
@@ -67,8 +85,7 @@ def validate_hidden_states(stage_dir: Path, params: dict[str, Any]) -> None:
             "though finite: check the target's architecture support, or --batch-tokens 1 "
             "to rule padding out", {"problems": unhealthy})
     if not pq.read_metadata(stage_dir / "index.parquet").num_rows:
-        raise StageError(f"extract kept no rows of {doc['total']['rows_in']}: every row's "
-                         f"hidden states were non-finite ({Q_NON_FINITE}); try --dtype fp32")
+        raise StageError(no_rows_kept(doc["total"]))
     total = doc["total"]
     problems = verify_states(stage_dir, TokenIds(params["dataset"]), len(total["stored_layers"]),
                              total["hidden_size"])
