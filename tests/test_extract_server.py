@@ -367,3 +367,26 @@ def test_a_reply_without_a_states_path_says_the_connector_is_missing(tmp_path):
     with pytest.raises(StageError, match=r"names no states file .* extract_hidden_states "
                                          r"connector"):
         target._states([5, 6], reply)
+
+
+def test_a_states_file_whose_lock_stays_stops_the_stage_once(tmp_path, monkeypatch):
+    """A states file whose `.lock` was never removed cost 30 s per row, serially and silently
+    (about 2 h for 257 rows; reliability issue, item 10): the first such lock stops the stage,
+    naming it."""
+    import time
+
+    from dflash_etl.models import states_server
+    from dflash_etl.models.states_server import ServerTarget
+
+    monkeypatch.setattr(states_server, "LOCK_WAIT_S", 0.3)
+    target = object.__new__(ServerTarget)
+    target.states_dir = tmp_path
+    states = tmp_path / "req-1.safetensors"
+    states.write_bytes(b"")
+    (tmp_path / "req-1.safetensors.lock").write_text("")
+    reply = {"choices": [{"prompt_token_ids": [5, 6]}],
+             "kv_transfer_params": {"hidden_states_path": str(states)}}
+    start = time.monotonic()
+    with pytest.raises(StageError, match=r"req-1\.safetensors\.lock is still there after 0\.3 s"):
+        target._states([5, 6], reply)
+    assert time.monotonic() - start < 5

@@ -159,6 +159,11 @@ class ServerTarget:
         deadline = time.monotonic() + LOCK_WAIT_S
         while lock.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if lock.exists():  # not a row's problem: every row after it would wait as long
+            raise StageError(f"{lock} is still there after {LOCK_WAIT_S:g} s: the server has "
+                             f"not finished writing {path.name} (or died writing it); the "
+                             "stage stops here, the shards done kept: check the server, remove "
+                             "the stale lock, and rerun to resume")
         try:
             data = load_file(str(path))
         except Exception as exc:  # a cut or missing file: the row's, counted (a rerun retries)
