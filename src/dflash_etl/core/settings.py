@@ -280,10 +280,10 @@ FLEET_SETTINGS: dict[str, tuple[Any, dict[str, Any], str]] = {
                   "least loaded healthy one (default: --endpoint)"),
     "served_model": (None, {}, "model name (default: the first the server lists)"),
     "concurrency": (8, {"min": 1, "fingerprint": False}, "requests in flight per server"),
-    "timeout_s": (120.0, {"above": 0, "fingerprint": False},
+    "timeout_s": (120.0, {"above": 0, "max": 86400, "fingerprint": False},
                   "seconds each read (and the connect) may wait"),
     # bounds a trickling (slow-loris) or endless reply, which per-read timeouts never end
-    "request_deadline_s": (600.0, {"above": 0, "fingerprint": False},
+    "request_deadline_s": (600.0, {"above": 0, "max": 86400, "fingerprint": False},
                            "seconds one attempt may take in all (connect, first byte and the "
                            "whole reply); past it the attempt is cut and retried"),
     # with exponential backoff

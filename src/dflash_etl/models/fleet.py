@@ -10,7 +10,6 @@ request becomes (`_failed`); everything about the servers is here, once."""
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from typing import Any, Protocol
 
@@ -229,7 +228,7 @@ class Fleet:
                 return self._failed(self._no_server(tried))
             k, server = picked
             try:
-                reply, problem, kind = await self._request(client, server.url, body)
+                reply, problem, _ = await self._request(client, server, body, changed)
             finally:
                 async with changed:
                     self._tick()
@@ -240,9 +239,6 @@ class Fleet:
                 server.use.served += 1
                 return reply
             server.use.failed += 1
-            async with changed:
-                self._count_failure(server, problem, kind)
-                changed.notify_all()
             if not self.fleet:
                 return self._failed(problem)
             tried[k] = problem
@@ -252,19 +248,22 @@ class Fleet:
             self.failovers += 1
 
     def _count_failure(self, server: _Server, problem: str, kind: str | None) -> None:
-        """The breaker: a server that has failed BREAK_AFTER requests in the same way and served
-        none (a slow-loris or endless stream past its deadline, a 503 for everything, a refused
-        connection) is out for the rest of the stage, one server or a fleet: the requests left
-        fail at once instead of each waiting out its retries x request_deadline_s (33 rows took
-        100 min). A malformed reply (kind None) is that reply's problem, not the server's."""
+        """The breaker: a server that has failed BREAK_AFTER attempts in the same way and served
+        none (a slow-loris or endless stream past its deadline or its size cap, a 503 for
+        everything, a refused connection) is out for the rest of the stage, one server or a
+        fleet: the attempts left fail at once instead of each waiting out its retries x
+        request_deadline_s (33 rows took 100 min; counting requests after all their attempts
+        still cost (retries + 1) x the deadline). A malformed reply (kind None) is that reply's
+        problem, not the server's."""
         if kind is None:
             return
         server.failed = server.failed + 1 if kind == server.failure_kind else 1
         server.failure_kind = kind
         if not server.broken and server.served == 0 and server.failed >= BREAK_AFTER:
             server.broken, server.healthy = True, False
-            server.problem = (f"failed its first {server.failed} requests and answered none, so "
-                              f"it is out for the rest of the stage; the last: {problem}")
+            server.problem = (f"failed its first {server.failed} attempts ({kind}) and answered "
+                              f"none, so it is out for the rest of the stage; the last: "
+                              f"{problem}")
 
     def _no_server(self, tried: dict[int, str]) -> str:
         n = len(self.servers)
@@ -341,6 +340,10 @@ class Fleet:
                 server.use = _Use()
         return totals
 
+    def broken_servers(self) -> list[str]:
+        """The servers the breaker took out, each with why (for the stage's warnings)."""
+        return [f"{s.url} {s.problem}" for s in self.servers if s.broken]
+
     def server_figures(self) -> dict[str, dict[str, Any]]:
         """Per server URL since the last reset: requests, served, failed, mean_in_flight and
         busy_share (`use_figures`)."""
@@ -402,8 +405,8 @@ class Fleet:
                 server.problem = server.probe_problem = ""
             changed.notify_all()
 
-    async def _request(self, client: Any, base: str,
-                       body: dict[str, Any]) -> tuple[Any, str, str | None]:
+    async def _request(self, client: Any, server: _Server, body: dict[str, Any],
+                       changed: Any) -> tuple[Any, str, str | None]:
         """(result, "", None) — a reply, or the request's own error (HTTP 4xx: no other server
         would take it) — or (None, problem, kind) when the server failed it after its retries
         (kind: how, for the breaker; None for a malformed reply): timeouts, connection errors,
@@ -411,29 +414,38 @@ class Fleet:
         replies. In a fleet a refused connection fails over at once: nothing listens there."""
         import asyncio
 
-        url = f"{base}{self.route}"
+        url = f"{server.url}{self.route}"
         deadline = self.settings.request_deadline_s
-        problem, kind = "", None
+        problem, kind, refused = "", None, False
         for attempt in range(self.settings.retries + 1):
             if attempt:
+                async with changed:  # every failed attempt counts for the breaker
+                    self._count_failure(server, problem, kind)
+                    changed.notify_all()
+                if server.broken:
+                    return None, f"{url}: {server.problem}", kind
                 self.retried += 1
                 await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 8.0))
             try:
                 async with asyncio.timeout(deadline):
                     return await self._attempt(client, url, body), "", None
             except Retry as exc:
-                problem = str(exc)
-                status = re.match(r"HTTP (\d+)", problem)
-                kind = f"HTTP {status.group(1)}" if status else None
+                problem, kind = str(exc), exc.kind
             except TimeoutError:
                 problem = (f"no complete reply within request_deadline_s={deadline:g} s "
                            "(connect, first byte and the whole reply)")
                 kind = "deadline"
             except (self.httpx.TimeoutException, self.httpx.TransportError) as exc:
                 problem, kind = f"{type(exc).__name__}: {exc}", type(exc).__name__
-                if self.fleet and isinstance(exc, self.httpx.ConnectError):
-                    return None, f"{url}: {problem}", kind
+                refused = self.fleet and isinstance(exc, self.httpx.ConnectError)
+                if refused:  # nothing listens there: fail over at once
+                    break
             except self.httpx.HTTPError as exc:  # decoding, protocol: the reply is unusable
                 problem, kind = f"{type(exc).__name__}: {exc}", None
+        async with changed:
+            self._count_failure(server, problem, kind)
+            changed.notify_all()
+        if refused:
+            return None, f"{url}: {problem}", kind
         return None, (f"{url} failed after {self.settings.retries + 1} attempts; "
                       f"last: {problem}"), kind

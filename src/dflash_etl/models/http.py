@@ -30,7 +30,13 @@ def list_models(httpx: Any, url: str, timeout: float, deadline: float) -> list[s
 
 
 class Retry(Exception):
-    """A reply that failed in a way worth retrying (the message says how)."""
+    """A reply that failed in a way worth retrying (the message says how). `kind`: how the
+    server failed, for the breaker (an endless reply, an HTTP status); None: that reply was
+    malformed, not the server."""
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 async def read_capped(response: Any, cap: int, source: str) -> bytes:
@@ -41,7 +47,7 @@ async def read_capped(response: Any, cap: int, source: str) -> bytes:
         size += len(piece)
         if size > cap:
             raise Retry(f"the reply passed {cap} bytes without ending (the cap from "
-                         f"{source}, with margin)")
+                        f"{source}, with margin)", kind="endless reply")
         parts.append(piece)
     return b"".join(parts)
 
@@ -77,9 +83,9 @@ def refusal(url: str, status: int, text: str) -> str | None:
     (200), the refusal for a 4xx (the request itself is wrong: no other server would take it),
     Retry for 429, 5xx and anything else that is not a reply."""
     if status == 429 or status >= 500:
-        raise Retry(f"HTTP {status}: {excerpt(text)}")
+        raise Retry(f"HTTP {status}: {excerpt(text)}", kind=f"HTTP {status}")
     if status >= 400:
         return f"{url} refused the request: HTTP {status}: {excerpt(text, 500)}"
     if status != 200:
-        raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}")
+        raise Retry(f"HTTP {status} is not a reply: {excerpt(text)}", kind=f"HTTP {status}")
     return None

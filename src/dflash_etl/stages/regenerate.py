@@ -249,6 +249,8 @@ class RegenerateStage(Stage):
         doc["total"]["truncation"], warnings = truncation(doc["total"],
                                                           settings.max_truncated_share)
         warnings += think_cut_warning(doc["total"], settings)
+        # why the rows a server failed failed: what the quarantine-rate gate's message repeats
+        warnings += getattr(backend, "broken_servers", list)()
         doc["warnings"] = warnings
         for warning in warnings:
             print(f"regenerate: WARNING: {warning}", file=sys.stderr, flush=True)
@@ -277,7 +279,8 @@ class RegenerateStage(Stage):
                 f"reasons: {dict(reasons.most_common(4))}. "
                 + "".join(f"'{r}': {REASON_HINTS[r].format(model=settings.model)}; "
                           for r, _ in reasons.most_common() if r in REASON_HINTS)
-                + f"See {partial / 'quarantine.parquet'}.")
+                + f"See {partial / 'quarantine.parquet'}."
+                + "".join(f"\n  - {w}" for w in warnings[:4]))
         needed = {c["id"] for c in conversations if c.get("needs_response")}
         unanswered = [c["id"] for c in kept
                       if c["id"] in needed and c["messages"][-1]["role"] != "assistant"]

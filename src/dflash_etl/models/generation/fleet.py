@@ -106,7 +106,8 @@ class OpenAIBackend(Fleet):
             size += len(piece)
             if size > cap:
                 raise Retry(f"the stream passed {cap} bytes without ending (the cap from "
-                             f"max_new_tokens={self.settings.max_new_tokens}, with margin)")
+                            f"max_new_tokens={self.settings.max_new_tokens}, with margin)",
+                            kind="endless reply")
             *lines, buffer = (buffer + piece).split(b"\n")
             for raw in lines:
                 line = raw.decode("utf-8", "replace").strip()
@@ -134,9 +135,9 @@ class OpenAIBackend(Fleet):
                     done = True
                     break
                 if chunks > chunk_cap:
-                    raise Retry(f"the stream passed {chunk_cap} chunks without ending (the cap "
-                                 f"from max_new_tokens={self.settings.max_new_tokens}, with "
-                                 "margin)")
+                    raise Retry(f"the stream passed {chunk_cap} chunks without ending (the "
+                                f"cap from max_new_tokens={self.settings.max_new_tokens}, "
+                                "with margin)", kind="endless reply")
             if done:
                 break
         if not done:
