@@ -106,7 +106,9 @@ def test_a_section_of_the_wrong_kind(tmp_path):
     (SOURCE + "[ingest]\nweight_by = 'tokens'\n",
      '[ingest] weight_by = "tokens": must be one of "rows", "supervised_tokens"'),
     (SOURCE + "[regenerate]\ntimeout_s = 0\n",
-     "[regenerate] timeout_s = 0: must be a number > 0"),
+     "[regenerate] timeout_s = 0: must be a number in (0, 86400]"),
+    (SOURCE + "[regenerate]\nrequest_deadline_s = inf\n",
+     "[regenerate] request_deadline_s = inf: must be a number in (0, 86400]"),
     (SOURCE + "[regenerate]\nbackend = 'tgi'\n",
      '[regenerate] backend = "tgi": must be one of "transformers", "openai", "vllm"'),
     (SOURCE + "[regenerate]\nkeep_truncated = 1\n",
@@ -188,9 +190,9 @@ def test_a_flag_gets_the_same_checks():
         build_settings(tokenize, "tokenize", {}, {"model": "m", "seq_length": -5})
     with pytest.raises(StageError, match=r"--save-every 0: must be an integer >= 1"):
         build_settings(train, "train", {}, {"target": "t", "save_every": 0})
-    with pytest.raises(StageError, match=r"--timeout-s 0: must be a number > 0"):
+    with pytest.raises(StageError, match=r"--timeout-s 0: must be a number in \(0, 86400\]"):
         build_settings(RegenerateSettings, "regenerate", {}, {"model": "m", "timeout_s": 0})
-    with pytest.raises(StageError, match=r"--request-deadline-s 0: must be a number > 0"):
+    with pytest.raises(StageError, match=r"--request-deadline-s 0: must be a number in \(0, 86400"):
         build_settings(ExtractSettings, "extract", {}, {"model": "m", "request_deadline_s": 0})
     with pytest.raises(StageError, match=r"--endpoints lists .* more than once"):
         build_settings(ExtractSettings, "extract", {"endpoints": ["http://h/v1", "http://h/v1/"]},
