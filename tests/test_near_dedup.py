@@ -181,21 +181,22 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 def test_the_batch_words_are_the_rule_s_words_and_arrow_rows_sign_as_text_of():
-    """split_words (a byte table over the Arrow buffer) gives exactly contamination's words of
+    """split_words (a byte table over the Arrow buffer) gives exactly words.py's words of
     each text, whatever the text holds: Unicode letters, the two characters whose lower case is
-    ASCII (U+0130, the Kelvin sign), digits, words that touch a text's ends, null and empty
-    texts; word_hashes hashes each word by its bytes; message_signatures of a `messages` column
-    equals signatures of text_of, both scopes."""
+    ASCII (U+0130, the Kelvin sign), Han characters, invisible ones, digits, words that touch
+    a text's ends, null and empty texts; word_hashes hashes each word by its bytes;
+    message_signatures of a `messages` column equals signatures of text_of, both scopes."""
     import numpy as np
     import pyarrow as pa
 
     from dflash_etl.core import schema as S
-    from dflash_etl.mix.contamination import words
     from dflash_etl.mix.near_dedup import message_signatures, signatures
     from dflash_etl.mix.ngrams import split_words, word_hashes
+    from dflash_etl.mix.words import words
 
     rng = random.Random(5)
-    alphabet = "abcXYZ0189 ,.\n\t-_'\u0130\u212a\u00e9\u2019\u00df\u00c5\u03a3\u4e2d"
+    alphabet = ("abcXYZ0189 ,.\n\t-_'\u0130\u212a\u00e9\u2019\u00df\u00c5\u03a3\u4e2d"
+                "\u200b\u00ad\uff21\u0430\u0301\u3042\ufb01")
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
              for _ in range(3000)]
     texts += ["", "!!!", "a", "end\u0130", "\u212a", "Caf\u00e9 au LAIT", "x" * 300]

@@ -3,12 +3,12 @@ sentence added or cut, a templated family that differs in a number. Exact hashin
 all, and a drafter trained on them over-learns a few prompts.
 
 MinHash signatures (rensa: 27x datasketch's speed on this machine at equal or better recall,
-benchmarks/bench_near_dedup.py) of word n-gram shingles of the normalised text (lower-case
-words, punctuation and spacing dropped), LSH for candidates, each candidate verified by the
-signatures' Jaccard estimate. Rows are taken in a stable order (source, file, line): the first
-of a cluster is kept, the others are near-duplicates of it. `scope = "prompt"` hashes the user
-turns only, so a long system prompt shared by distinct conversations does not make them
-duplicates. Pure: texts in, verdicts out.
+benchmarks/bench_near_dedup.py) of word n-gram shingles of the normalised text (words.py's
+words: any script, punctuation, spacing and disguises dropped), LSH for candidates, each
+candidate verified by the signatures' Jaccard estimate. Rows are taken in a stable order
+(source, file, line): the first of a cluster is kept, the others are near-duplicates of it.
+`scope = "prompt"` hashes the user turns only, so a long system prompt shared by distinct
+conversations does not make them duplicates. Pure: texts in, verdicts out.
 
 At scale the work splits where the data is: each ingest work item signs its own rows
 (`signatures`, `band_keys`: vectorised shingle hashes, rensa's batch digests), and the driver,
@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dflash_etl.mix.contamination import words
 from dflash_etl.mix.ngrams import gram_hashes, word_hashes
+from dflash_etl.mix.words import words
 
 NUM_PERM = 128
 BANDS = 16  # 16 bands of 8 rows: a pair at Jaccard 0.8 is a candidate with p > 0.99

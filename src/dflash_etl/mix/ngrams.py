@@ -1,15 +1,13 @@
 """Word n-gram hashes of many texts at once, for the mix filters at a million rows.
 
-The words are contamination's (the runs of [a-z0-9] of the lower-cased text). A batch of texts
-is one Arrow string array: its bytes are split into words by a byte table in numpy (a few
-passes over the bytes, no Python object per word), Arrow's hash table numbers the distinct words
-(`dictionary_encode`), and only the distinct words are hashed (a polynomial over their bytes).
-Each n-gram is a mixed combination of its words' hashes. Pure: texts in, numpy arrays out.
-
-Lower-casing: ASCII letters by Arrow; the two characters whose Python lower case holds an ASCII
-letter (U+0130 and the Kelvin sign U+212A) make their text go through `str.lower` first, so the
-words are exactly `WORD.findall(text.lower())`. No polars here: its thread pool deadlocks in
-the forked workers that run this.
+The words are words.py's. A batch of texts is one Arrow string array, normalized
+(`normalize_array`: Arrow lower-cases the ASCII texts, Python normalizes the others); its bytes
+are split into words by a byte table in numpy (a few passes over the bytes, no Python object
+per word: after normalizing, every byte of a character outside ASCII is a word byte), Arrow's
+hash table numbers the distinct words (`dictionary_encode`), and only the distinct words are
+hashed (a polynomial over their bytes). Each n-gram is a mixed combination of its words'
+hashes. Pure: texts in, numpy arrays out. No polars here: its thread pool deadlocks in the
+forked workers that run this.
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dflash_etl.mix.words import normalize_array
+
 SEED = 0x5EED
 _BYTE_BASE = np.uint64(0x100000001B3)
 # one odd multiplier per position in a gram: "a b" and "b a" hash apart
@@ -27,7 +27,7 @@ _MULTIPLIERS = (np.random.default_rng(SEED).integers(1, 2**63, size=64, dtype=np
                 * np.uint64(2) + np.uint64(1))
 _WORD_BYTE = np.zeros(256, dtype=bool)
 _WORD_BYTE[np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8)] = True
-_LOWER_TO_ASCII = "[\u0130\u212a]"  # non-ASCII characters whose str.lower() holds [a-z0-9]
+_WORD_BYTE[0x80:] = True
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Words:
 
 def split_words(texts: list[str] | pa.Array | pa.ChunkedArray) -> Words:
     """Every text's words in order (a null text has none)."""
-    array = _lowered(texts)
+    array = normalize_array(texts)
     offsets = np.frombuffer(array.buffers()[1], dtype=np.int64)[
         array.offset:array.offset + len(array) + 1]
     data = _data(array, offsets)
@@ -83,31 +83,6 @@ def _data(array: pa.LargeStringArray, offsets: np.ndarray) -> np.ndarray:
     if array.buffers()[2] is None:
         return np.zeros(0, dtype=np.uint8)
     return np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]
-
-
-def _lowered(texts: list[str] | pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
-    array = pa.array(texts, pa.large_string()) if isinstance(texts, list) else texts
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
-    array = pc.fill_null(array.cast(pa.large_string()), "")
-    if not pc.all(pc.string_is_ascii(array)).as_py() and _has_special(array):
-        special = pc.match_substring_regex(array, _LOWER_TO_ASCII).to_pylist()
-        array = pa.array([v.lower() if s else v for v, s in
-                          zip(array.to_pylist(), special, strict=True)], pa.large_string())
-    lowered = pc.ascii_lower(array)
-    return lowered.combine_chunks() if isinstance(lowered, pa.ChunkedArray) else lowered
-
-
-def _has_special(array: pa.LargeStringArray) -> bool:
-    """Whether a text holds U+0130 (UTF-8 C4 B0) or U+212A (E2 84 AA): a byte scan."""
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64)[
-        array.offset:array.offset + len(array) + 1]
-    data = _data(array, offsets)
-    lead = np.flatnonzero(data[:-1] == 0xC4)
-    if (data[lead + 1] == 0xB0).any():
-        return True
-    lead = np.flatnonzero(data[:-2] == 0xE2)
-    return bool(((data[lead + 1] == 0x84) & (data[lead + 2] == 0xAA)).any())
 
 
 def hash_strings(strings: pa.Array) -> np.ndarray:
