@@ -4,7 +4,7 @@ items of text: what decontamination keeps out of the training mix.
 A file's layout is read from its first row's keys: `turns` (MT-Bench: `question_id`, each user
 turn), `question` (GSM8K: with its `answer`, the calculator notes `<<16-3=13>>` dropped),
 `prompt` (HumanEval: with its `canonical_solution`; or a plain prompt list), `messages` (every
-message's content).
+message's content). A file of more than MAX_ITEMS rows is an error, never cut short.
 """
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ def read_benchmark(path: str | Path) -> list[BenchmarkItem]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise StageError(f"benchmark file {path} cannot be read ({exc})") from exc
+    rows = sum(1 for line in lines if line.strip())
+    if rows > MAX_ITEMS:
+        raise StageError(f"benchmark file {path} holds {rows:,} rows, past the {MAX_ITEMS:,} "
+                         "this reads (a benchmark's test split is thousands): is it a training "
+                         "set? Give the test split, or split the file")
     items = []
-    for line_no, line in enumerate(lines[:MAX_ITEMS], 1):
+    for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:

@@ -104,7 +104,8 @@ def stage_info(run_root: Path, record: StageRecord, stale: bool) -> StageInfo | 
         token_freq=_json(directory / "token_freq.json"),
         evaluation=_json(directory / "eval.json"), train_log=_jsonl(directory / "log.jsonl"),
         quarantine=quarantine_examples(directory / "quarantine.parquet"),
-        mix_filters=mix_filters(directory) if name == "ingest" else {},
+        mix_filters=mix_filters(directory, _json(directory / "stats.json"))
+        if name == "ingest" else {},
     )
 
 
@@ -139,11 +140,15 @@ def coverage_curve(token_freq: dict[str, Any], points: int = 60) -> list[tuple[f
 MIX_EXAMPLES = 5
 
 
-def mix_filters(ingest_dir: Path) -> dict[str, Any]:
+def mix_filters(ingest_dir: Path, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """What ingest's mix filters removed (contamination.parquet, near_duplicates.parquet):
     counts per benchmark or per source, and the first few removals, each near-duplicate with
-    the text of the row it repeats (read from the conversations ingest wrote)."""
+    the text of the row it repeats (read from the conversations ingest wrote); what each
+    benchmark file gave decontamination to look for (stats.json)."""
     out: dict[str, Any] = {}
+    if (stats or {}).get("decontamination"):
+        out["benchmarks"] = [[name, b["file"], b["items"], b["indexed"], b["rows_removed"]]
+                             for name, b in stats["decontamination"].items()]
     path = ingest_dir / "contamination.parquet"
     if path.is_file():
         frame = pl.read_parquet(path)

@@ -98,6 +98,10 @@ def mix_filters_section(stage: StageInfo) -> str:
     """What decontamination and near-dedup removed: counts, and the first removals with what
     they matched (a benchmark item's shared words; the kept row and the similarity)."""
     found, html = stage.mix_filters, ""
+    if "benchmarks" in found:
+        html += ('<h3>Benchmark files</h3><div data-key="ingest-benchmarks">'
+                 + table(["benchmark", "file", "items", "items looked for", "rows removed"],
+                         found["benchmarks"]) + "</div>")
     if "contamination" in found:
         c = found["contamination"]
         html += ('<h3>Benchmark contamination</h3><div data-key="ingest-contamination">'

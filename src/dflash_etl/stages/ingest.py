@@ -41,7 +41,7 @@ from dflash_etl.core.stage import (
 )
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
-from dflash_etl.mix.contamination import MIN_WORDS, ContaminationIndex
+from dflash_etl.mix.contamination import MIN_WHOLE, MIN_WORDS, ContaminationIndex
 
 STAGE = "ingest"
 CHUNK_RECORDS = 1024  # records normalized (as Python objects) at a time per work item
@@ -52,7 +52,9 @@ UNIT_SCHEMA = pa.schema(list(S.CONVERSATIONS) + list(_ORDER))
 _MIX = pa.schema([("_bench", pa.string()), ("_bench_item", pa.string()),
                   ("_bench_shared", pa.string()),
                   ("_minhash", pa.binary(4 * 128)), ("_bands", pa.binary(8 * 16))])
-UNIT_FORMAT = 2  # of the unit files: a resumed run never reuses another layout's
+# of the unit files (3: words.py's words, every rendered text decontaminated): a resumed run
+# never reuses another layout's or another rule's
+UNIT_FORMAT = 3
 NEAR_DEDUP = ("near_dedup", (True,))  # the near-dedup filter's settings
 
 
@@ -301,6 +303,7 @@ class IngestStage(BatchStage):
             self.contamination = ContaminationIndex.build(
                 (item for path in self.benchmarks for item in read_benchmark(path)),
                 self.settings.decontaminate_ngram)
+            _require_usable(self.contamination, self.benchmarks)
         self.near_dedup_ngram = self.settings.near_dedup_ngram if self.settings.near_dedup else 0
         self.near_dedup_scope = self.settings.near_dedup_scope
         units = [(source, unit) for source, resolved in self.sources
@@ -347,7 +350,8 @@ class IngestStage(BatchStage):
         n = table.num_rows
         bench: list[list[str | None]] = [[None] * n for _ in range(3)]
         if self.contamination is not None and n:
-            for k, hit in self.contamination.match_messages(table.column("messages")).items():
+            for k, hit in self.contamination.match_conversations(
+                    table.column("messages"), table.column("tools")).items():
                 bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
         columns = [pa.array(values, pa.string()) for values in bench]
         if not self.near_dedup_ngram or not n:
@@ -365,8 +369,16 @@ class IngestStage(BatchStage):
         return columns
 
     def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
-        return _finish(_require_config(ctx.config), results, ctx.partial, self.settings,
-                       self.sources)
+        doc = _finish(_require_config(ctx.config), results, ctx.partial, self.settings,
+                      self.sources)
+        if self.contamination is not None:
+            removed = doc["total"].get("contamination", {})
+            doc["decontamination"] = {  # per benchmark file, in the stats and the report
+                path.stem: {"file": str(path), "items": self.contamination.read[path.stem],
+                            "indexed": self.contamination.indexed[path.stem],
+                            "rows_removed": removed.get(path.stem, 0)}
+                for path in self.benchmarks}
+        return doc
 
     @classmethod
     def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
@@ -471,6 +483,23 @@ def _benchmark_files(config: PipelineConfig, settings: IngestSettings) -> list[P
         raise StageError(f"[ingest] decontaminate: no benchmark file at {', '.join(missing)} "
                          f"(paths are relative to the config, {config.base_dir})")
     return files
+
+
+def _require_usable(index: ContaminationIndex, files: list[Path]) -> None:
+    """A benchmark file none of whose items can be looked for would turn decontamination off
+    for that benchmark without a word: an error naming the counts per file."""
+    stems = Counter(f.stem for f in files)
+    twice = sorted(stem for stem, n in stems.items() if n > 1)
+    if twice:
+        raise StageError(f"[ingest] decontaminate: two benchmark files are named {twice[0]!r} "
+                         "(a file's stem names its benchmark in the counts and the report): "
+                         "rename one")
+    empty = [f"{f} ({index.read[f.stem]} items, {index.indexed[f.stem]} of "
+             f"{MIN_WHOLE} words or more)" for f in files if not index.indexed[f.stem]]
+    if empty:
+        raise StageError("[ingest] decontaminate: nothing to look for in " + "; ".join(empty)
+                         + ": an empty file, or items too short to name a benchmark; fix the "
+                         "file or remove it from the list")
 
 
 def _decontaminate(index: pl.DataFrame, row_files: list[str], partial: Path,
