@@ -352,7 +352,8 @@ def test_a_server_fault_stops_the_stage_and_a_rerun_retries_its_rows(
     server.states.fault = ""
     doc = extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
                       **_server_kw(server))
-    assert doc["total"]["rows_out"] == doc["total"]["rows_in"] == 257
+    total = doc["total"]
+    assert total["rows_out"] == total["rows_in"] > 200 and total["rows_quarantined"] == 0
     _assert_same_states(hooks_run, run)
 
 
