@@ -6,7 +6,13 @@ import zlib
 from typing import Any
 
 from dflash_etl.templates.limits import RenderError, RenderLimitExceeded, conversation_budget
-from dflash_etl.templates.masks.encoding import _encode_many, _Encoded
+from dflash_etl.templates.masks.encoding import (
+    _encode_many,
+    _Encoded,
+    cut_chars,
+    cut_pieces,
+    encode_cut,
+)
 from dflash_etl.templates.masks.plan import _build_planned, _plan, _Planned
 from dflash_etl.templates.masks.policy import (
     LIMIT_CODES,
@@ -21,6 +27,7 @@ from dflash_etl.templates.masks.policy import (
 )
 from dflash_etl.templates.masks.prepare import _prepare, _Prepared
 from dflash_etl.templates.masks.renders import _classify_render_error, _render_prefix
+from dflash_etl.templates.masks.rows import _RowPlan
 from dflash_etl.templates.probe_record import TemplateProbe
 
 
@@ -78,16 +85,27 @@ def tokenize_conversations(
             timeouts += 1
             if timeouts >= 3 and timeouts > policy.max_render_timeout_share * seen:
                 raise TemplateTimingOut(timeouts, seen, last.message)
-    pieces = [piece for item in planned if isinstance(item, _Planned)
-              for plan in item.rows for piece in plan.pieces()]
-    encodings = iter(_encode_many(tokenizer, pieces))
+    chars = cut_chars(policy.seq_length)
+
+    def encoded_pieces(plan: _RowPlan) -> tuple[str, ...]:
+        """What is encoded of a row: its cut where it is longer (encode_cut checks the cut)."""
+        return cut_pieces(plan.pieces(), chars) if 0 < chars < len(plan.text) else plan.pieces()
+
+    encodings = iter(_encode_many(tokenizer, [
+        piece for item in planned if isinstance(item, _Planned)
+        for plan in item.rows for piece in encoded_pieces(plan)]))
     results: list[list[TokenizedRow] | MaskRefused] = []
     for item in planned:
         if isinstance(item, MaskRefused):
             results.append(item)
             continue
-        encoded = [_Encoded.join(texts, [next(encodings) for _ in texts])
-                   for texts in (plan.pieces() for plan in item.rows)]
+        encoded = []
+        for plan in item.rows:
+            texts = encoded_pieces(plan)
+            found = [next(encodings) for _ in texts]
+            encoded.append(encode_cut(tokenizer, plan.pieces(), policy.seq_length, found)
+                           if policy.seq_length and 0 < chars < len(plan.text)
+                           else _Encoded.join(texts, found))
         try:
             rows = _build_planned(item, tokenizer, probe, policy, encoded)
         except (MaskRefused, RenderError) as exc:

@@ -8,6 +8,8 @@ import re
 from typing import Any
 
 _START = operator.itemgetter(0)
+CUT_CHARS_PER_TOKEN = 8
+CUT_MARGIN_CHARS = 4096
 _SUPERVISED_RUN = re.compile(rb"\x01+")
 
 
@@ -21,11 +23,14 @@ class _Encoded:
     character in the row.
     """
 
-    __slots__ = ("_pieces", "ids")
+    __slots__ = ("_pieces", "ids", "kept_chars")
 
     def __init__(self, ids: list[int], pieces: list[tuple[Any, int, int, int]]) -> None:
         self.ids = ids
         self._pieces = pieces  # (encoding or offsets list, first token, first char, chars)
+        # a text cut before encoding (`encode_cut`): its tokens are the whole text's up to
+        # this character, and past it not looked at; None: the whole text was encoded
+        self.kept_chars: int | None = None
 
     @classmethod
     def join(cls, texts: tuple[str, ...], encodings: list[Any]) -> _Encoded:
@@ -106,9 +111,50 @@ def _encode_many(tokenizer: Any, texts: list[str]) -> list[Any]:
     return backend.encode_batch(texts, add_special_tokens=False)
 
 
-def _encode_row(tokenizer: Any, text: str, split_at: int | None) -> _Encoded:
-    """Encode a row; a per-turn row encodes prompt and reply separately (see module doc)."""
+def _encode_row(tokenizer: Any, text: str, split_at: int | None,
+                seq_length: int | None = None) -> _Encoded:
+    """Encode a row; a per-turn row encodes prompt and reply separately (see module doc); a
+    row longer than `cut_chars(seq_length)` from its cut (`encode_cut`)."""
     pieces = _pieces(text, split_at)
+    if seq_length is not None and 0 < cut_chars(seq_length) < len(text):
+        return encode_cut(tokenizer, pieces, seq_length)
+    return _Encoded.join(pieces, [_encode(tokenizer, piece) for piece in pieces])
+
+
+def cut_chars(seq_length: int | None) -> int:
+    """How much of a row text is encoded when the row will be cut at `seq_length` tokens (0:
+    all of it): a 12 MB message is not tokenized whole (gigabytes of offsets) to keep its
+    first 8k tokens. Tokens rarely average CUT_CHARS_PER_TOKEN characters; a row where they
+    do is encoded whole (`encode_cut`)."""
+    return 0 if seq_length is None else seq_length * CUT_CHARS_PER_TOKEN + CUT_MARGIN_CHARS
+
+
+def cut_pieces(pieces: tuple[str, ...], chars: int) -> tuple[str, ...]:
+    """The pieces' first `chars` characters, piece by piece."""
+    out = []
+    for piece in pieces:
+        out.append(piece[:max(chars, 0)])
+        chars -= len(piece)
+    return tuple(out)
+
+
+def encode_cut(tokenizer: Any, pieces: tuple[str, ...], seq_length: int,
+               encodings: list[Any] | None = None) -> _Encoded:
+    """A long row's encoding from its first `cut_chars` characters (`encodings`: theirs, when
+    the caller encoded them in a batch), or from the whole text where the cut could change
+    the tokens kept: no more than seq_length tokens in the cut (long tokens: a run of
+    spaces), or a longer cut that starts with other tokens (a cut inside one pre-token)."""
+    chars = cut_chars(seq_length)
+    cut = cut_pieces(pieces, chars)
+    if encodings is None:
+        encodings = [_encode(tokenizer, piece) for piece in cut]
+    encoded = _Encoded.join(cut, encodings)
+    if len(encoded.ids) > seq_length:
+        longer = cut_pieces(pieces, chars + chars // 2)
+        check = _Encoded.join(longer, [_encode(tokenizer, piece) for piece in longer])
+        if check.ids[:seq_length + 1] == encoded.ids[:seq_length + 1]:
+            encoded.kept_chars = encoded.span(seq_length)[1]
+            return encoded
     return _Encoded.join(pieces, [_encode(tokenizer, piece) for piece in pieces])
 
 

@@ -48,8 +48,10 @@ def _build_row(
     truncate, verify."""
     text, spans, append_eos = plan.text, plan.spans, plan.append_eos
     if encoded is None:
-        encoded = _encode_row(tokenizer, text, plan.split_at)
+        encoded = _encode_row(tokenizer, text, plan.split_at, policy.seq_length)
     ids = encoded.ids
+    if encoded.kept_chars is not None:  # a cut text: a reply past the tokens kept is not seen
+        spans = [span for span in spans if span[0] < encoded.kept_chars]
     mask = _span_mask(encoded, spans, text)
     exp = list(plan.expected)
     if append_eos:
@@ -60,7 +62,7 @@ def _build_row(
         ids, mask, plan.turn, list(plan.norms), plan.strategy, text, list(spans), exp, append_eos,
         False, plan.split_at, prefill=plan.prefill,
     )
-    _fit_seq_length(row, policy)
+    _fit_seq_length(row, policy, cut=encoded.kept_chars is not None)
     longest = _longest_run(row.loss_mask)
     if longest < policy.min_supervised_tokens:
         raise MaskRefused(
@@ -90,14 +92,17 @@ def _span_mask(encoded: _Encoded, spans: list[tuple[int, int]], text: str) -> li
     return mask
 
 
-def _fit_seq_length(row: TokenizedRow, policy: MaskPolicy) -> None:
-    """Cut a row longer than seq_length on the right, or refuse it (`truncation = "drop"`)."""
+def _fit_seq_length(row: TokenizedRow, policy: MaskPolicy, cut: bool = False) -> None:
+    """Cut a row longer than seq_length on the right, or refuse it (`truncation = "drop"`).
+    `cut`: its text was cut before encoding, and it has more tokens than it says."""
     n = len(row.input_ids)
     if policy.seq_length is None or n <= policy.seq_length:
         return
+    tokens = f"{n}+" if cut else str(n)
     if policy.truncation == "drop":
-        raise MaskRefused(R_EXCEEDS_SEQ_LENGTH, f"{n} tokens > seq_length {policy.seq_length}")
-    row.normalizations.append(f"truncated_right:{n}->{policy.seq_length}")
+        raise MaskRefused(R_EXCEEDS_SEQ_LENGTH,
+                          f"{tokens} tokens > seq_length {policy.seq_length}")
+    row.normalizations.append(f"truncated_right:{tokens}->{policy.seq_length}")
     row.input_ids = row.input_ids[: policy.seq_length]
     row.loss_mask = row.loss_mask[: policy.seq_length]
     row.truncated = True
