@@ -90,7 +90,10 @@ def test_truncated_replies_are_filtered_and_counted(tiny_model, ingested):
                        max_new_tokens=3)
     # advice for the reason that occurred, none for those that did not
     assert "'truncated_response': raise --max-new-tokens" in str(failed.value)
-    assert "dummy_reply" not in str(failed.value) and "think" not in str(failed.value)
+    assert "'dummy_reply':" not in str(failed.value)
+    assert "'reply_inside_think_block':" not in str(failed.value)
+    # the stage's warnings follow the reasons: here the truncation share, with its advice
+    assert "4 of 4 replies with thinking off (100%) stopped at max_new_tokens" in str(failed.value)
     assert not (ingested / "regenerate").exists()  # a failed stage publishes nothing
     manifest = json.loads((ingested / "manifest.json").read_text())
     assert manifest["stages"]["regenerate"]["status"] == "failed"
