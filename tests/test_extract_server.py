@@ -68,10 +68,123 @@ def test_server_states_equal_the_hooks_states(tiny_target, default_tokenized, co
     served = copy_run(default_tokenized, tmp_path / "served")
     doc = extract.run(None, served, progress=False, model=str(tiny_target), layers="1,2",
                       **_server_kw(server))
-    assert '"eagle_aux_hidden_state_layer_ids": [2, 3, 4]' in capsys.readouterr().err
+    printed = capsys.readouterr().err
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 3, 4]' in printed
     assert doc["total"]["rows_out"] == doc["total"]["rows_in"] and not doc["health"]["problems"]
+    # the spot check compared the layers the printed serve line names, and found them
+    check = doc["total"]["server_check"]
+    assert check["ran"] and check["layer_ids"] == _printed_layer_ids(printed)
+    assert [s["checked"] for s in check["servers"]] == [True]
+    assert check["servers"][0]["max_relative_diff"] < 1e-5
+    assert sorted(check["norms"]) == ["1", "2", "3"]  # ours: the stored layers' scale limits
+    assert not (served / "extract" / "server_check.json").exists()  # a run's record, not data
     _assert_same_states(hooks_run, served)
     assert not list(server.states_dir.glob("*.safetensors"))  # copied, then removed
+
+
+def _printed_layer_ids(printed: str) -> list[int]:
+    import json
+    import shlex
+
+    line = next(x for x in printed.splitlines() if x.strip().startswith("vllm serve"))
+    argv = shlex.split(line)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    return spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def test_a_server_started_with_our_layer_ids_is_refused_before_any_shard(
+        tiny_target, default_tokenized, copy_run, tmp_path):
+    """The mistake the docs warn about: vLLM counts the embedding output as layer 0, so our
+    ids given as vLLM's capture the layer before each (it gave 257 rows, rc 0)."""
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.states_server import vllm_layer_ids
+    from dflash_etl.stages import extract
+
+    ours = [i - 1 for i in vllm_layer_ids(LAYERS, 4)]  # [1, 2, 3]
+    states = tmp_path / "server-states"
+    run = copy_run(default_tokenized, tmp_path / "off-by-one")
+    with DevServer(str(tiny_target), extract_layers=ours, states_dir=str(states)) as srv, \
+            pytest.raises(StageError) as failed:
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    backend="server", endpoint=srv.url, states_dir=str(states))
+    message = str(failed.value)
+    for slot, (want, held) in enumerate(zip([2, 3, 4], ours, strict=True)):
+        assert f"layer {slot} (vLLM layer id {want} expected) holds vLLM layer {held}'s" \
+            in message
+    assert "vLLM layer ids [2, 3, 4]; restart the server with the printed `vllm serve`" \
+        in message
+    assert not list(run.glob("**/*.safetensors")) and not (run / "extract").exists()
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("scaled", r"layer 0 \(vLLM layer id 2 expected\) is x1000 the target's own states"),
+    ("integer", r"the server's states are int32, not floats"),
+])
+def test_scaled_or_cast_server_states_are_refused(tiny_target, default_tokenized, copy_run,
+                                                   tmp_path, server, fault, message):
+    from dflash_etl.stages import extract
+
+    run = copy_run(default_tokenized, tmp_path / fault)
+    server.states.fault = fault
+    with pytest.raises(StageError, match=message):
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_server_kw(server))
+
+
+def test_states_scaled_after_the_spot_check_fail_the_shards_health(
+        tiny_target, default_tokenized, copy_run, tmp_path, server, monkeypatch):
+    """A server that changes after the check (restarted with other settings): each shard's
+    median token norms are held to the target's on the spot-check row."""
+    from dflash_etl.models import states_server
+    from dflash_etl.stages import extract
+
+    checked = states_server.spot_check
+
+    def then_scaled(*args, **kwargs):
+        record = checked(*args, **kwargs)
+        server.states.fault = "scaled"
+        return record
+
+    monkeypatch.setattr(states_server, "spot_check", then_scaled)
+    run = copy_run(default_tokenized, tmp_path / "later")
+    with pytest.raises(ContractError, match=r"layer 1: median token norm .* is x[\d.]+ the "
+                       r"target's own .*limit x4 either way(.|\n)*a server changed since the "
+                       r"check"):
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_server_kw(server))
+
+
+def test_without_the_targets_weights_the_check_is_skipped_loudly(
+        tiny_target, default_tokenized, copy_run, tmp_path, server, capsys):
+    """A client machine with the config and tokenizer only: warned and recorded; `on` makes
+    it an error."""
+    import shutil
+
+    from dflash_etl.stages import extract
+
+    config_only = tmp_path / "config-only"
+    shutil.copytree(tiny_target, config_only, ignore=shutil.ignore_patterns("*.safetensors*"))
+    run = copy_run(default_tokenized, tmp_path / "unchecked")
+    doc = extract.run(None, run, progress=False, model=str(config_only), layers="1,2",
+                      **_server_kw(server))
+    assert "WARNING: the server's states are not checked against the target: " \
+        f"{config_only} holds no weights" in capsys.readouterr().err
+    assert doc["total"]["server_check"]["ran"] is False
+    assert "holds no weights" in doc["total"]["server_check"]["why"]
+    with pytest.raises(StageError, match=r'spot_check = "on" but the target cannot load here'):
+        extract.run(None, copy_run(default_tokenized, tmp_path / "on"), progress=False,
+                    model=str(config_only), layers="1,2", spot_check="on", **_server_kw(server))
+
+
+def test_a_fleet_with_one_misconfigured_server_names_it(fleet, default_tokenized, copy_run,
+                                                        tmp_path, tiny_target):
+    from dflash_etl.stages import extract
+
+    good, bad = fleet(2)
+    bad.states.fault = "scaled"
+    with pytest.raises(StageError, match=f"^{bad.url}: the server's states are not the "):
+        extract.run(None, copy_run(default_tokenized, tmp_path / "fleet"), progress=False,
+                    model=str(tiny_target), layers="1,2", **_fleet_kw([good, bad]))
 
 
 def test_speculators_own_client_reads_the_dev_server(server, default_tokenized):
@@ -135,9 +248,14 @@ def test_all_zero_states_from_a_server_fail_the_stage_naming_the_layer(
 
     run = copy_run(default_tokenized, tmp_path / "zeros")
     server.states.fault = "zeros"
-    with pytest.raises(ContractError, match="exactly zero"):
+    # the spot check sees it first, before any shard; without it, the shards' health
+    with pytest.raises(StageError, match=r"layer 0 \(vLLM layer id 2 expected\) is all zeros"):
         extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
                     **_server_kw(server))
+    assert not list((run / ".extract.partial").glob("**/*.safetensors"))  # no shard written
+    with pytest.raises(ContractError, match="exactly zero"):
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    **_server_kw(server), spot_check="off")
 
 
 def test_a_dead_server_quarantines_its_rows_with_the_reason(tiny_target):

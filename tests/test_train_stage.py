@@ -386,6 +386,15 @@ def test_online_training_with_states_from_a_server_trains_the_offline_drafter(
     with pytest.raises(StageError, match="--states-from server needs --online"):
         train.run(None, dead, progress=False, target=str(untied_target),
                   states_from="server", **settings)
+    # a server started with our layer ids (not vLLM's, ours + 1): refused at the start, each
+    # layer named by what it holds
+    with DevServer(str(untied_target), extract_layers=[2, 3], states_dir=str(states)) as server, \
+            pytest.raises(StageError, match=r"layer 0 \(vLLM layer id 3 expected\) holds vLLM "
+                          r"layer 2's states.*layer 1 \(vLLM layer id 4 expected\) holds vLLM "
+                          r"layer 3's"):
+        train.run(None, dead, progress=False, target=str(untied_target), online=True,
+                  layers="2", states_from="server", states_endpoint=server.url,
+                  states_dir=str(states), **settings)
 
 
 def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(

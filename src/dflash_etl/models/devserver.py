@@ -270,7 +270,7 @@ class StatesEngine:
     (`hidden_states` [seq, layers, hidden] at vLLM's layer ids, the embedding output being 0,
     and `token_ids`) and answers with its path in `kv_transfer_params.hidden_states_path`.
     `fault` makes the next replies wrong as servers have been: "zeros", "nan", "other" (the
-    previous request's file), "short" (a layer missing)."""
+    previous request's file), "short" (a layer missing), "scaled" (x1000), "integer" (cast)."""
 
     def __init__(self, model: str, layer_ids: list[int], states_dir: Path) -> None:
         from dflash_etl.models.target import Target, TargetSpec
@@ -300,6 +300,10 @@ class StatesEngine:
             hidden[0, 0, 0] = float("nan")
         elif self.fault == "short":
             hidden = hidden[:, :-1].contiguous()
+        elif self.fault == "scaled":
+            hidden = hidden * 1000
+        elif self.fault == "integer":
+            hidden = hidden.round().to(torch.int32)
         self.count += 1
         path = str(self.dir / f"req-{self.tag}-{self.count}.safetensors")
         save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids, dtype=torch.long)},

@@ -19,10 +19,12 @@ health checks (zeros: vLLM #46301's all-zero states on hybrid targets) then run 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ Q_SERVER_FAILED = "state_request_failed"  # no server answered: extract and trai
 Q_FILE_UNREADABLE = "state_file_unreadable"  # missing or cut
 # a row's states the servers failed to give: extract and train stop (a rerun asks again)
 SERVER_FAULTS = (Q_SERVER_FAILED, Q_TOKEN_MISMATCH, Q_FILE_UNREADABLE)
+SPOT_CHECK_FILE = "server_check.json"  # in the stage's partial dir: the workers' scale limits
+PROBE_TOKENS = 64  # the spot-check row: the first tokens of the first row
 LOCK_WAIT_S = 30.0  # the connector's .lock on a file it is still writing
 REPLY_BYTES_PER_ID = 32  # a reply's bytes per prompt token, with margin (the cap's)
 
@@ -172,6 +176,10 @@ class ServerTarget:
         if data.get("token_ids") is None or data["token_ids"].tolist() != ids:
             return Q_TOKEN_MISMATCH
         states = data["hidden_states"]
+        if not states.is_floating_point():  # quantized or cast: converting would hide it
+            raise StageError(f"{path}: the server's states are {str(states.dtype).split('.')[-1]}"
+                             ", not floats: the server quantizes or casts them; serve the "
+                             "target's own dtype (bf16, fp16 or fp32)")
         want = (len(ids), len(self.layers) + 1, self.hidden)
         if tuple(states.shape) != want:
             raise StageError(
@@ -182,3 +190,176 @@ class ServerTarget:
         if not self.settings.keep_server_files:
             path.unlink(missing_ok=True)
         return states.to(self.dtype)
+
+
+MATCH_RELATIVE_DIFF = 0.1  # a served layer against the target's own: bf16 engines, margin
+
+
+def _median_norm(v: Any) -> float:
+    return float(v.norm(dim=-1).median()) if v.numel() else 0.0
+
+
+def layer_match(served: Any, local: Any, expected: list[int]) -> list[dict[str, Any]]:
+    """Which of the target's layers each served layer holds. `served` [seq, slots, hidden];
+    `local` [seq, layers + 1, hidden], indexed by vLLM's layer id (0: the embedding output);
+    `expected` the vLLM id each slot should be. Per slot: the median per-token relative diff
+    to the expected layer and to the nearest one, and the ratio of median token norms. The
+    first token is left out when there are others: its massive activations look alike in
+    every layer."""
+    skip = 1 if served.shape[0] > 1 else 0
+    a, b = served[skip:].float(), local[skip:].float()
+    scale = b.norm(dim=-1).clamp_min(1e-6)  # [seq, layers + 1]
+    out = []
+    for k, layer in enumerate(expected):
+        diffs = ((a[:, k:k + 1] - b).norm(dim=-1) / scale).median(dim=0).values
+        nearest = int(diffs.argmin())
+        reference = _median_norm(b[:, layer])
+        out.append({"slot": k, "expected": int(layer), "nearest": nearest,
+                    "diff_expected": round(float(diffs[layer]), 6),
+                    "diff_nearest": round(float(diffs[nearest]), 6),
+                    "norm_ratio": round(_median_norm(a[:, k]) / reference, 6)
+                    if reference else 0.0, "target_norm_median": round(reference, 4)})
+    return out
+
+
+def layer_match_problems(matches: list[dict[str, Any]]) -> list[str]:
+    """What makes served states another layer's, scaled, or not the target's, in vLLM's ids."""
+    problems = []
+    for m in matches:
+        where = f"the server's layer {m['slot']} (vLLM layer id {m['expected']} expected)"
+        if m["diff_expected"] <= MATCH_RELATIVE_DIFF:
+            continue
+        if m["diff_nearest"] <= MATCH_RELATIVE_DIFF:
+            problems.append(f"{where} holds vLLM layer {m['nearest']}'s states (median relative "
+                            f"diff {m['diff_nearest']:.3g}; {m['diff_expected']:.3g} to layer "
+                            f"{m['expected']})")
+        elif m["norm_ratio"] == 0:
+            problems.append(f"{where} is all zeros (vLLM #46301 on hybrid targets)")
+        elif not 1 / 2 <= m["norm_ratio"] <= 2:
+            problems.append(f"{where} is x{m['norm_ratio']:.4g} the target's own states (median "
+                            "token norm): the server scales or casts them")
+        else:
+            problems.append(f"{where} matches no layer of the target (median relative diff "
+                            f"{m['diff_expected']:.3g}, limit {MATCH_RELATIVE_DIFF:g}): another "
+                            "model, revision or quantization than --model")
+    return problems
+
+
+def _available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable), for whether the target loads here."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def reference_dtype(model: str) -> tuple[str | None, str]:
+    """The dtype to load the target in for the spot check (fp32, else bf16 when only that
+    fits), or None and why it cannot load here."""
+    from dflash_etl.core.progress import size_text
+
+    directory = Path(model)
+    weights = [p for pattern in ("*.safetensors", "*.bin", "*.pt")
+               for p in directory.glob(pattern)] if directory.is_dir() else []
+    if not weights:
+        return None, f"{model} holds no weights (a config and tokenizer only)"
+    size, free = sum(p.stat().st_size for p in weights), _available_memory()
+    if 3 * size <= free:  # a bf16 checkpoint in fp32, with room to spare
+        return "fp32", ""
+    if 3 * size <= 2 * free:
+        return "bf16", ""
+    return None, (f"its weights ({size_text(size)}) do not fit this machine's available memory "
+                  f"({size_text(free)})")
+
+
+def spot_check(settings: Any, layers: list[int], n_layers: int, hidden: int, probe: list[int],
+               reference: Any = None, stage: str = "extract") -> dict[str, Any]:
+    """One short row through the target here and through each server: each served layer must
+    be the target's layer the `vllm serve` line names (vllm_layer_ids, as serve_command), at
+    the target's scale. A server's misconfiguration (layer ids off by one, scaled or cast
+    states, another model) is then the stage's error before any shard, naming what the
+    server captures. `reference`: a loaded Target (train's), else the target is loaded here
+    on the CPU when it fits; where it cannot load, the check is skipped loudly (`spot_check =
+    "on"`: an error). Returns the record for stats.json (its `norms` the shards' scale limits)."""
+    expected = vllm_layer_ids(layers, n_layers)
+    record: dict[str, Any] = {"ran": False, "layer_ids": expected, "tokens": len(probe)}
+    why = "spot_check = \"off\"" if settings.spot_check == "off" else ""
+    dtype = "fp32"
+    if not why and reference is None:
+        dtype, why = reference_dtype(settings.model)  # type: ignore[assignment]
+    if why:
+        if settings.spot_check == "on":
+            raise StageError(f"spot_check = \"on\" but the target cannot load here: {why}; "
+                             "run where it does, or set spot_check = \"auto\"")
+        print(f"{stage}: WARNING: the server's states are not checked against the target: "
+              f"{why}. A server started with other layer ids gives another layer's states "
+              "unnoticed: start it with the printed `vllm serve` line", file=sys.stderr,
+              flush=True)
+        return {**record, "why": why}
+    if reference is None:
+        from dflash_etl.models.target import Target, TargetSpec
+
+        reference = Target(TargetSpec(model=settings.model, layers=",".join(map(str, layers)),
+                                      dtype=dtype, device="cpu"))
+    local = reference.every_layer(probe)
+    record.update(ran=True, servers=[], norms={})
+    for url in settings.servers:
+        try:
+            one = ServerTarget(replace(settings, endpoint=url, endpoints=()), layers, n_layers,
+                               hidden)
+            _, got = one.forward([probe], extra_layers=(n_layers - 1,))
+        except StageError as exc:
+            if "cannot list the models" not in str(exc):
+                raise
+            got = [f"{Q_SERVER_FAILED}: {exc}"]
+        if isinstance(got[0], str):  # down now: the fleet's failover decides; said, counted
+            print(f"{stage}: WARNING: {url} gave no states for the spot check ({got[0]}): not "
+                  "checked", file=sys.stderr, flush=True)
+            record["servers"].append({"url": url, "checked": False, "why": got[0]})
+            continue
+        matches = layer_match(got[0], local, expected)
+        problems = layer_match_problems(matches)
+        if problems:
+            raise StageError(
+                f"{url}: the server's states are not the target's on a {len(probe)}-token row: "
+                + "; ".join(problems) + f". The layers stored here are vLLM layer ids "
+                f"{expected}; restart the server with the printed `vllm serve` line (its "
+                "eagle_aux_hidden_state_layer_ids), serving --model's weights")
+        record["servers"].append({"url": url, "checked": True,
+                                  "max_relative_diff": max(m["diff_expected"] for m in matches)})
+        record["norms"] = {str(m["expected"] - 1): m["target_norm_median"] for m in matches}
+    return record
+
+
+def begin_server_stage(settings: Any, layers: list[int], n_layers: int, hidden: int,
+                       first_row: list[int], partial: Path) -> None:
+    """extract --backend server's start: the `vllm serve` line the servers must run, then the
+    spot check on the first row's first tokens, its record kept in `partial` (the workers'
+    scale limits; `take_spot_check` moves it into stats before publishing)."""
+    from dflash_etl.core.rundir import write_json_atomic
+
+    print(f"extract: the states come from the server(s) at {', '.join(settings.servers)}, each "
+          "started as:\n  " + serve_command(settings.served_model or settings.model, layers,
+                                             n_layers, settings.states_dir),
+          file=sys.stderr, flush=True)
+    write_json_atomic(partial / SPOT_CHECK_FILE, spot_check(
+        settings, layers, n_layers, hidden, first_row[:PROBE_TOKENS]))
+
+
+def take_spot_check(partial: Path) -> dict[str, Any]:
+    """The spot check's record, removed from the output: a run's record (servers), not data."""
+    path = partial / SPOT_CHECK_FILE
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    path.unlink(missing_ok=True)
+    return record
+
+
+def reference_norms(partial: Path) -> dict[int, float]:
+    """The spot check's median token norms per stored layer (ours), for the shards' scale
+    check; empty when it did not run."""
+    path = partial / SPOT_CHECK_FILE
+    norms = json.loads(path.read_text()).get("norms", {}) if path.is_file() else {}
+    return {int(layer): float(norm) for layer, norm in norms.items()}

@@ -228,6 +228,32 @@ class Target:
         return [out.logits[k, :len(r)] for k, r in enumerate(rows)], states
 
 
+    def every_layer(self, ids: list[int]) -> Any:
+        """[seq, layers + 1, hidden] for one row: the embedding output, then every decoder
+        layer's, in vLLM's numbering (index = its layer id): what a server's states are checked
+        against, whichever layers it captures. Hooks added for this pass only."""
+        torch = self.torch
+        kept: dict[int, Any] = {}
+
+        def keep(index: int) -> Any:
+            def hook(_module: Any, _inputs: Any, output: Any) -> None:
+                state = output[0] if isinstance(output, tuple) else output
+                kept[index] = state[0].to("cpu", torch.float32)
+            return hook
+
+        modules = [self.model.get_input_embeddings(), *decoder_layers(self.model)]
+        handles = [m.register_forward_hook(keep(i)) for i, m in enumerate(modules)]
+        self.captured.clear()
+        self.stop_after = None  # the last layer's own hook would end the pass before ours
+        try:
+            with torch.no_grad():
+                self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False,
+                           logits_to_keep=1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.stack([kept[i] for i in range(len(modules))], dim=1)
+
     def extend(self, tokens: list[int], cache: Any) -> tuple[Any, Any]:
         """Feed `tokens` after what the KV `cache` holds (one sequence): (logits [k, vocab],
         states [k, layers, hidden]) of the new tokens."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -66,6 +65,13 @@ from dflash_etl.models.identity import model_identity
 from dflash_etl.models.layers import resolve_layers, target_shape
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
+from dflash_etl.models.states_server import (
+    SERVER_FAULTS,
+    ServerTarget,
+    begin_server_stage,
+    reference_norms,
+    take_spot_check,
+)
 from dflash_etl.models.target import Target
 from dflash_etl.runner.settings import stage_settings
 from dflash_etl.validation.contracts import read_arrow
@@ -73,6 +79,7 @@ from dflash_etl.validation.health import (
     HealthLimits,
     layer_health,
     reference_diff,
+    scale_problems,
     shard_problems,
     summarize,
 )
@@ -147,6 +154,10 @@ class ExtractSettings:
     keep_server_files: bool = setting(False, fingerprint=False, applies=SERVER,
                                       help="--backend server: keep the server's files after "
                                            "they are copied")
+    spot_check: str = setting("auto", choices=("auto", "on", "off"), fingerprint=False,
+                              applies=SERVER, help="--backend server: one short row through the "
+                              "target here against each server's states (layer ids, scale); "
+                              "auto: where the target loads, else warned")
     concurrency: int = fleet_setting("concurrency", "--backend server", applies=SERVER)
     timeout_s: float = fleet_setting("timeout_s", "--backend server", applies=SERVER)
     request_deadline_s: float = fleet_setting("request_deadline_s", "--backend server",
@@ -230,8 +241,6 @@ def _stop_on_server_faults(target: Any, states: list[Any], name: str) -> None:
     reasons (as train stops, and regenerate fails its stage on such rows), before it is
     written, so a rerun resumes here and asks again; quarantined, they would be lost to every
     rerun of a complete stage."""
-    from dflash_etl.models.states_server import SERVER_FAULTS
-
     faults = Counter(s for s in states if isinstance(s, str) and s in SERVER_FAULTS)
     if faults:
         last = f": {target.last_problem}" if getattr(target, "last_problem", "") else ""
@@ -291,6 +300,7 @@ def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str
         if not isinstance(alone[0], str):  # a server that failed the re-run: no reference
             reference = {"row": rows[k]["row"], **reference_diff(states[k], alone[0])}
     problems = shard_problems(layer_stats, reference, HealthLimits.for_dtype(settings.dtype))
+    problems += scale_problems(layer_stats, getattr(target, "reference_norms", {}))
     return {"layers": layer_stats, "reference": reference, "problems": problems}
 
 
@@ -335,12 +345,9 @@ class ExtractStage(BatchStage):
                              stored_layers=stored, n_layers=self.n_layers, estimated_bytes=need,
                              ranks=ctx.world)
         if settings.backend == "server":
-            from dflash_etl.models.states_server import serve_command
-
-            print("extract: the states come from the server(s) at "
-                  f"{', '.join(settings.servers)}, each started as:\n  "
-                  + serve_command(settings.served_model or settings.model, self.layers,
-                                  self.n_layers, settings.states_dir), file=sys.stderr, flush=True)
+            first = next(c for f in self.files if len(c := read_arrow(f).column("input_ids")))
+            begin_server_stage(settings, self.layers, self.n_layers, self.hidden,
+                               first[0].as_py(), ctx.partial)
 
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         """One item per shard, its cost the padded tokens of its forward passes."""
@@ -360,10 +367,9 @@ class ExtractStage(BatchStage):
     def setup(self) -> None:
         # loaded only where there is work: a big target takes minutes
         if self.settings.backend == "server":
-            from dflash_etl.models.states_server import ServerTarget
-
             self.target: Any = ServerTarget(self.settings, self.layers, self.n_layers,
                                             self.hidden)
+            self.target.reference_norms = reference_norms(self.partial)
         else:
             self.target = Target(replace(self.settings,
                                          device=device_for_rank(self.settings.device)))
@@ -417,8 +423,9 @@ class ExtractStage(BatchStage):
                              "dtype": settings.dtype, "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
         doc["health"] = _health_document(results, settings.dtype)
-        if settings.backend == "server":  # the fleet's load: a run's record (timing), not data
+        if settings.backend == "server":  # the fleet's load and check: a run's record, not data
             ctx.call_totals["servers"] = _server_load(results)
+            ctx.call_totals["server_check"] = take_spot_check(ctx.partial)
         return doc
 
     def contract_params(self, ctx: StageContext) -> dict[str, Any]:

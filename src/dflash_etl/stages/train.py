@@ -228,11 +228,18 @@ def _require_last_layer(extracted: HiddenStatesOutput) -> None:
             "--online, or use labels = \"data\"")
 
 
-def _server_states(settings: TrainSettings, target: Any, extract: Any, last: bool = False) -> Any:
+def _server_states(settings: TrainSettings, target: Any, extract: Any, probe: list[int],
+                   last: bool = False) -> Any:
     """train --online --states-from server: the batches' states from hidden-states servers,
     through extract's server client (its checks, the fleet client's failover, retries and
-    deadlines), with [extract]'s limits and served model (`extract`: its settings)."""
-    from dflash_etl.models.states_server import ServerTarget, serve_command
+    deadlines), with [extract]'s limits and served model (`extract`: its settings); each
+    server spot-checked on `probe` against the loaded target first."""
+    from dflash_etl.models.states_server import (
+        PROBE_TOKENS,
+        ServerTarget,
+        serve_command,
+        spot_check,
+    )
     from dflash_etl.models.training.states import ServerStates
 
     client = replace(extract, model=settings.target, backend="server", dtype=settings.dtype,
@@ -243,6 +250,8 @@ def _server_states(settings: TrainSettings, target: Any, extract: Any, last: boo
                                              target.layers, target.n_layers,
                                              settings.states_dir),
           file=sys.stderr, flush=True)
+    spot_check(client, target.layers, target.n_layers, target.hidden, probe[:PROBE_TOKENS],
+               reference=target, stage="train")
     return ServerStates(ServerTarget(client, target.layers, target.n_layers, target.hidden),
                         last=last)
 
@@ -365,7 +374,7 @@ class TrainStage(Stage):
         if settings.online and settings.states_from == "server":
             trainer.states = _server_states(settings, trainer.target, stage_settings(
                 ExtractStage, ctx.config, ctx.run.root, {"model": settings.target}),
-                last=settings.labels == "target")
+                train_rows[0]["input_ids"], last=settings.labels == "target")
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)

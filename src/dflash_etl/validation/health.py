@@ -82,6 +82,26 @@ def shard_problems(health: list[dict[str, Any]], reference: dict[str, Any] | Non
     return problems
 
 
+SCALE_RATIO = 4.0  # a shard's median token norm against the spot check's, either way
+
+
+def scale_problems(health: list[dict[str, Any]], reference: dict[int, float]) -> list[str]:
+    """A shard's layers whose median token norm is past SCALE_RATIO from the target's own on
+    the spot-check row (`reference`: our layer -> norm): served states scaled after the
+    check, or by another server of the fleet."""
+    problems = []
+    for layer in health:
+        want = reference.get(layer["layer"])
+        if not want or not layer["tokens"]:
+            continue
+        ratio = layer["norm_median"] / want
+        if not 1 / SCALE_RATIO <= ratio <= SCALE_RATIO:
+            problems.append(f"layer {layer['layer']}: median token norm {layer['norm_median']:.4g}"
+                            f" is x{ratio:.4g} the target's own ({want:.4g}, limit x"
+                            f"{SCALE_RATIO:g} either way): the states are scaled or cast")
+    return problems
+
+
 def summarize(shards: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per layer over all shards: token-weighted zero share and mean norm, the max norm, the
     outliers; for stats.json and the report."""

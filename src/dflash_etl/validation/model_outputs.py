@@ -71,6 +71,20 @@ def no_rows_kept(total: dict[str, Any]) -> str:
     return "; ".join(lines)
 
 
+def health_advice(problems: list[str]) -> str:
+    """What to do, for the kinds of problem found (validation/health.py's wording)."""
+    advice = []
+    if any("zero" in p or "run alone" in p for p in problems):
+        advice.append("States that are zeros or differ from the same row run alone are wrong "
+                      "even though finite: check the target's architecture support, or "
+                      "--batch-tokens 1 to rule padding out.")
+    if any("scaled or cast" in p for p in problems):
+        advice.append("States far from the target's own scale on the spot-check row: a server "
+                      "changed since the check (restarted with other settings) or scales its "
+                      "states; check each server's flags and dtype, then rerun.")
+    return " ".join(advice)
+
+
 def validate_hidden_states(stage_dir: Path, params: dict[str, Any]) -> None:
     """The gate of an extract output (its stats.json written): the shards' health, a kept row,
     then the contract against the tokenized rows (`params["dataset"]`: its Arrow files);
@@ -80,10 +94,8 @@ def validate_hidden_states(stage_dir: Path, params: dict[str, Any]) -> None:
     if unhealthy:
         raise ContractError(
             "the extract health check failed (their rows are quarantined "
-            f"{Q_UNHEALTHY}):\n  - " + "\n  - ".join(unhealthy[:20])
-            + "\nStates that are zeros or differ from the same row run alone are wrong even "
-            "though finite: check the target's architecture support, or --batch-tokens 1 "
-            "to rule padding out", {"problems": unhealthy})
+            f"{Q_UNHEALTHY}):\n  - " + "\n  - ".join(unhealthy[:20]) + "\n"
+            + health_advice(unhealthy), {"problems": unhealthy})
     if not pq.read_metadata(stage_dir / "index.parquet").num_rows:
         raise StageError(no_rows_kept(doc["total"]))
     total = doc["total"]
