@@ -92,6 +92,25 @@ def _printed_layer_ids(printed: str) -> list[int]:
     return spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
 
 
+def test_the_layer_match_names_the_nearest_layer_even_within_the_limit():
+    """A deep target's adjacent layers differ by less than the match limit: the layer before
+    the expected one is still named when it is clearly nearer; bf16-sized noise passes."""
+    from dflash_etl.models.states_server import layer_match, layer_match_problems
+
+    g = torch.Generator().manual_seed(0)
+    local = torch.randn(32, 1, 256, generator=g) + (0.05 * torch.randn(
+        32, 9, 256, generator=g)).cumsum(dim=1)  # each layer ~5% from the one before
+    noise = 0.005 * torch.randn(32, 3, 256, generator=g)
+    assert layer_match_problems(layer_match(local[:, [4, 5, 6]] + noise, local, [4, 5, 6])) == []
+    shifted = layer_match(local[:, [3, 4, 5]] + noise, local, [4, 5, 6])
+    assert all(m["diff_expected"] < 0.1 for m in shifted)  # close enough, yet another layer's
+    assert [p.split(" (median")[0] for p in layer_match_problems(shifted)] == [
+        f"the server's layer {k} (vLLM layer id {k + 4} expected) holds vLLM layer {k + 3}'s "
+        "states" for k in range(3)]
+    scaled = layer_match_problems(layer_match(local[:, [4, 5, 6]] * 1000, local, [4, 5, 6]))
+    assert len(scaled) == 3 and all("is x1000 the target's own states" in p for p in scaled)
+
+
 def test_a_server_started_with_our_layer_ids_is_refused_before_any_shard(
         tiny_target, default_tokenized, copy_run, tmp_path):
     """The mistake the docs warn about: vLLM counts the embedding output as layer 0, so our
