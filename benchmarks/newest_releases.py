@@ -8,6 +8,7 @@ library its newest release is installed in place of the locked one, its tests ru
 locked version goes back. Nothing here touches `.venv`.
 
     python benchmarks/newest_releases.py [--only transformers,datasets] [--keep]
+        [--release transformers==5.26.0rc1]
 
 Writes benchmarks/results/newest_releases.{json,md}: per library, the locked and the newest
 version and the tests that fail with the newest (their first error line).
@@ -59,7 +60,9 @@ def locked(name: str) -> str:
 
 def newest(uv: str, python: str, name: str) -> str:
     """The newest release on the index (a dry-run install of it alone, no dependencies)."""
-    out = run([uv, "pip", "install", "--python", python, "--dry-run", "--no-deps", "-U", name])
+    # --reinstall: with the newest already installed, uv prints no "+ name==" line without it
+    out = run([uv, "pip", "install", "--python", python, "--dry-run", "--no-deps", "--reinstall",
+               "-U", name])
     found = re.search(rf"\+ {re.escape(name.lower())}==(\S+)", (out.stdout + out.stderr).lower())
     if not found:
         raise SystemExit(f"cannot tell {name}'s newest release: {out.stderr[-500:]}")
@@ -93,14 +96,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated libraries (default: all of CHECKS)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch environment")
+    parser.add_argument("--release", action="append", default=[], metavar="NAME==VERSION",
+                        help="try this release instead of the newest (a candidate, an older "
+                             "one); repeatable")
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(CHECKS)
+    chosen = dict(r.split("==", 1) for r in args.release)
+    names = (args.only.split(",") if args.only else list(chosen) or list(CHECKS))
     WORK.mkdir(parents=True, exist_ok=True)
     uv, python = environment()
     rows = []
     for name in names:
-        pinned, latest = locked(name), newest(uv, python, name)
-        row = {"library": name, "locked": pinned, "newest": latest, "tests": CHECKS[name]}
+        pinned, latest = locked(name), chosen.get(name) or newest(uv, python, name)
+        row = {"library": name, "locked": pinned, "newest": latest, "tests": CHECKS[name],
+               "tried": "given" if name in chosen else "newest"}
         if latest == pinned:
             row.update(failed=[], seconds=0.0, note="the lock has the newest")
         else:
@@ -120,11 +128,11 @@ def main() -> None:
              "Each library's newest release alone over requirements/lock.txt, its tests "
              "(`-m \"not slow\"`, stopping at the first failure). Command: `python "
              "benchmarks/newest_releases.py`.", "",
-             "| library | locked | newest | tests | result |", "|---|---|---|---|---|"]
+             "| library | locked | tried | tests | result |", "|---|---|---|---|---|"]
     for r in rows:
         result = r.get("note") or ("pass" if not r["failed"] else
                                    "**breaks**: " + "; ".join(r["failed"][:3]))
-        lines.append(f"| {r['library']} | {r['locked']} | {r['newest']} | "
+        lines.append(f"| {r['library']} | {r['locked']} | {r['newest']} ({r['tried']}) | "
                      f"{', '.join(Path(t).name for t in r['tests'])} | {result} |")
     (HERE / "results" / "newest_releases.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
