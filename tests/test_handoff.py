@@ -572,3 +572,38 @@ def test_a_read_only_run_exports_to_an_out_elsewhere(native_run, tmp_path, monke
         capsys.readouterr().err
     with pytest.raises(StageError, match=r"is read-only .*give the export an --out directory"):
         export(native_run, "specforge")
+
+
+KILLED_RERUN = """
+import os, signal, sys
+from dflash_etl.core.lock import run_lock
+from dflash_etl.core.rundir import RunDir
+with run_lock(sys.argv[1], "extract"):
+    RunDir(sys.argv[1]).begin("extract", "a-forced-rerun")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_export_after_a_killed_forced_extract_rerun_exports_the_complete_one(
+        native_run, tmp_path, capsys):
+    """A `--force` extract SIGKILLed mid-way left extract `running` over its complete output:
+    export refused it until the next stage command. Now export, holding the run lock, settles
+    it as a stage would and exports the complete extract."""
+    import os
+    import signal
+    import subprocess
+
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    killed = subprocess.run([sys.executable, "-c", KILLED_RERUN, str(run)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+
+    def extract_status() -> str:
+        return json.loads((run / "manifest.json").read_text())["stages"]["extract"]["status"]
+
+    assert extract_status() == "running"
+    doc = export(run, "specforge", out=tmp_path / "out", progress=False)
+    assert extract_status() == "complete" and doc["rows_out"] > 0
+    assert "extract: the process running it (pid" in capsys.readouterr().err

@@ -631,7 +631,7 @@ def test_a_killed_rerun_of_a_complete_stage_leaves_it_complete(tmp_path):
     assert "published" not in complete
     run.begin("fake", "f2")  # the rerun, killed before it published
     assert run.manifest()["stages"]["fake"]["published"]["fingerprint"] == "f1"
-    runner._mark_interrupted(run, {"pid": 123, "host": "h"})
+    runner.mark_interrupted(run, {"pid": 123, "host": "h"})
     entry = run.manifest()["stages"]["fake"]
     assert {k: v for k, v in entry.items() if k != "last_attempt"} == complete
     assert "pid 123" in entry["last_attempt"]["error"]
@@ -643,8 +643,38 @@ def test_a_killed_rerun_of_a_complete_stage_leaves_it_complete(tmp_path):
     assert entry["fingerprint"] == "f2" and not {"published", "last_attempt"} & set(entry)
     never = RunDir(tmp_path / "other")  # a stage that never completed is marked failed
     never.begin("fake", "f1")
-    runner._mark_interrupted(never, {"pid": 1, "host": "h"})
+    runner.mark_interrupted(never, {"pid": 1, "host": "h"})
     assert never.manifest()["stages"]["fake"]["status"] == "failed"
+
+
+def test_a_killed_forced_rerun_is_settled_by_the_next_check(tmp_path, capsys):
+    """`ingest --force` SIGKILLed mid-stage left ingest `running` over its complete output, and
+    `check` failed ("left running by a process that died") until the next stage command. Now
+    check settles it as a stage would: the earlier output complete, the dead pid named; while
+    the holder lives, check says it is running and changes nothing."""
+    config = _setup(tmp_path, units=4)
+    run = tmp_path / "run"
+    assert _ingest(capsys, config, run)[0] == 0
+    complete = _stage(run)
+    proc, lines = _start(DYING, "ingest", "--config", config, "--run", run, "--workers", "1",
+                         "--force")
+    try:
+        _wait_for(lines, proc, "working")
+        code, out, _ = _cli(capsys, "check", run)
+        assert code == 1 and f"running now (pid {proc.pid} on" in out
+        assert _stage(run)["status"] == "running"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _stage(run)["status"] == "running"  # what SIGKILL leaves
+    code, out, err = _cli(capsys, "check", run)
+    assert code == 0, out + err
+    assert f"ingest: the process running it (pid {proc.pid} on" in err
+    entry = _stage(run)
+    assert {k: v for k, v in entry.items() if k != "last_attempt"} == complete
+    assert _cli(capsys, "check", run)[2] == ""  # settled once: the next read says nothing
 
 
 def test_a_stage_never_replaces_a_folder_it_did_not_publish(tmp_path, monkeypatch):

@@ -101,13 +101,18 @@ def cmd_docs(args: argparse.Namespace) -> int:
         raise StageError(f"{args.run} is not a run directory (no manifest.json): give the "
                          "--run directory a `dflash-etl run` or stage wrote")
     RunDir(args.run).manifest()  # a corrupt one is named (the report alone would show nothing)
+    from dflash_etl.runner.lifecycle import settle_interrupted
+
+    settle_interrupted(args.run, "docs")
     say(f"report: {_docs(args.run)}")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from dflash_etl.runner.lifecycle import settle_interrupted
     from dflash_etl.validation.check import check_path
 
+    settle_interrupted(args.path, "check")  # a stage whose process died is not `running`
     report = check_path(Path(args.path), suite=args.suite)
     say(report["summary"])
     if args.json:

@@ -126,7 +126,11 @@ def _run_lock_unless_read_only(root: Path, final: Path, to: str) -> Iterator[Non
     elsewhere."""
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(run_lock(root, f"export {to}"))
+            if stale := stack.enter_context(run_lock(root, f"export {to}")):
+                from dflash_etl.runner.lifecycle import mark_interrupted
+
+                # a stage whose process died (a killed --force rerun): settled as a stage would
+                mark_interrupted(RunDir(root), stale)
         except OSError as exc:  # taking the lock; the export's own errors are not caught here
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise

@@ -24,7 +24,7 @@ from dflash_etl.core.accounting import Stats
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_world
 from dflash_etl.core.errors import StageError, Terminated, describe_error
-from dflash_etl.core.lock import free_reserve, run_lock, set_lock_stage
+from dflash_etl.core.lock import RunLocked, free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer, output_identity, setting_changes
 from dflash_etl.core.stage import BatchStage, ItemResults, RunOptions, Stage, StageContext
 from dflash_etl.executors import get_executor
@@ -63,7 +63,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
         if rank == 0:
             set_lock_stage(run.root, stage.name)  # `dflash-etl run` holds it across stages
         if stale:
-            _mark_interrupted(run, stale)
+            mark_interrupted(run, stale)
         attempt = _Attempt()
         try:
             doc = _attempt(stage, ctx, overrides, force, attempt)
@@ -223,7 +223,32 @@ def _recover(run: RunDir, name: str) -> None:
             _say(recovered)
 
 
-def _mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
+def settle_interrupted(run_root: str | Path, reader: str) -> None:
+    """For a command that only reads a run (check, export, docs): what a process that died left
+    — a stage `running`, a publish half done — settled as the next stage command would settle
+    it, so no stage reads `running` after its process died (a killed `--force` rerun leaves
+    the earlier output complete). Nothing is done while a live process holds the run, or where
+    the run cannot be written (an archived run: the reader says what it found)."""
+    run = RunDir(run_root)
+    if not run.manifest_path.is_file():
+        return
+    try:
+        records = run.records()
+    except StageError:  # the reader names the corrupt manifest
+        return
+    if not any(r.status in ("running", "publishing") for r in records.values()):
+        return
+    try:
+        with run_lock(run.root, reader) as stale:
+            for stage in [s for s, r in records.items() if r.status == "publishing"]:
+                if recovered := run.recover(stage):
+                    _say(recovered)
+            mark_interrupted(run, stale or {})
+    except (RunLocked, OSError):  # a live holder, or a read-only run
+        return
+
+
+def mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
     """A holder that died (SIGKILL, OOM) left its stage `running`: say what happened. Every
     stage still `running` is its (the record names `run` under `dflash-etl run`, or the stage it
     was on when it died; we hold the lock now, so no other process runs one)."""
