@@ -60,3 +60,25 @@ def test_a_tiny_spec_torch_cannot_build_is_refused_naming_the_key(tmp_path, spec
 
 def _toml(spec: dict) -> str:
     return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in spec.items()) + " }"
+
+
+@pytest.mark.parametrize(("omp", "expected"), [(None, "1"), ("2", "2")])
+def test_a_small_model_runs_torch_on_one_thread_unless_the_user_set_it(tiny_target, omp,
+                                                                       expected):
+    """torch's default (a thread per core) made the tiny targets ~18x slower on a contended
+    2-core machine; a thread count the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom dflash_etl.models.loading import load_causal_lm\n"
+            "torch.set_num_threads(2)\nload_causal_lm(sys.argv[1])\n"
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                            "MKL_NUM_THREADS")}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_target)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == expected

@@ -153,7 +153,25 @@ def load_causal_lm(model_dir: str | Path, **kwargs: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
                                                  trust_remote_code=False, **kwargs)
     announce_kernels(model)  # a hybrid target: which linear-attention kernels, once a process
+    fit_threads(sum(p.numel() for p in model.parameters()))
     return model
+
+
+SMALL_MODEL_PARAMS = 50_000_000  # below: an op is too small to be worth splitting over threads
+
+
+def fit_threads(params: int) -> int:
+    """torch's intra-op threads for a model of `params` parameters: one for a small model, whose
+    ops are too small to split — with torch's default (a thread per core) the tiny targets ran
+    ~18x slower on a contended 2-core machine, each op waiting on a core another process holds;
+    a larger model keeps torch's default, and so does a count the user set (OMP_NUM_THREADS,
+    MKL_NUM_THREADS). Returns the count in effect."""
+    import torch
+
+    if params < SMALL_MODEL_PARAMS and not any(os.environ.get(v) for v in (
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 def load_auto_tokenizer(model_dir: str | Path) -> Any:
