@@ -54,6 +54,19 @@ def test_tau_per_benchmark_with_the_untrained_baseline(run, tmp_path, monkeypatc
         assert doc["target"]["identity"] and doc["settings"]["temperature"] == 0.0
     mt = results["mt_bench_question"]
     assert [p["turns"] for p in mt["per_prompt"]] == [2, 2]
+    # z-lab's benchmark averages per turn (each turn a request of its own); per item beside it
+    turn_taus = [t for p in mt["per_prompt"] for t in p["turn_taus"] if t is not None]
+    assert mt["turns"] == 4 and mt["turns_with_a_step"] == len(turn_taus)
+    assert mt["tau"] == pytest.approx(sum(turn_taus) / len(turn_taus), abs=1e-4)
+    items = [p["tau"] for p in mt["per_prompt"] if p["tau"] is not None]
+    assert mt["tau_per_item"] == pytest.approx(sum(items) / len(items), abs=1e-4)
+    gsm8k = results["gsm8k_test"]
+    assert gsm8k["tau"] == gsm8k["tau_per_item"] and gsm8k["turns"] == 2
+    line = "; ".join(evaluate._summary_parts(mt))
+    assert f"tau {mt['tau']:.3f} (untrained {mt['baseline']:.3f}) (mean over " in line
+    assert f"as z-lab's benchmark, per item (turns pooled) {mt['tau_per_item']:.3f})" in line
+    assert f"{mt['tokens_per_step']:.3f} tokens per step" in line
+    assert "per item" not in "; ".join(evaluate._summary_parts(gsm8k))  # one turn: one figure
     assert set(mt["tau_by_category"]) <= {"writing", "roleplay", "reasoning", "math", "coding",
                                          "extraction", "stem", "humanities"}
     # the second turn's prompt holds the target's own first reply, then the second question
@@ -151,6 +164,10 @@ def test_served_tau_is_the_servers_own_count_and_equals_the_simulators(run, tmp_
         assert served["requests"] == sum(p["turns"] for p in doc["per_prompt"])
         assert served["other_traffic_tokens"] == 0
         assert json.loads((tmp_path / f"{doc['benchmark']}.json").read_text())["served"] == served
+        # the served figure is pooled per step: named so, beside the offline figure pooled so
+        line = "; ".join(evaluate._summary_parts(doc))
+        assert f"served: {served['tau']:.3f} tokens per step pooled over" in line
+        assert "served tau" not in line and f"{doc['tokens_per_step']:.3f} tokens per step" in line
     trained = results["mt_bench_question"]["served"]["tau"]
     with DevServer(str(target), drafter=str(_untrained_copy(drafter, tmp_path))) as server:
         other = evaluate.evaluate(BENCHES[:1], out=tmp_path / "other", limit=2,

@@ -4,6 +4,7 @@ their own code, and checkpoints that do not match their files (issue 16, section
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -361,3 +362,25 @@ def test_a_template_that_spins_on_many_rows_stops_the_stage_naming_it(tmp_path):
                      chat_template=str(tmp_path / "trap.jinja"), render_timeout_s=0.5,
                      draft_vocab_size=64)
     assert time.monotonic() - start < 60  # 3 timeouts, not 20
+
+
+def test_a_model_path_that_is_not_a_directory_is_named_not_taken_for_a_hub_id(
+        default_tokenized, copy_run, tmp_path, capsys):
+    """extract --model /missing answered with transformers' "Repo id must be in the form ..."
+    (a relative one: "couldn't connect to huggingface.co"); every loader now says what the
+    path is."""
+    from dflash_etl.cli.main import main
+    from dflash_etl.models.loading import load_causal_lm, load_config
+
+    (tmp_path / "a-file").write_text("x")
+    for path, why in ((tmp_path / "missing", "(nothing is there)"), (tmp_path / "a-file", ""),
+                      (Path("relative-missing"), "(nothing is there)")):
+        for load in (load_config, load_causal_lm):
+            with pytest.raises(StageError, match=rf"is not a directory {re.escape(why)}"
+                               if why else r"is not a directory: a model is read from a local"):
+                load(path)
+    run = copy_run(default_tokenized, tmp_path / "run")
+    assert main(["extract", "--run", str(run), "--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert f"'{tmp_path / 'missing'}' is not a directory (nothing is there)" in err
+    assert "Repo id" not in err and "huggingface.co" not in err

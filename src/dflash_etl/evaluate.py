@@ -44,19 +44,28 @@ def sample_items(items: list[BenchmarkItem], limit: int | None, seed: int) -> li
     return [items[k] for k in chosen]
 
 
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else 1.0
+
+
 def summarize(name: str, per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
-    """tau over the prompts that took a step (mean of per-prompt means, as z-lab averages),
-    per category, and the distribution of what each verify step added."""
+    """tau as z-lab's benchmark counts it: the mean over turns (each a request of its own; one
+    per item but MT-Bench's two) of each turn's mean accepted length, over the turns that took a
+    step; per category; per item (its turns' steps pooled) beside it; and the distribution of
+    what each verify step added."""
+    turns = [(p["category"], t) for p in per_prompt for t in p["turn_taus"] if t is not None]
     stepped = [p for p in per_prompt if p["tau"] is not None]
     steps = [n for p in per_prompt for n in p["accepted"]]
     by_category: dict[str, list[float]] = {}
-    for p in stepped:
-        by_category.setdefault(p["category"] or "all", []).append(p["tau"])
+    for category, tau in turns:
+        by_category.setdefault(category or "all", []).append(tau)
     return {
         "benchmark": name,
-        "tau": round(sum(p["tau"] for p in stepped) / len(stepped), 4) if stepped else 1.0,
-        "tau_by_category": {c: round(sum(v) / len(v), 4) for c, v in sorted(by_category.items())},
+        "tau": _mean([t for _, t in turns]),
+        "tau_per_item": _mean([p["tau"] for p in stepped]),
+        "tau_by_category": {c: _mean(v) for c, v in sorted(by_category.items())},
         "prompts": len(per_prompt), "prompts_with_a_step": len(stepped),
+        "turns": sum(p["turns"] for p in per_prompt), "turns_with_a_step": len(turns),
         "verify_steps": len(steps), "tokens": sum(steps),
         # pooled over steps, as a server's counters pool them: the figure to set beside its tau
         "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 1.0,
@@ -115,7 +124,7 @@ class Evaluator:
 
     def item(self, item: BenchmarkItem) -> dict[str, Any]:
         """Every turn of the item decoded in order, each after the target's own reply to the
-        one before; the turns' verify steps pooled into the item's tau."""
+        one before: each turn's tau, and the turns' verify steps pooled into the item's."""
         import zlib
 
         import torch
@@ -128,17 +137,20 @@ class Evaluator:
             d.seed * 1_000_003 + zlib.crc32(item.item.encode()))
         messages: list[dict[str, str]] = []
         accepted: list[int] = []
+        turn_taus: list[float | None] = []
         for turn in item.turns:
             messages.append({"role": "user", "content": turn})
             decoded = speculative_decode(self.target, self.propose, self.prompt_ids(messages),
                                          d.max_new_tokens, self.eos, temperature=d.temperature,
                                          generator=generator)
             accepted += decoded.accepted
+            turn_taus.append(round(sum(decoded.accepted) / len(decoded.accepted), 4)
+                             if decoded.accepted else None)
             reply = self.tokenizer.decode(decoded.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": reply})
         return {"item": item.item, "category": item.category, "turns": len(item.turns),
                 "tau": round(sum(accepted) / len(accepted), 4) if accepted else None,
-                "accepted": accepted}
+                "turn_taus": turn_taus, "accepted": accepted}
 
 
 class ServedEvaluator:
@@ -388,17 +400,25 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _summary_parts(doc: dict[str, Any]) -> list[str]:
+    """Each figure named for what it is: offline tau is a mean of per-turn means (z-lab's
+    figure); a server's counters pool every verify step, so its figure is set beside the
+    offline one pooled the same way, never beside the mean of means."""
     parts = []
     if "tau" in doc:
         base = f" (untrained {doc['baseline']:.3f})" if "baseline" in doc else ""
-        parts.append(f"tau {doc['tau']:.3f}{base} on {doc['prompts']} prompts, "
-                     f"{doc['verify_steps']} verify steps ({doc['tokens_per_step']:.3f} "
-                     "tokens per step)")
+        per_item = (f", per item (turns pooled) {doc['tau_per_item']:.3f}"
+                    if doc.get("turns", doc["prompts"]) > doc["prompts"] else "")
+        parts.append(f"tau {doc['tau']:.3f}{base} (mean over {doc.get('turns_with_a_step')} "
+                     f"turns of {doc['prompts']} prompts, as z-lab's benchmark{per_item}); "
+                     f"pooled over its {doc['verify_steps']} verify steps "
+                     f"{doc['tokens_per_step']:.3f} tokens per step")
     if "served" in doc:
         served = doc["served"]
-        parts.append(f"served tau {served['tau']:.3f} over {served['drafts']} drafts at "
-                     f"{served['url']}" + (f", {len(served['failed'])} requests failed"
-                                          if served["failed"] else ""))
+        parts.append(f"served: {served['tau']:.3f} tokens per step pooled over "
+                     f"{served['drafts']} drafts at {served['url']} (the server's counters; "
+                     "compare with the pooled offline figure)"
+                     + (f", {len(served['failed'])} requests failed" if served["failed"]
+                        else ""))
         if served.get("other_traffic_tokens"):
             parts.append(f"note: the server generated {served['other_traffic_tokens']} tokens "
                          "for other clients meanwhile, and its counters include them")

@@ -12,7 +12,7 @@ def target_shape(model: str) -> tuple[int, int]:
     loaded)."""
     from dflash_etl.models.loading import load_config, refuse_remote_code
 
-    refuse_remote_code(model)
+    refuse_remote_code(model)  # a path that is not a directory: its own message
     try:
         config = text_config(load_config(model))
         return int(config.num_hidden_layers), int(config.hidden_size)

@@ -37,8 +37,15 @@ def refuse_remote_code(model_dir: str | Path, *, model: bool = True,
                        tokenizer: bool = True) -> None:
     """StageError when loading `model_dir` would need the Python code the directory ships: (the
     model) a config.json with `auto_map` and a model_type transformers does not have, or (the
-    tokenizer) a tokenizer_config.json with `auto_map` and a tokenizer_class it does not have."""
+    tokenizer) a tokenizer_config.json with `auto_map` and a tokenizer_class it does not have.
+    A path that is not a directory is refused first: transformers would take it for a hub repo
+    id and answer "Repo id must be in the form ..." or "couldn't connect to huggingface.co"."""
     directory = Path(model_dir)
+    if not directory.is_dir():
+        raise StageError(f"{str(model_dir)!r} is not a directory"
+                         + ("" if directory.exists() else " (nothing is there)")
+                         + ": a model is read from a local directory (config.json and its "
+                         "weights), never the hub; check --model / --target / [target] model")
     config = _read_json(directory / "config.json") if model else {}
     if "auto_map" in config:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING

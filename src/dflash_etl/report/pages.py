@@ -395,13 +395,15 @@ def evaluation_section(run_root: Path) -> str:
     if not docs:
         return ""
     html = ('<section id="evaluation"><h2>Acceptance per benchmark</h2><p>tau: the simulator\'s '
-            'mean per prompt; tokens per step: the same steps pooled, as a server\'s counters '
-            'pool them; served: the deployment\'s own 1 + accepted / drafts '
-            '(<code>dflash-etl eval --server</code>). Served and pooled differ for the same '
-            'drafter when the deployment does not run what was trained.</p>' + table(
-        ["benchmark", "tau", "untrained", "tokens per step", "served tau", "prompts",
-         "verify steps", "by category"],
-        [(d.get("benchmark"), d.get("tau", ""), d.get("baseline", ""),
+            'mean over turns of each turn\'s mean, as z-lab\'s benchmark counts it (MT-Bench: '
+            'two turns per item; per item: its turns\' steps pooled); tokens per step: every '
+            'step pooled, as a server\'s counters pool them; served: the deployment\'s own 1 + '
+            'accepted / drafts, pooled the same way (<code>dflash-etl eval --server</code>): '
+            'compare it with tokens per step, not with tau. Served and pooled differ for the '
+            'same drafter when the deployment does not run what was trained.</p>' + table(
+        ["benchmark", "tau", "per item", "untrained", "tokens per step", "served tokens per step",
+         "prompts", "verify steps", "by category"],
+        [(d.get("benchmark"), d.get("tau", ""), d.get("tau_per_item", ""), d.get("baseline", ""),
           d.get("tokens_per_step", ""), (d.get("served") or {}).get("tau", ""), d.get("prompts"),
           d.get("verify_steps"), ", ".join(f"{c} {t}" for c, t in
                                            (d.get("tau_by_category") or {}).items()))
