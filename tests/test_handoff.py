@@ -230,7 +230,9 @@ def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators
     assert flat["data_path"] == str(out.resolve())
     assert flat["target_layer_ids"] == doc["aux_hidden_state_layer_ids"]
     assert flat["speculator_type"] == "dflash"
-    size = flat["draft_vocab_size"]
+    # ours trains the whole LM head (head_vocab full): the command asks for no pruned head
+    assert doc["head"]["vocab"] == "full" and flat["draft_vocab_size"] is None
+    size = doc["draft_vocab_size"]
     d2t, t2d = np.load(out / f"d2t-{size}.npy"), np.load(out / f"t2d-{size}.npy")
     target = Path(json.loads((speculators_run / "manifest.json").read_text())["stages"][
         "extract"]["settings"]["model"])
@@ -239,6 +241,24 @@ def test_speculators_export_is_one_data_path_its_loader_and_cli_read(speculators
     assert verifier["vocab_size"] > tokenizer_rows  # the tiny target pads its embedding
     assert d2t.shape == (size,) and t2d.shape == (verifier["vocab_size"],)  # what it checks
     assert "padded" in doc["t2d"]
+    assert doc["head"]["rows"] == verifier["vocab_size"]
+
+
+def test_a_draft_vocabulary_head_is_asked_for_with_its_size(tmp_path):
+    """head_vocab = "draft": the printed command asks speculators for the same pruned head
+    (its CLI resolution of the argv)."""
+    pytest.importorskip("speculators.train.config", reason=SPECULATORS_HINT)
+    from speculators.train.config import TrainConfig
+
+    from dflash_etl.handoff.speculators import SpeculatorsTraining
+
+    training = SpeculatorsTraining(
+        target="/t", data_path=str(tmp_path), save_path=str(tmp_path / "out"), layers=[1, 2],
+        draft_vocab_size=512, draft_layers=1, block_size=4, seq_length=64, mask_token_id=None,
+        rows_without_states=0, states_dtype="fp32", head_vocab="draft")
+    assert TrainConfig.resolve(training.argv()[3:]).flatten()["draft_vocab_size"] == 512
+    full = SpeculatorsTraining(**{**training.__dict__, "head_vocab": "full"})
+    assert TrainConfig.resolve(full.argv()[3:]).flatten()["draft_vocab_size"] is None
 
 
 def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run, tmp_path,
@@ -266,7 +286,8 @@ def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run
     config = json.loads((checkpoint / "config.json").read_text())
     # its drafter captures the layers we extracted, in the serving convention (ours + 1)
     assert config["aux_hidden_state_layer_ids"] == doc["aux_hidden_state_layer_ids"]
-    assert config["draft_vocab_size"] == doc["draft_vocab_size"]
+    # the head it trained is ours: the target's whole vocabulary, not 512 draft rows
+    assert config["draft_vocab_size"] == doc["head"]["rows"] > doc["draft_vocab_size"]
     # and attends as ours does: full attention on every layer (bidirectional within a block),
     # not its default sliding window, causal within the block
     layers = config["transformer_layer_config"]

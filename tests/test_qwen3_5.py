@@ -638,7 +638,7 @@ def test_every_consumer_rebuilds_the_drafter_we_trained(models, tokenized_copy, 
     assert built["aux_hidden_state_layer_ids"] == [2, 4]
     assert decoder["num_hidden_layers"] == 2 and built["block_size"] == block
     assert built["mask_token_id"] == mask_token
-    assert built["draft_vocab_size"] == sp["draft_vocab_size"]
+    assert built["draft_vocab_size"] == sp["head"]["rows"]  # ours: the whole LM head
     for layer_type in decoder["layer_types"]:
         window = None if layer_type == "full_attention" else decoder["sliding_window"]
         mask_mod, q_len, kv_len = create_anchor_block_mask_mod(

@@ -175,6 +175,7 @@ def _inputs(run: RunDir, to: str) -> dict[str, Any]:
         # absolute: the printed commands run from wherever the user is
         "states": states, "target": str(Path(target).resolve()),
         "drafter": trained[0] if trained else None,
+        "train_settings": trained[1].settings if trained else {},
     }
 
 
@@ -203,6 +204,22 @@ def _drafter_shape(inputs: dict[str, Any]) -> tuple[int, int]:
 
     defaults = TrainSettings()
     return defaults.draft_layers, defaults.block_size
+
+
+def _head(inputs: dict[str, Any], draft_vocab_size: int) -> dict[str, Any]:
+    """Which head the printed speculators command trains: ours (train's `head_vocab`, from the
+    run's drafter, else as declared), so both trainers train the same drafter; its rows."""
+    from dflash_etl.stages.train import TrainSettings
+
+    vocab = inputs["train_settings"].get("head_vocab") or TrainSettings().head_vocab
+    if vocab == "draft":
+        return {"vocab": vocab, "rows": draft_vocab_size, "why": "tokenize's draft vocabulary "
+                "(t2d), as ours (head_vocab = \"draft\"): --draft-vocab-size, the exported "
+                "d2t/t2d"}
+    config = json.loads(Path(inputs["target"], "config.json").read_text())
+    rows = int(config.get("text_config", {}).get("vocab_size") or config["vocab_size"])
+    return {"vocab": vocab, "rows": rows, "why": "the target's whole LM head, as ours "
+            "(head_vocab = \"full\"): no --draft-vocab-size"}
 
 
 def _link(source: Path, dest: Path, how: str) -> str:
@@ -251,13 +268,14 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     missing = n_rows - written
     drafter: DrafterOutput | None = inputs["drafter"]
     draft_layers, block_size = _drafter_shape(inputs)
+    head = _head(inputs, tokenized.draft_vocab_size)
     training = speculators.SpeculatorsTraining(
         target=inputs["target"], data_path=str(final.resolve()),
         save_path=str((final.parent / "speculators-drafter").resolve()), layers=states.layers,
         draft_vocab_size=tokenized.draft_vocab_size, draft_layers=draft_layers,
         block_size=block_size, seq_length=tokenized.seq_length,
         mask_token_id=drafter.mask_token_id if drafter else None,
-        rows_without_states=missing, states_dtype=states.dtype)
+        rows_without_states=missing, states_dtype=states.dtype, head_vocab=head["vocab"])
     return {
         "rows_in": n_rows, "rows_out": written,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),
@@ -266,6 +284,7 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
         "aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(states.layers),
         "stored_layers": states.stored_layers, "hidden_size": states.hidden_size,
         "draft_vocab_size": tokenized.draft_vocab_size, "t2d": t2d_note, "links": sorted(used),
+        "head": head,
         "command": training.command(), "argv": training.argv(),
     }
 

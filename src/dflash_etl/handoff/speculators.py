@@ -30,6 +30,7 @@ class SpeculatorsTraining:
     mask_token_id: int | None
     rows_without_states: int
     states_dtype: str  # extract's: fp32 or bf16
+    head_vocab: str = "full"  # ours (train's head_vocab): the whole LM head, or the draft rows
 
     def argv(self) -> list[str]:
         args = ["python", "-m", "speculators.train",
@@ -38,7 +39,6 @@ class SpeculatorsTraining:
                 "--data-path", self.data_path,
                 "--save-path", self.save_path,
                 "--target-layer-ids", *map(str, aux_hidden_state_layer_ids(self.layers)),
-                "--draft-vocab-size", str(self.draft_vocab_size),
                 "--num-layers", str(self.draft_layers),
                 # ours attend fully (bidirectional within a block) on every layer; speculators'
                 # default is sliding-window attention, causal within the block
@@ -48,6 +48,10 @@ class SpeculatorsTraining:
                 # its loader casts the states to this; it defaults to bf16 whatever was stored
                 "--hidden-states-dtype",
                 "bfloat16" if self.states_dtype == "bf16" else "float32"]
+        if self.head_vocab == "draft":
+            # its head over t2d's rows, as ours; without the flag it predicts over the whole
+            # verifier vocabulary, as our default head does (speculators' parse_vocab_mappings)
+            args += ["--draft-vocab-size", str(self.draft_vocab_size)]
         if self.mask_token_id is not None:
             args += ["--mask-token-id", str(self.mask_token_id)]
         if self.rows_without_states:  # rows extract quarantined have no hs_<i> file
