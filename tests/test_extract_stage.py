@@ -321,3 +321,26 @@ def test_the_disk_check_counts_the_shards_written_before(tmp_path, monkeypatch):
     with pytest.raises(StageError, match=r"~132\.8 KiB .*97\.7 KiB of it written before.* "
                                          r"35\.2 KiB free"):  # not "0.0 MiB": the unit fits
         extract._check_disk(tmp_path, 1000, 2, 16, "fp32")
+
+
+def test_a_rerun_that_drops_the_chosen_layers_is_refused(tiny_target, default_tokenized,
+                                                         tmp_path, copy_run):
+    """`extract --model M` alone after `--layers 0,2` re-extracted the default layers (a warning
+    said so): now refused, naming the value to give, the output kept complete; given, the
+    choice is kept or changed on purpose."""
+    from dflash_etl.core.errors import StageError
+
+    run_dir = copy_run(default_tokenized, tmp_path, "*extract*")
+    extract.run(None, run_dir, progress=False, model=str(tiny_target), layers="0,2")
+    before = json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"]
+    for dropped in ({}, {"force": True}):
+        with pytest.raises(StageError, match=r'extract: its published output was made with '
+                           r'--layers "0,2" \(it would be "auto", the default\); this command '
+                           r"does not give it"):
+            extract.run(None, run_dir, progress=False, model=str(tiny_target), **dropped)
+    after = json.loads((run_dir / "manifest.json").read_text())["stages"]["extract"]
+    assert after["status"] == "complete" and after["fingerprint"] == before["fingerprint"]
+    kept = extract.run(None, run_dir, progress=False, model=str(tiny_target), layers="0,2")
+    assert kept.get("skipped") is True
+    changed = extract.run(None, run_dir, progress=False, model=str(tiny_target), layers="auto")
+    assert changed["total"]["layers"] == [1]

@@ -28,7 +28,7 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             help: str | None = None, flags: Iterable[str] = (), metavar: str | None = None,
             required: str | None = None, target: bool = False, inherit: str | None = None,
             path: bool = False, fingerprint: bool | str = True,
-            applies: tuple[str, tuple[Any, ...]] | None = None) -> Any:
+            applies: tuple[str, tuple[Any, ...]] | None = None, kept: bool = False) -> Any:
     """A settings dataclass field with the range its value must be in: `min` <= value <= `max`,
     value > `above`, value in `choices` (a choice "x:N" also accepts "x:0", "x:1", ...); `why`
     is added to the error message. For a dict field the range applies to its values.
@@ -44,13 +44,16 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
     stage's fingerprint (where or how the work runs, not what it makes), "unless_default" only
     while it has its default (a setting added later: runs made before it are not redone);
     `applies=("backend", ("openai",))`: it does something only while that setting has one of
-    those values, and a flag given otherwise is refused, naming the one that makes it apply."""
+    those values, and a flag given otherwise is refused, naming the one that makes it apply;
+    `kept`: a choice a rerun keeps — redoing a complete output with another value of it is
+    refused unless the value is given (a rerun that names only --model must not re-extract
+    other layers than were chosen)."""
     meta = {"min": min, "max": max, "above": above, "why": why,
             "choices": tuple(choices) if choices is not None else None,
             "help": help, "flags": tuple(flags) or None, "metavar": metavar,
             "required": required, "target": target or None, "inherit": inherit,
             "path": path or None, "fingerprint": None if fingerprint is True else fingerprint,
-            "applies": applies}
+            "applies": applies, "kept": kept or None}
     meta = {k: v for k, v in meta.items() if v is not None}
     if default_factory is not dataclasses.MISSING:  # a dict or list: out of the hash, as
         # a frozen settings object stays hashable (equality still compares it)
@@ -77,6 +80,17 @@ def inapplicable(settings: Any, given: Iterable[str]) -> list[str]:
         problems.append(f"{flag_name(spec.name)} applies only with {needs} ({key} is "
                         f"{show_value(getattr(settings, key))} now): drop it, or add {needs}")
     return problems
+
+
+def dropped_choices(settings: Any, given: Iterable[str], before: dict[str, Any]) -> list[str]:
+    """The `kept` settings a rerun would change without being given them: `before` is the
+    published output's settings; each with the flag that keeps it."""
+    now = asdict(settings)
+    return [f"{flag_name(spec.name)} {show_value(before[spec.name])} (it would be "
+            f"{show_value(now[spec.name])}, the default)"
+            for spec in marked(type(settings), "kept")
+            if spec.name not in set(given) and spec.name in before
+            and before[spec.name] != now[spec.name]]
 
 
 def fingerprinted(settings: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_w
 from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.lock import RunLocked, free_reserve, run_lock, set_lock_stage
 from dflash_etl.core.rundir import RunDir, Timer, output_identity, setting_changes
+from dflash_etl.core.settings import dropped_choices
 from dflash_etl.core.stage import BatchStage, ItemResults, RunOptions, Stage, StageContext
 from dflash_etl.executors import get_executor
 from dflash_etl.runner.gate import gate, warming_up
@@ -109,6 +110,7 @@ def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: 
         if why is None:
             return done
         _say(f"{stage.name}: {why}")
+    _refuse_dropped_choices(stage, ctx, overrides)
     resolved = {k: v for k, v in prepared.items() if k != "inputs"}
     if rank == 0:
         _say_what_changes(run, stage.name, resolved)
@@ -149,6 +151,23 @@ def _execute(stage: Stage, ctx: StageContext) -> dict[str, Any]:
         if ctx.rank != 0:
             return {}
         return stage.finish(ctx, ItemResults(results, work_dir))
+
+
+def _refuse_dropped_choices(stage: Stage, ctx: StageContext, overrides: dict[str, Any]) -> None:
+    """A complete stage is not redone with another value of a choice the command does not give
+    (`setting(kept=True)`: extract's layers): `extract --model M` alone after `--layers 1,3`
+    would re-extract the default layers, and every stage built on them would follow."""
+    entry = ctx.run.published_entry(stage.name)
+    if entry is None or stage.settings is None:
+        return
+    given = {*overrides, *(ctx.config.section(stage.name) if ctx.config else {})}
+    before = (entry.get("resolved") or {}).get("settings") or {}
+    dropped = dropped_choices(stage.settings, given, before)
+    if dropped:
+        raise StageError(f"{stage.name}: its published output was made with "
+                         f"{'; '.join(dropped)}; this command does not give "
+                         f"{'them' if len(dropped) > 1 else 'it'}, so it would be redone "
+                         "otherwise: give the value to keep (or the new one to change it)")
 
 
 def _say_what_changes(run: RunDir, name: str, resolved: dict[str, Any]) -> None:

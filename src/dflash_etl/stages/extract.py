@@ -100,10 +100,10 @@ class ExtractSettings:
     model: str = setting("", metavar="DIR", required="the target model", target=True,
                          path=True, fingerprint=False,
                          help="the target model directory (offline; default: [target] model)")
-    layers: str = setting("auto", metavar="auto|1,16,31",
+    layers: str = setting("auto", metavar="auto|1,16,31", kept=True,
                           help="'auto' (the DFlash rule) or decoder layer indices (0-based)")
-    # K for `auto`: the DFlash rule spreads K layers from 1 to L-3
-    draft_layers: int = setting(5, min=1, help="K for --layers auto (K layers from 1 to L-3)")
+    draft_layers: int = setting(5, min=1, kept=True,
+                                help="K for --layers auto (K layers from 1 to L-3)")
     dtype: str = setting("fp32", choices=("fp32", "bf16"),
                          help="the target's dtype, and the stored hidden states'")
     batch_tokens: int = setting(8192, min=1, help="padded tokens per forward pass")
