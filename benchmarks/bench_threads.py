@@ -1,12 +1,12 @@
 """What torch's thread count costs the embedded default on a busy machine: `dflash-etl run` on
 `data/` (ingest, regenerate, tokenize, extract, train with its tau evaluation on the tiny
-target) by this checkout and by REV, quiet and with every core given a busy competitor
+target) by this revision and by REV, quiet and with every core given a busy competitor
 process, in one run.
 
-    python benchmarks/bench_threads.py --base REV [--load N] [--note "..."]
+    python benchmarks/bench_threads.py --base REV [--this REV] [--load N] [--note "..."]
 
-REV's `src` is taken with `git archive` (benchmarks/work/threads/base); each command runs as a
-fresh process tree (bench_ingest.measure); the per-stage seconds come from the run's manifest.
+Both revisions are taken with `git archive` (benchmarks/work/threads/); each command runs as
+a fresh process tree (bench_ingest.measure); the per-stage seconds come from the manifest.
 The load is N processes spinning in Python (default: one per core), started before the command
 and stopped after it. Order: base quiet, this quiet, this loaded, base loaded. Results:
 benchmarks/results/threads.md (+ json).
@@ -35,12 +35,15 @@ WORK = HERE / "work" / "threads"
 STAGES = ("ingest", "regenerate", "tokenize", "extract", "train")
 
 
-def base_tree(rev: str) -> Path:
-    """REV's src/ under WORK/base (its package, importable with PYTHONPATH)."""
-    into = WORK / "base"
+def checkout(rev: str, name: str) -> Path:
+    """REV's package (src/, importable with PYTHONPATH) and the files it reads from its
+    checkout (contracts, expectations, data, pyproject.toml) under WORK/name: a commit, never
+    the working tree being edited."""
+    into = WORK / name
     shutil.rmtree(into, ignore_errors=True)
     into.mkdir(parents=True)
-    blob = subprocess.run(["git", "archive", "--format=tar", rev, "src"], cwd=REPO,
+    blob = subprocess.run(["git", "archive", "--format=tar", rev, "src", "contracts",
+                           "expectations", "data", "pyproject.toml"], cwd=REPO,
                           capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(blob)) as tar:
         tar.extractall(into, filter="data")
@@ -77,22 +80,27 @@ def run(name: str, tree: Path, load: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the git revision to compare with")
+    parser.add_argument("--this", default="HEAD", help="the revision measured (default HEAD)")
     parser.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)),
                         help="busy processes while loaded (default: one per core)")
     parser.add_argument("--note", default="")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
-    trees = {"base": base_tree(args.base), "this": REPO}
+    trees = {"base": checkout(args.base, "base"), "this": checkout(args.this, "this")}
     order = [("base", 0), ("this", 0), ("this", args.load), ("base", args.load)]
     results = {}
     for name, load in order:
         key = f"{name} {'loaded' if load else 'quiet'}"
         results[key] = run(key.replace(" ", "-"), trees[name], load)
+    commits = {name: subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO,
+                                    capture_output=True, text=True).stdout.strip()
+               for name, rev in (("base", args.base), ("this", args.this))}
     info = B.machine_info()
     lines = [f"# the embedded default, quiet and with {args.load} busy processes — "
              f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC", "",
-             f"Command: `python benchmarks/bench_threads.py --base {args.base} --load "
-             f"{args.load}`; {info['cpu']}, {info['nproc']} CPUs, {info['memory']}, Python "
+             f"Command: `python benchmarks/bench_threads.py --base {args.base} --this "
+             f"{args.this} --load {args.load}` (base {commits['base']}, this "
+             f"{commits['this']}); {info['cpu']}, {info['nproc']} CPUs, {info['memory']}, Python "
              f"{info['python']}, dflash_etl {info['dflash_etl']}. {args.note}", "",
              "| checkout | machine | wall s | " + " | ".join(f"{s} s" for s in STAGES)
              + " | tau |", "|---|---|---:|" + "---:|" * len(STAGES) + "---:|"]
@@ -110,7 +118,8 @@ def main() -> None:
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "threads.md").write_text(out)
     (HERE / "results" / "threads.json").write_text(json.dumps(
-        {"base": args.base, "load": args.load, "machine": info,
+        {"base": args.base, "this": args.this, "commits": commits, "load": args.load,
+         "machine": info,
          "runs": {k: {f: v for f, v in r.items() if f != "samples"}
                   for k, r in results.items()}}, indent=2, default=str) + "\n")
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_etl.cli import init
+from dflash_etl.cli import init, status
 from dflash_etl.cli.flags import field_help
 from dflash_etl.cli.stage import execute, run_one, say, stage_args, stage_parser
 from dflash_etl.core.config import DEFAULT_CONFIG, build_settings
@@ -186,6 +186,7 @@ def build_parser(pipeline: Pipeline = PIPELINE) -> argparse.ArgumentParser:
     p.add_argument("--run", default="runs/default", help="run directory (default: %(default)s)")
     p.set_defaults(func=cmd_docs)
     init.add_parser(sub)
+    status.add_parser(sub)
     return parser
 
 

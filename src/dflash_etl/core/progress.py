@@ -1,19 +1,91 @@
-"""Progress bars that draw on a terminal and stay silent in logs and CI."""
+"""Progress where a person looks: a bar on a terminal; in a log (stderr not a terminal) a line
+every LOG_EVERY_S seconds with the same figures; and, for `dflash-etl status` in another
+terminal, a small record in the run directory that the work rewrites as it goes."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+LOG_EVERY_S = 30.0  # a log line at least this often while a stage works
+RECORD_EVERY_S = 1.0  # the status record, rewritten at most this often
+
+
+def progress_record(run_root: str | Path, stage: str) -> Path:
+    """Where a stage's progress is recorded while it runs (outside its output)."""
+    return Path(run_root) / f".{stage}.progress.json"
+
+
+def progress_figures(done: int, total: int, elapsed: float) -> dict[str, Any]:
+    """done/total, the rate and the time left at that rate."""
+    rate = done / elapsed if elapsed > 0 else 0.0
+    left = (total - done) / rate if rate > 0 and total > done else (0.0 if done >= total else None)
+    return {"done": done, "total": total, "elapsed_s": round(elapsed, 1),
+            "rate_per_s": round(rate, 3), "eta_s": round(left, 1) if left is not None else None}
+
+
+def progress_text(label: str, unit: str, figures: dict[str, Any]) -> str:
+    """`label: 12/40 shards (30%), 0.80/s, ETA 35 s` (the log line and `status`'s)."""
+    done, total = figures["done"], figures["total"]
+    share = f" ({done / total:.0%})" if total else ""
+    eta = figures.get("eta_s")
+    when = f", ETA {_seconds(eta)}" if eta is not None and done < total else ""
+    return (f"{label}: {done}/{total} {unit}{share}, {figures['rate_per_s']:.2f}/s, "
+            f"{_seconds(figures['elapsed_s'])} so far{when}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
 
 class _Bar:
-    def __init__(self, progress=None, task=None) -> None:
+    def __init__(self, label: str, total: int, unit: str, progress: Any = None, task: Any = None,
+                 log: bool = False, record: Path | None = None) -> None:
         self._progress, self._task = progress, task
+        self.label, self.total, self.unit, self.done = label, total, unit, 0
+        self._log, self._record = log, record
+        self._start = self._last_log = self._last_record = time.monotonic()
+        self._logged = False
+        self._write_record()
+        # the figures go on while an item takes long (a shard of a big target, a slow server):
+        # a log line and the record on time, not only when an item ends
+        self._stop = threading.Event()
+        self._ticker = None
+        if log or record is not None:
+            self._ticker = threading.Thread(target=self._tick, name=f"progress {label}",
+                                            daemon=True)
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(max(0.05, min(LOG_EVERY_S, max(RECORD_EVERY_S, 1.0)))):
+            now = time.monotonic()
+            if self._log and now - self._last_log >= LOG_EVERY_S:
+                self._last_log = now
+                self._say()
+            if self._record is not None and now - self._last_record >= RECORD_EVERY_S:
+                self._last_record = now
+                self._write_record()
 
     def advance(self, n: int = 1) -> None:
-        if self._progress is not None and n:
+        if not n:
+            return
+        self.done += n
+        if self._progress is not None:
             self._progress.advance(self._task, n)
+        now = time.monotonic()
+        if self._log and now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            self._say()
+        if self._record is not None and now - self._last_record >= RECORD_EVERY_S:
+            self._last_record = now
+            self._write_record()
 
     def note(self, text: str) -> None:
         """A line above the bar on a terminal, or on stderr in a log."""
@@ -22,21 +94,63 @@ class _Bar:
         else:
             print(text, file=sys.stderr, flush=True)
 
+    def close(self) -> None:
+        """The last figures: a log line when the log had any (a short stage stays quiet)."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+        if self._log and self._logged:
+            self._say()
+        self._write_record()
+
+    def _figures(self) -> dict[str, Any]:
+        return progress_figures(self.done, self.total, time.monotonic() - self._start)
+
+    def _say(self) -> None:
+        self._logged = True
+        print(progress_text(self.label, self.unit, self._figures()), file=sys.stderr,
+              flush=True)
+
+    def _write_record(self) -> None:
+        if self._record is None:
+            return
+        doc = {"label": self.label, "unit": self.unit, "pid": os.getpid(),
+               "updated": time.time(), **self._figures()}
+        tmp = self._record.with_name(self._record.name + f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self._record)
+        except OSError:  # a full or read-only disk: progress is not worth failing the work
+            pass
+
 
 @contextmanager
-def progress_bar(label: str, total: int, enabled: bool | None = None) -> Iterator[_Bar]:
-    """A rich progress bar when stderr is a terminal (or `enabled`), otherwise a no-op."""
+def progress_bar(label: str, total: int, enabled: bool | None = None, *,
+                 record: Path | None = None, unit: str = "items") -> Iterator[_Bar]:
+    """A rich bar when stderr is a terminal (or `enabled`); a line every LOG_EVERY_S seconds
+    when it is not (a log, `nohup`, a cluster job) and `enabled` is None; nothing with
+    `enabled` False. `record`: where `dflash-etl status` reads the figures meanwhile."""
+    log = enabled is None and not sys.stderr.isatty()
     if enabled is None:
         enabled = sys.stderr.isatty()
     if not enabled:
-        yield _Bar()
+        bar = _Bar(label, total, unit, log=log, record=record)
+        try:
+            yield bar
+        finally:
+            bar.close()
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress(
         f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
     ) as progress:
-        yield _Bar(progress, progress.add_task(label, total=total))
+        bar = _Bar(label, total, unit, progress, progress.add_task(label, total=total),
+                   record=record)
+        try:
+            yield bar
+        finally:
+            bar.close()
 
 
 def size_text(n: float) -> str:

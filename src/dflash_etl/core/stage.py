@@ -250,6 +250,8 @@ class BatchStage(Stage):
     actor): its fields, set in `prepare`, are what the workers need (picklable), and `setup`
     adds, in each worker, what is loaded there."""
 
+    item_unit: ClassVar[str] = "items"  # what a work item is, for progress (extract: shards)
+
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         raise NotImplementedError
 

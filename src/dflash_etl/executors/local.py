@@ -14,7 +14,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.progress import progress_bar, progress_record
 from dflash_etl.core.stage import (
     BatchStage,
     StageContext,
@@ -69,7 +69,9 @@ class LocalExecutor:
         results, todo = split_done(items, work_dir)
         cap = stage.resources().local_workers or len(todo)  # a model replica: this process
         n_workers = max(1, min(ctx.n_workers(), len(todo), cap))
-        with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
+        with progress_bar(stage.name, total=len(items), enabled=ctx.progress,
+                          record=progress_record(ctx.run.root, stage.name),
+                          unit=stage.item_unit) as bar:
             bar.advance(len(results))
             if todo:
                 stage.setup()  # once, here: forked workers inherit the loaded tokenizer or model

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.progress import progress_bar, progress_record
 from dflash_etl.core.stage import (
     BatchStage,
     StageContext,
@@ -126,7 +126,9 @@ class RayExecutor:
         """`workers_started` is not called: the actors are not this process's children, and
         the parent is busy driving Ray Data."""
         results, todo = split_done(items, work_dir)
-        with progress_bar(stage.name, total=len(items), enabled=ctx.progress) as bar:
+        with progress_bar(stage.name, total=len(items), enabled=ctx.progress,
+                          record=progress_record(ctx.run.root, stage.name),
+                          unit=stage.item_unit) as bar:
             bar.advance(len(results))
             if todo:
                 for result in self._run(stage, ctx, todo, work_dir):

@@ -21,7 +21,7 @@ from typing import Any
 from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import agree, assign_by_cost, under_launcher
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.progress import progress_bar, progress_record
 from dflash_etl.core.stage import (
     BatchStage,
     RunOptions,
@@ -61,7 +61,9 @@ class TorchrunExecutor:
         (a model takes minutes to load)."""
         todo = [item for item in mine if done_result(work_dir, item.index) is None]
         with progress_bar(stage.name, total=len(mine),
-                          enabled=ctx.progress if ctx.rank == 0 else False) as bar:
+                          enabled=ctx.progress if ctx.rank == 0 else False,
+                          record=progress_record(ctx.run.root, stage.name)
+                          if ctx.rank == 0 else None, unit=stage.item_unit) as bar:
             bar.advance(len(mine) - len(todo))
             if todo:
                 stage.setup()

@@ -61,6 +61,7 @@ from dflash_etl.models.batching import (
     shard_cost,
     shard_plan,
 )
+from dflash_etl.models.fleet import add_use, use_figures
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.layers import resolve_layers, target_shape
 from dflash_etl.models.loading import placement
@@ -315,6 +316,7 @@ class ExtractStage(BatchStage):
     Settings: ClassVar[type] = ExtractSettings
     reads: ClassVar[tuple[type[Output], ...]] = (TokenizedOutput,)
     writes: ClassVar[type[HiddenStatesOutput]] = HiddenStatesOutput
+    item_unit: ClassVar[str] = "shards"
     settings: ExtractSettings
 
     def __init__(self) -> None:
@@ -489,8 +491,6 @@ def _cuda_available() -> bool:
 def _server_load(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per server URL over the shards (this call's and those it resumed from): requests, served,
     failed, mean requests in flight while the client had any outstanding, busy share."""
-    from dflash_etl.models.fleet import add_use, use_figures
-
     totals: dict[str, dict[str, Any]] = {}
     for result in results:
         add_use(totals, result.get("servers") or {})

@@ -193,6 +193,7 @@ class IngestStage(BatchStage):
     help: ClassVar[str] = "sources -> canonical conversations + quarantine"
     Settings: ClassVar[type] = IngestSettings
     writes: ClassVar[type[ConversationsOutput]] = ConversationsOutput
+    item_unit: ClassVar[str] = "source units"
     settings: IngestSettings = dataclasses.field(default_factory=IngestSettings)
     max_line_bytes: int = 0
     max_decompressed_bytes: int = 0

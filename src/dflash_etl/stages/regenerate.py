@@ -31,7 +31,7 @@ from dflash_etl.core import schema as S
 from dflash_etl.core.accounting import stats_document
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.outputs import ConversationsOutput, Output
-from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.progress import progress_bar, progress_record
 from dflash_etl.core.rundir import StageRecord, sha256_file
 from dflash_etl.core.settings import (
     check_fleet,
@@ -239,7 +239,8 @@ class RegenerateStage(Stage):
         cache = ReplyCache(partial / "generations.jsonl")
         conversations = pl.read_parquet(self.files).to_dicts()
         total = sum(len(target_positions(c, settings.mode)) for c in conversations)
-        with progress_bar("regenerate", total=total, enabled=ctx.progress) as bar:
+        with progress_bar("regenerate", total=total, enabled=ctx.progress,
+                          record=progress_record(ctx.run.root, STAGE), unit="replies") as bar:
             kept, quarantine, per_source, finish, turns = regenerate_conversations(
                 conversations, backend, cache, settings, bar)
         if figures := getattr(backend, "server_figures", None):  # the fleet's load

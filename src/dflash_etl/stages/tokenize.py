@@ -315,6 +315,7 @@ class TokenizeStage(BatchStage):
     Settings: ClassVar[type] = TokenizeSettings
     reads: ClassVar[tuple[type[Output], ...]] = (ConversationsOutput,)
     writes: ClassVar[type[TokenizedOutput]] = TokenizedOutput
+    item_unit: ClassVar[str] = "chunks"
     settings: TokenizeSettings = field(default_factory=TokenizeSettings)
     template_probe: Any = None
     tokenizer: Any = field(default=None, init=False)

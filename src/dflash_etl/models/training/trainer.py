@@ -14,7 +14,7 @@ import numpy as np
 
 from dflash_etl.core.distributed import device_for_rank
 from dflash_etl.core.errors import StageError
-from dflash_etl.core.progress import progress_bar
+from dflash_etl.core.progress import progress_bar, progress_record
 from dflash_etl.core.rundir import write_text_atomic
 from dflash_etl.models.training.checkpoints import (
     CheckpointRefused,
@@ -197,7 +197,10 @@ class Trainer:
         at the end, then calls `on_saved` with the step; every rank takes part in each step."""
         s, lead = self.settings, self.rank == 0
         every = max(1, s.steps // 10)
-        with progress_bar("train", total=s.steps - start, enabled=progress if lead else False
+        # the log sits in the partial directory, whose parent is the run
+        record = progress_record(self.log_path.parent.parent, "train") if lead else None
+        with progress_bar("train", total=s.steps - start, enabled=progress if lead else False,
+                          record=record, unit="steps"
                           ) as bar, open(self.log_path, "a") as log:
             for step in range(start, s.steps):
                 last = self.step(step)

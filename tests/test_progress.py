@@ -1,0 +1,93 @@
+"""Progress where a person looks: a line every LOG_EVERY_S seconds in a log (stderr not a
+terminal: nohup, a cluster job), quiet for a short stage, and `dflash-etl status` reading a
+running stage's progress from another process."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+
+from dflash_etl.cli.main import main
+from dflash_etl.core import progress
+from test_lifecycle import _setup, _start, _wait_for
+
+
+def test_a_log_gets_a_line_every_interval_and_a_short_stage_none(monkeypatch):
+    log = io.StringIO()  # not a terminal
+    monkeypatch.setattr("sys.stderr", log)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 1e9)
+    with progress.progress_bar("tokenize", total=3, unit="chunks") as bar:
+        bar.advance(3)
+    assert log.getvalue() == ""  # done before the first interval: nothing to say
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    with progress.progress_bar("tokenize", total=3, unit="chunks") as bar:
+        bar.advance(1)
+        bar.advance(2)
+    lines = log.getvalue().splitlines()
+    heads = [h for h in (line.split(",")[0] for line in lines)  # the ticker's lines between
+             if h != "tokenize: 0/3 chunks (0%)"]
+    lines = [line for line in lines if not line.startswith("tokenize: 0/3")]
+    assert heads[0] == "tokenize: 1/3 chunks (33%)" and heads[-1] == "tokenize: 3/3 chunks (100%)"
+    assert set(heads) <= {"tokenize: 1/3 chunks (33%)", "tokenize: 3/3 chunks (100%)"}
+    assert "/s, " in lines[0] and "so far, ETA " in lines[0] and "ETA" not in lines[-1]
+    log.truncate(0)
+    with progress.progress_bar("tokenize", total=3, enabled=False) as bar:
+        bar.advance(3)
+    assert log.getvalue() == ""  # progress=False (tests, the Python API): silent
+
+
+def test_the_record_follows_the_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "RECORD_EVERY_S", 0.0)
+    record = tmp_path / ".extract.progress.json"
+    with progress.progress_bar("extract", total=4, enabled=False, record=record,
+                               unit="shards") as bar:
+        assert json.loads(record.read_text())["done"] == 0
+        bar.advance(3)
+        doc = json.loads(record.read_text())
+        assert (doc["done"], doc["total"], doc["unit"]) == (3, 4, "shards")
+        assert doc["eta_s"] is not None and doc["rate_per_s"] > 0
+    assert json.loads(record.read_text())["done"] == 3
+
+
+# `dflash-etl ingest` whose second item stalls, with the log and record intervals short
+STALLING = """
+import os, sys, time
+from dflash_etl.core import progress
+from dflash_etl.stages import ingest
+progress.LOG_EVERY_S, progress.RECORD_EVERY_S = 0.2, 0.0
+real = ingest.IngestStage.process_batch
+
+def stall(stage, batch, item):
+    if item.index == 0:
+        return real(stage, batch, item)
+    print(f"working {item.index} {os.getpid()}", flush=True)
+    time.sleep(600)
+
+ingest.IngestStage.process_batch = stall
+from dflash_etl.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_stage_in_a_log_says_how_far_it_is_and_status_reads_it(tmp_path, capsys):
+    config = _setup(tmp_path, units=4)
+    run = tmp_path / "run"
+    proc, lines = _start(STALLING, "ingest", "--config", config, "--run", run, "--workers", "1")
+    try:
+        _wait_for(lines, proc, "working")
+        said = _wait_for(lines, proc, "ingest: 1/4 source units (25%)")
+        assert "so far, ETA " in said[0]
+        assert main(["status", str(run)]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("ingest"))
+        assert f"running now (pid {proc.pid} on " in line
+        assert "ingest: 1/4 source units (25%)" in line and "updated " in line
+        assert "tokenize    not run" in out
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert main(["status", str(run)]) == 0
+    assert "no process holds the run: the one running it died" in capsys.readouterr().out
