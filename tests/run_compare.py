@@ -46,7 +46,8 @@ def _listing(path: Path) -> dict:
 def differing_files(a: Path, b: Path) -> list[str]:
     """The files under run `a` and run `b` that are not the same (present in one only, or with
     other bytes; reports without their timings), manifest and docs aside."""
-    names = {n for n in _files(a) | _files(b) if not n.startswith(NOT_DATA)}
+    names = {n for n in _files(a) | _files(b) if not n.startswith(NOT_DATA)
+             and not (n.startswith(".") and n.endswith(".progress.json"))}  # a run's record
     out = []
     for name in sorted(names):
         fa, fb = a / name, b / name
