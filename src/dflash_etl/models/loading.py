@@ -169,10 +169,12 @@ SMALL_MODEL_PARAMS = 50_000_000  # below: an op is too small to be worth splitti
 
 def fit_threads(params: int) -> int:
     """torch's intra-op threads for a model of `params` parameters: one for a small model, whose
-    ops are too small to split — with torch's default (a thread per core) the tiny targets ran
-    ~18x slower on a contended 2-core machine, each op waiting on a core another process holds;
-    a larger model keeps torch's default, and so does a count the user set (OMP_NUM_THREADS,
-    MKL_NUM_THREADS). Returns the count in effect."""
+    ops are too small to split — with torch's default (a thread per core) each op waits on a
+    core another process holds: the embedded default took 4.3x as long with every core busy
+    (benchmarks/results/threads.md; the reliability issue saw 18x), against 1.55x on one
+    thread. One thread also makes a small model's numbers the same on every machine, busy or
+    not. A larger model keeps torch's default, and so does a count the user set
+    (OMP_NUM_THREADS, MKL_NUM_THREADS). Returns the count in effect."""
     import torch
 
     if params < SMALL_MODEL_PARAMS and not any(os.environ.get(v) for v in (
