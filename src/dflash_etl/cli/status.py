@@ -59,6 +59,8 @@ def _running(run_dir: Path, stage: str, holder: dict[str, Any] | None) -> str:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
+        doc = {}
+    if doc.get("pid") != holder.get("pid"):  # none yet, or an earlier run's
         return f"{who}: no progress recorded yet (loading, or planning its work)"
     ago = time.time() - float(doc.get("updated", 0))
     return f"{who}: {progress_text(doc.get('label', stage), doc.get('unit', 'items'), doc)} " \

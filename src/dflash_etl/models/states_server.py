@@ -304,11 +304,17 @@ def spot_check(settings: Any, layers: list[int], n_layers: int, hidden: int, pro
               flush=True)
         return {**record, "why": why}
     if reference is None:
+        import gc
+
         from dflash_etl.models.target import Target, TargetSpec
 
-        reference = Target(TargetSpec(model=settings.model, layers=",".join(map(str, layers)),
-                                      dtype=dtype, device="cpu"))
-    local = reference.every_layer(probe)
+        loaded = Target(TargetSpec(model=settings.model, layers=",".join(map(str, layers)),
+                                   dtype=dtype, device="cpu"))
+        local = loaded.every_layer(probe)
+        del loaded  # a big target's memory back before the stage's work (its hooks: a cycle)
+        gc.collect()
+    else:
+        local = reference.every_layer(probe)
     record.update(ran=True, servers=[], norms={})
     for url in settings.servers:
         try:
