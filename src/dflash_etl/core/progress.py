@@ -53,6 +53,7 @@ class _Bar:
         self._log, self._record = log, record
         self._start = self._last_log = self._last_record = time.monotonic()
         self._logged = False
+        self._writing = threading.Lock()  # the ticker and the work both write
         self._write_record()
         # the figures go on while an item takes long (a shard of a big target, a slow server):
         # a log line and the record on time, not only when an item ends
@@ -107,9 +108,10 @@ class _Bar:
         return progress_figures(self.done, self.total, time.monotonic() - self._start)
 
     def _say(self) -> None:
-        self._logged = True
-        print(progress_text(self.label, self.unit, self._figures()), file=sys.stderr,
-              flush=True)
+        with self._writing:
+            self._logged = True
+            print(progress_text(self.label, self.unit, self._figures()), file=sys.stderr,
+                  flush=True)
 
     def _write_record(self) -> None:
         if self._record is None:
@@ -117,11 +119,12 @@ class _Bar:
         doc = {"label": self.label, "unit": self.unit, "pid": os.getpid(),
                "updated": time.time(), **self._figures()}
         tmp = self._record.with_name(self._record.name + f".{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self._record)
-        except OSError:  # a full or read-only disk: progress is not worth failing the work
-            pass
+        with self._writing:
+            try:
+                tmp.write_text(json.dumps(doc))
+                os.replace(tmp, self._record)
+            except OSError:  # a full or read-only disk: progress is not worth failing the work
+                pass
 
 
 @contextmanager
