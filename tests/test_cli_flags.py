@@ -236,7 +236,8 @@ def test_run_passes_workers_to_the_batch_stages_only(tmp_path, monkeypatch):
                                "strict_sources": None, "decontaminate": None,
                                "decontaminate_ngram": None, "near_dedup": None,
                                "near_dedup_threshold": None, "near_dedup_ngram": None,
-                               "near_dedup_scope": None, "weight_by": None}
+                               "near_dedup_scope": None, "placeholder_replies": None,
+                               "placeholder_min_share": None, "weight_by": None}
     assert calls["tokenize"]["workers"] == 3 and calls["tokenize"]["seq_length"] is None
     # extract is a batch stage too (its shards are work items: one process locally, whatever
     # --workers says, as its declared resources cap it; actors on Ray); train is not

@@ -55,7 +55,8 @@ def _planted(seed: int = 0) -> list[dict]:
 def _conv(row: dict) -> dict:
     return {"messages": [{"role": "system", "content": row["system"]},
                          {"role": "user", "content": row["user"]},
-                         {"role": "assistant", "content": "A careful answer."}]}
+                         # a reply of its own: one text for every prompt is a placeholder
+                         {"role": "assistant", "content": f"A careful answer: {row['user']}"}]}
 
 
 def _jaccard(a: str, b: str, n: int = 3) -> float:

@@ -87,6 +87,7 @@ F_MAX_ROWS = "max_rows"
 F_MIX_WEIGHT = "mix_weight"
 F_NEAR_DUPLICATE = "near_duplicate"  # [ingest] near_dedup: like an earlier row
 F_CONTAMINATED = "benchmark_contamination"  # holds a benchmark item ([ingest] decontaminate)
+F_PLACEHOLDER = "placeholder_reply"  # a short reply given to many prompts (mix/placeholders.py)
 
 # Conversations per Parquet row group in the conversations shards: a downstream work item reads
 # only the row group its rows are in.

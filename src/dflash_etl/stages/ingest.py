@@ -85,6 +85,14 @@ class IngestSettings:
     near_dedup_scope: str = setting("prompt", choices=("prompt", "conversation"),
                                     applies=NEAR_DEDUP,
                                     help="compare the user turns, or every message")
+    placeholder_replies: str = setting(
+        "filter", choices=("filter", "keep"), fingerprint="unless_default",
+        help="a short reply given to many prompts (a file padded with \"OK.\"): filter those "
+             "conversations (placeholder_reply, listed in placeholders.parquet), or keep them "
+             "(a classifier's labels); warned either way")
+    placeholder_min_share: float = setting(
+        0.01, above=0, max=1, fingerprint="unless_default",
+        help="the share of conversations (at least 3) one short reply reaches as a placeholder")
     weight_by: str = setting(
         "rows", choices=("rows", "supervised_tokens"), fingerprint="unless_default",
         help="what the sources' weights are shares of: rows (ingest samples the conversations), "
@@ -162,6 +170,7 @@ FILTER_HINTS = {  # a source read without error whose rows the filters took
     S.F_BLANK_LINE: "its lines are blank",
     S.F_NEAR_DUPLICATE: "every row is a near-duplicate of another source's (near_dedup)",
     S.F_CONTAMINATED: "its rows hold benchmark items (decontaminate)",
+    S.F_PLACEHOLDER: "its replies are one placeholder text (see placeholders.parquet)",
 }
 
 
@@ -370,6 +379,8 @@ def _finish(config: PipelineConfig, results: ItemResults, partial: Path,
         index = _decontaminate(index, row_files, partial, per_source)
     if settings.near_dedup and index.height:
         index = _near_dedup(index, row_files, results, settings, partial, per_source)
+    if index.height:
+        index = _placeholders(index, row_files, settings, partial, per_source, warnings)
     kept = _apply_mix(index, config, settings, per_source)
     _write_shards(row_files, kept, partial / "conversations", config.run.shard_rows)
     quarantine = pa.concat_tables([read_item_file(f, S.QUARANTINE) for f in q_files])
@@ -451,6 +462,41 @@ def _decontaminate(index: pl.DataFrame, row_files: list[str], partial: Path,
     for name, stats in per_source.items():
         mine = found.filter(pl.col("source") == name)
         stats.extra["contamination"] = dict(Counter(mine["_bench"].to_list()))
+    return index.join(found.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
+
+
+def _placeholders(index: pl.DataFrame, row_files: list[str], settings: IngestSettings,
+                  partial: Path, per_source: dict[str, Stats], warnings: list[str]
+                  ) -> pl.DataFrame:
+    """The index less the conversations with a placeholder reply (mix/placeholders.py), each
+    filtered placeholder_reply and listed in placeholders.parquet with the reply; warned, and
+    with placeholder_replies = "keep" only warned."""
+    from dflash_etl.mix.placeholders import (
+        MIN_REPEATS,
+        placeholder_texts,
+        placeholder_warning,
+        short_replies,
+    )
+
+    keys = index.select("_unit", "_line")
+    replies = pl.concat([short_replies(pl.scan_parquet(f)).join(keys.lazy(), on=["_unit", "_line"],
+                                                                how="semi").collect()
+                         for f in row_files])
+    texts = placeholder_texts(replies, index.height, MIN_REPEATS, settings.placeholder_min_share)
+    if not texts.height:
+        return index
+    found = (replies.join(texts.select("reply"), on="reply", how="semi")
+             .unique(["_unit", "_line"], keep="first", maintain_order=True))
+    keep = settings.placeholder_replies == "keep"
+    warnings.append(placeholder_warning(texts, found.height, settings.placeholder_min_share, keep))
+    if keep:
+        return index
+    pl.concat([pl.scan_parquet(f).select("id", "file", "line", "_unit", "_line")
+               .join(found.lazy(), on=["_unit", "_line"]).collect() for f in row_files]
+              ).drop("_unit", "_line").write_parquet(partial / "placeholders.parquet")
+    for name, n in found.group_by("source").len().iter_rows():
+        per_source[name].filter(S.F_PLACEHOLDER, n)
+        per_source[name].rows_out -= n
     return index.join(found.select("_unit", "_line"), on=["_unit", "_line"], how="anti")
 
 
