@@ -151,8 +151,12 @@ TRAP = ("{%- if messages[0].content is string and messages[0].content | length >
 
 
 def _conversation(question: str) -> dict:
+    import zlib
+
+    # a reply of its own: one text for every prompt is a placeholder ingest filters
     return {"messages": [{"role": "user", "content": question},
-                         {"role": "assistant", "content": "A fine answer to that."}]}
+                         {"role": "assistant",
+                          "content": f"A fine answer to that ({zlib.crc32(question.encode())})."}]}
 
 
 def _tokenize(base: Path, template: str, workers: int) -> dict:
