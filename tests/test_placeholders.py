@@ -41,6 +41,7 @@ def test_a_file_padded_with_ok_replies_is_caught_listed_and_said(tmp_path):
     listed = pl.read_parquet(tmp_path / "run" / "ingest" / "placeholders.parquet")
     assert sorted(listed["line"].to_list()) == list(range(len(REAL) + 1, len(REAL) + 11))
     assert set(listed["reply"].to_list()) == {"ok."}
+    assert listed.columns == ["id", "file", "line", "source", "reply"]
     warning = next(w for w in doc["warnings"] if "placeholder_reply" in w)
     assert "10 conversations filtered placeholder_reply" in warning and "'ok.' x10" in warning
     assert "regenerate --mode missing" in warning and 'placeholder_replies = "keep"' in warning

@@ -471,28 +471,26 @@ def _placeholders(index: pl.DataFrame, row_files: list[str], settings: IngestSet
     """The index less the conversations with a placeholder reply (mix/placeholders.py), each
     filtered placeholder_reply and listed in placeholders.parquet with the reply; warned, and
     with placeholder_replies = "keep" only warned."""
-    from dflash_etl.mix.placeholders import (
-        MIN_REPEATS,
-        placeholder_texts,
-        placeholder_warning,
-        short_replies,
-    )
+    from dflash_etl.mix import placeholders
 
     keys = index.select("_unit", "_line")
-    replies = pl.concat([short_replies(pl.scan_parquet(f)).join(keys.lazy(), on=["_unit", "_line"],
-                                                                how="semi").collect()
+    replies = pl.concat([placeholders.short_replies(pl.scan_parquet(f))
+                         .join(keys.lazy(), on=["_unit", "_line"], how="semi").collect()
                          for f in row_files])
-    texts = placeholder_texts(replies, index.height, MIN_REPEATS, settings.placeholder_min_share)
+    texts = placeholders.placeholder_texts(replies, index.height, placeholders.MIN_REPEATS,
+                                           settings.placeholder_min_share)
     if not texts.height:
         return index
     found = (replies.join(texts.select("reply"), on="reply", how="semi")
              .unique(["_unit", "_line"], keep="first", maintain_order=True))
     keep = settings.placeholder_replies == "keep"
-    warnings.append(placeholder_warning(texts, found.height, settings.placeholder_min_share, keep))
+    warnings.append(placeholders.placeholder_warning(texts, found.height,
+                                                     settings.placeholder_min_share, keep))
     if keep:
         return index
     pl.concat([pl.scan_parquet(f).select("id", "file", "line", "_unit", "_line")
-               .join(found.lazy(), on=["_unit", "_line"]).collect() for f in row_files]
+               .join(found.lazy().select("_unit", "_line", "source", "reply"),
+                     on=["_unit", "_line"]).collect() for f in row_files]
               ).drop("_unit", "_line").write_parquet(partial / "placeholders.parquet")
     for name, n in found.group_by("source").len().iter_rows():
         per_source[name].filter(S.F_PLACEHOLDER, n)
