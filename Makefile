@@ -18,25 +18,25 @@ TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 
 setup: $(VENV)/.installed
 
-# Every dependency at the version in requirements/lock.txt (torch exactly 2.13.0+cpu, the CPU
+# Every dependency at the version in requirements.lock (torch exactly 2.13.0+cpu, the CPU
 # build on local disk: any other version pulls CUDA wheels), then the package itself: a fresh
 # machine installs what CI tested, whatever PyPI released since (`make lock` moves the lock).
-$(VENV)/.installed: pyproject.toml requirements/lock.txt
+$(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python \
-		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -r requirements/lock.txt
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -r requirements.lock
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(CONSUMERS)
 	touch $@
 
-# requirements/lock.txt from pyproject.toml's dependencies (the dev extras) and
+# requirements.lock from pyproject.toml's dependencies (the dev extras) and
 # requirements/pins.in (torch's CPU build, and each upper bound a release that broke us forced,
 # with its reason): run it to take newer releases, then `make test`.
 lock: $(VENV)/.installed
 	$(BIN)/uv pip compile pyproject.toml requirements/pins.in --extra dev --python-version 3.11 \
 		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) --annotation-style line \
-		--quiet -o requirements/lock.txt
+		--quiet -o requirements.lock
 
 # The trainers the hand-off tests run (tests/test_handoff.py; yunchang is SpecForge's trainer's,
 # whose package is ../shared/fixtures/specforge), without their dependencies: a plain install
@@ -88,7 +88,7 @@ wheel-check: setup
 	$(BIN)/uv build --quiet --out-dir dist
 	$(BIN)/uv venv --quiet --python $(PYTHON) $(WHEEL_TRY)/venv
 	$(BIN)/uv pip install --quiet --python $(WHEEL_TRY)/venv/bin/python \
-		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -c requirements/lock.txt \
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -c requirements.lock \
 		"torch==2.13.0+cpu" "$$(ls dist/dflash_etl-*.whl)[tokenize]"
 	mkdir -p $(WHEEL_TRY)/work
 	cd $(WHEEL_TRY)/work && $(IN_WHEEL_ENV) python -c 'import sys, dflash_etl as p; \
