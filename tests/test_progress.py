@@ -10,7 +10,7 @@ import signal
 
 from dflash_etl.cli.main import main
 from dflash_etl.core import progress
-from test_lifecycle import _setup, _start, _wait_for
+from test_lifecycle import DYING, _setup, _start, _wait_for
 
 
 def test_a_log_gets_a_line_every_interval_and_a_short_stage_none(monkeypatch):
@@ -50,24 +50,9 @@ def test_the_record_follows_the_work(tmp_path, monkeypatch):
     assert json.loads(record.read_text())["done"] == 3
 
 
-# `dflash-etl ingest` whose second item stalls, with the log and record intervals short
-STALLING = """
-import os, sys, time
-from dflash_etl.core import progress
-from dflash_etl.stages import ingest
-progress.LOG_EVERY_S, progress.RECORD_EVERY_S = 0.2, 0.0
-real = ingest.IngestStage.process_batch
-
-def stall(stage, batch, item):
-    if item.index == 0:
-        return real(stage, batch, item)
-    print(f"working {item.index} {os.getpid()}", flush=True)
-    time.sleep(600)
-
-ingest.IngestStage.process_batch = stall
-from dflash_etl.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
+# `dflash-etl ingest` whose second item stalls (test_lifecycle's), the intervals short
+STALLING = ("from dflash_etl.core import progress\n"
+            "progress.LOG_EVERY_S, progress.RECORD_EVERY_S = 0.2, 0.0\n" + DYING)
 
 
 def test_a_stage_in_a_log_says_how_far_it_is_and_status_reads_it(tmp_path, capsys):

@@ -66,13 +66,7 @@ class _Bar:
 
     def _tick(self) -> None:
         while not self._stop.wait(max(0.05, min(LOG_EVERY_S, max(RECORD_EVERY_S, 1.0)))):
-            now = time.monotonic()
-            if self._log and now - self._last_log >= LOG_EVERY_S:
-                self._last_log = now
-                self._say()
-            if self._record is not None and now - self._last_record >= RECORD_EVERY_S:
-                self._last_record = now
-                self._write_record()
+            self._report()
 
     def advance(self, n: int = 1) -> None:
         if not n:
@@ -80,6 +74,10 @@ class _Bar:
         self.done += n
         if self._progress is not None:
             self._progress.advance(self._task, n)
+        self._report()
+
+    def _report(self) -> None:
+        """The log line and the record, each when its interval has passed."""
         now = time.monotonic()
         if self._log and now - self._last_log >= LOG_EVERY_S:
             self._last_log = now

@@ -127,10 +127,10 @@ def _run_lock_unless_read_only(root: Path, final: Path, to: str) -> Iterator[Non
     with contextlib.ExitStack() as stack:
         try:
             if stale := stack.enter_context(run_lock(root, f"export {to}")):
-                from dflash_etl.runner.lifecycle import mark_interrupted
+                from dflash_etl.runner.lifecycle import settle
 
                 # a stage whose process died (a killed --force rerun): settled as a stage would
-                mark_interrupted(RunDir(root), stale)
+                settle(RunDir(root), stale)
         except OSError as exc:  # taking the lock; the export's own errors are not caught here
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise

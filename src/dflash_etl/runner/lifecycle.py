@@ -259,12 +259,18 @@ def settle_interrupted(run_root: str | Path, reader: str) -> None:
         return
     try:
         with run_lock(run.root, reader) as stale:
-            for stage in [s for s, r in records.items() if r.status == "publishing"]:
-                if recovered := run.recover(stage):
-                    _say(recovered)
-            mark_interrupted(run, stale or {})
+            settle(run, stale or {})
     except (RunLocked, OSError):  # a live holder, or a read-only run
         return
+
+
+def settle(run: RunDir, stale: dict[str, Any]) -> None:
+    """Under the run lock, what the dead holder `stale` left: a half-done publish finished,
+    then every stage still `running` marked (the earlier output kept complete)."""
+    for stage in [s for s, r in run.records().items() if r.status == "publishing"]:
+        if recovered := run.recover(stage):
+            _say(recovered)
+    mark_interrupted(run, stale)
 
 
 def mark_interrupted(run: RunDir, stale: dict[str, Any]) -> None:
