@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from dflash_etl.core.errors import StageError
-from dflash_etl.mix.placeholders import placeholder_texts, short_replies
+from dflash_etl.mix.placeholders import placeholder_texts, row_short_replies, short_replies
 from dflash_etl.stages import ingest, load_config
 
 
@@ -69,6 +69,8 @@ def test_the_threshold_is_a_share_and_at_least_three():
                                        {"role": "assistant", "content": reply}]
                                       for reply in ["Sure!", "sure!", "SURE!", "No.", "No.",
                                                     "x" * 41, "No."]]})
+    rows = rows.with_columns(_replies=pl.from_arrow(row_short_replies(
+        rows["messages"].to_arrow())))  # what a work item keeps of each row
     replies = short_replies(rows.lazy()).collect()
     assert sorted(replies["reply"].to_list()) == ["no.", "no.", "no.", "sure!", "sure!", "sure!"]
     # "no." three times, but twice in one conversation repeated (id e): two conversations

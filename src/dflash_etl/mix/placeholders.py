@@ -13,23 +13,47 @@ few percent of a dataset; a classifier's labels do, and are kept with `placehold
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 
 MAX_CHARS = 40  # as regenerate's dummy-reply check (models/generation/replies.py)
 MIN_REPEATS = 3  # conversations, at the least, whatever the share
+RAW_MAX_CHARS = 4096  # a reply longer than this before normalizing is not looked at
+
+
+def row_short_replies(messages: Any) -> pa.Array:
+    """Per row of the Arrow `messages` column, its distinct short non-empty assistant replies,
+    normalized (an empty list when none): what a work item keeps for the whole-dataset count,
+    so the driver reads these few strings, not every message again. pyarrow only: it runs in
+    forked workers, where polars' thread pool would deadlock."""
+    messages = messages.combine_chunks() if isinstance(messages, pa.ChunkedArray) else messages
+    flat = pc.list_flatten(messages)
+    rows = pc.list_parent_indices(messages)
+    content = flat.field("content")
+    # long texts are never normalized: a placeholder is short before its spaces are collapsed
+    keep = pc.and_(pc.equal(flat.field("role"), "assistant"),
+                   pc.less_equal(pc.utf8_length(content), RAW_MAX_CHARS))
+    keep = pc.fill_null(keep, False)
+    text = pc.utf8_trim_whitespace(pc.replace_substring_regex(
+        pc.utf8_lower(pc.filter(content, keep)), r"\s+", " "))
+    length = pc.utf8_length(text)
+    short = pc.and_(pc.greater(length, 0), pc.less_equal(length, MAX_CHARS))
+    found: list[list[str]] = [[] for _ in range(len(messages))]
+    for row, reply in zip(pc.filter(pc.filter(rows, keep), short).to_pylist(),
+                          pc.filter(text, short).to_pylist(), strict=True):
+        if reply not in found[row]:
+            found[row].append(reply)
+    return pa.array(found, pa.list_(pa.string()))
 
 
 def short_replies(rows: pl.LazyFrame) -> pl.LazyFrame:
-    """(_unit, _line, id, source, reply) per conversation and distinct short non-empty
-    assistant reply, normalized; `rows` has _unit, _line, id, source and messages."""
-    return (rows.select("_unit", "_line", "id", "source", "messages").explode("messages")
-            .filter(pl.col("messages").struct.field("role") == "assistant")
-            .select("_unit", "_line", "id", "source",
-                    reply=pl.col("messages").struct.field("content").str.to_lowercase()
-                    .str.replace_all(r"\s+", " ").str.strip_chars())
-            .filter((pl.col("reply").str.len_chars() > 0)
-                    & (pl.col("reply").str.len_chars() <= MAX_CHARS))
-            .unique(["_unit", "_line", "reply"]))
+    """(_unit, _line, id, source, reply) per conversation and short reply, from a unit file's
+    `_replies` (row_short_replies)."""
+    return (rows.select("_unit", "_line", "id", "source", reply="_replies").explode("reply")
+            .drop_nulls("reply"))
 
 
 def placeholder_texts(replies: pl.DataFrame, conversations: int, min_repeats: int,

@@ -41,6 +41,7 @@ from dflash_etl.core.stage import (
 )
 from dflash_etl.formats import RowError, normalize_row
 from dflash_etl.io import readers
+from dflash_etl.mix import placeholders
 from dflash_etl.mix.contamination import MIN_WHOLE, MIN_WORDS, ContaminationIndex
 from dflash_etl.mix.sampling import plan_mix
 
@@ -49,13 +50,14 @@ CHUNK_RECORDS = 1024  # records normalized (as Python objects) at a time per wor
 _ORDER = pa.schema([("_unit", pa.int32()), ("_line", pa.int64())])
 UNIT_SCHEMA = pa.schema(list(S.CONVERSATIONS) + list(_ORDER))
 # what a work item finds for the mix filters (null where a filter is off or has no verdict):
-# the benchmark item a row holds, its MinHash digest and LSH band keys (raw little-endian)
+# the benchmark item a row holds, its MinHash digest and LSH band keys (raw little-endian),
+# its short replies (the placeholder count)
 _MIX = pa.schema([("_bench", pa.string()), ("_bench_item", pa.string()),
                   ("_bench_shared", pa.string()),
-                  ("_minhash", pa.binary(4 * 128)), ("_bands", pa.binary(8 * 16))])
-# of the unit files (3: words.py's words, every rendered text decontaminated): a resumed run
-# never reuses another layout's or another rule's
-UNIT_FORMAT = 3
+                  ("_minhash", pa.binary(4 * 128)), ("_bands", pa.binary(8 * 16)),
+                  ("_replies", pa.list_(pa.string()))])
+# of the unit files (4: short replies): a resumed run never reuses another layout's or rule's
+UNIT_FORMAT = 4
 NEAR_DEDUP = ("near_dedup", (True,))  # the near-dedup filter's settings
 
 
@@ -293,8 +295,10 @@ class IngestStage(BatchStage):
                     table.column("messages"), table.column("tools")).items():
                 bench[0][k], bench[1][k], bench[2][k] = hit[0], hit[1], hit[2][:300]
         columns = [pa.array(values, pa.string()) for values in bench]
+        replies = placeholders.row_short_replies(table.column("messages"))
         if not self.near_dedup_ngram or not n:
-            return columns + [pa.nulls(n, _MIX.field(f).type) for f in ("_minhash", "_bands")]
+            return columns + [pa.nulls(n, _MIX.field(f).type)
+                              for f in ("_minhash", "_bands")] + [replies]
         from dflash_etl.mix.near_dedup import band_keys, message_signatures
 
         digests, has = message_signatures(table.column("messages"), self.near_dedup_scope,
@@ -305,7 +309,7 @@ class IngestStage(BatchStage):
                                                                      else "<u4").tobytes())
             columns.append(pa.Array.from_buffers(_MIX.field(field).type, n, [valid, data],
                                                  null_count=int(n - has.sum())))
-        return columns
+        return [*columns, replies]
 
     def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
         doc = _finish(_require_config(ctx.config), results, ctx.partial, self.settings,
@@ -471,8 +475,6 @@ def _placeholders(index: pl.DataFrame, row_files: list[str], settings: IngestSet
     """The index less the conversations with a placeholder reply (mix/placeholders.py), each
     filtered placeholder_reply and listed in placeholders.parquet with the reply; warned, and
     with placeholder_replies = "keep" only warned."""
-    from dflash_etl.mix import placeholders
-
     keys = index.select("_unit", "_line")
     replies = pl.concat([placeholders.short_replies(pl.scan_parquet(f))
                          .join(keys.lazy(), on=["_unit", "_line"], how="semi").collect()
