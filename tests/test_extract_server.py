@@ -528,3 +528,18 @@ def test_a_states_file_whose_lock_stays_stops_the_stage_once(tmp_path, monkeypat
     with pytest.raises(StageError, match=r"req-1\.safetensors\.lock is still there after 0\.3 s"):
         target._states([5, 6], reply)
     assert time.monotonic() - start < 5
+
+
+def test_the_server_backend_refuses_the_last_layer_it_would_give_before_the_norm(tiny_target):
+    """vLLM's connector captures the last decoder layer before the final norm; a drafter reads
+    a chosen last layer after it (z-lab's dflash_generate): the server backend refuses it
+    rather than store another state than the local backend does."""
+    from dflash_etl.models.states_server import ServerTarget
+    from dflash_etl.stages.extract import ExtractSettings
+
+    settings = ExtractSettings(model=str(tiny_target), backend="server",
+                               endpoint="http://127.0.0.1:9/v1", states_dir="/tmp",
+                               served_model="m")
+    with pytest.raises(StageError, match=r"cannot give layer 3 .*before the final norm.*"
+                                         r"below 3"):
+        ServerTarget(settings, [1, 3], 4, 64)

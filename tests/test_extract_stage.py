@@ -44,16 +44,17 @@ def test_states_equal_an_independent_forward_pass(tiny_target, default_tokenized
         with torch.no_grad():
             ref = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
         # hidden_states[0] is the embeddings, [i + 1] layer i's output; the last entry has the
-        # final norm applied, while the hook keeps layer 3's own (pre-norm) output
-        want = torch.stack([ref[1][0], ref[3][0]], dim=1)
+        # final norm applied: a chosen last layer (3) is stored as that, the verifier's column
+        # after it as layer 3's own (pre-norm) output, which a consumer norms itself
+        want = torch.stack([ref[1][0], ref[3][0], ref[4][0]], dim=1)
         with safe_open(str(run_dir / "extract" / "hidden_states" / entry["shard"]), "pt") as f:
             a, b = entry["offset"], entry["offset"] + entry["length"]
             got = f.get_slice("hidden_states")[a:b]
             assert f.get_slice("token_ids")[a:b].tolist() == ids
-        assert got.shape == (len(ids), 4, 64)  # the chosen three, then the last (3) again
-        assert torch.allclose(got[:, :2], want, atol=1e-4), entry
+        assert got.shape == (len(ids), 4, 64)  # the chosen three, then the verifier's state
+        assert torch.allclose(got[:, :3], want, atol=1e-4), entry
         with torch.no_grad():
-            assert torch.allclose(model.model.norm(got[:, 2]), ref[4][0], atol=1e-4), entry
+            assert torch.allclose(model.model.norm(got[:, 3]), ref[4][0], atol=1e-4), entry
 
 
 def tokenize_rows(run_dir: Path) -> list[list[int]]:

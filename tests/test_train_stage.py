@@ -881,3 +881,62 @@ def test_training_on_the_targets_labels_offline_online_and_served(extracted, unt
     with pytest.raises(StageError, match=r"labels = \"target\" needs the target's last layer "
                        r"\(3\) .* rerun `dflash-etl extract --force`"):
         train.run(None, old, progress=False, target=str(untied_target), **settings)
+
+
+def test_a_chosen_last_layer_is_read_after_the_final_norm_as_zlabs_decode_reads_it(
+        extracted, untied_target, tmp_path, copy_run, monkeypatch):
+    """--layers naming the target's last layer: extract stores its state after the final norm
+    (Hugging Face's hidden_states[-1], what z-lab's dflash_generate feeds the drafter), the
+    verifier's column after it before the norm (speculators' loader norms it itself), and
+    z-lab's decode of the trained drafter counts exactly our tau (3.516 against 3.559 when the
+    chosen last layer was stored before the norm)."""
+    zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dflash_etl.models.acceptance import eos_token_ids
+    from dflash_etl.models.serving import last_layer_caveat
+
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
+    extract.run(None, run_dir, progress=False, model=str(untied_target), layers="1,3",
+                draft_layers=2)
+    target = AutoModelForCausalLM.from_pretrained(untied_target, dtype=torch.float32).eval()
+    entry = pq.read_table(run_dir / "extract" / "index.parquet").to_pylist()[0]
+    stored = load_file(str(run_dir / "extract" / "hidden_states" / entry["shard"]))
+    states = stored["hidden_states"][entry["offset"]:entry["offset"] + entry["length"]]
+    ids = stored["token_ids"][entry["offset"]:entry["offset"] + entry["length"]]
+    with torch.no_grad():
+        hf = target(ids[None], output_hidden_states=True).hidden_states
+        before_norm = {}
+        hook = target.model.layers[3].register_forward_hook(
+            lambda _m, _i, out: before_norm.setdefault("state", out[0] if isinstance(
+                out, tuple) else out))
+        target(ids[None])
+        hook.remove()
+    assert states.shape[1] == 3  # layers 1 and 3, then the verifier's state
+    assert torch.allclose(states[:, 0], hf[2][0], atol=1e-5)
+    assert torch.allclose(states[:, 1], hf[-1][0], atol=1e-5)  # after the final norm
+    assert torch.allclose(states[:, 2], before_norm["state"][0], atol=1e-5)
+    assert not torch.allclose(states[:, 1], states[:, 2], atol=1e-3)
+
+    train.run(None, run_dir, progress=False, target=str(untied_target),
+              **{**SMALL, "steps": 60, "eval_prompts": 6, "eval_new_tokens": 24})
+    evaluation = json.loads((run_dir / "train" / "eval.json").read_text())
+    config = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert config["target_last_layer_state"] == "after_final_norm"
+    assert "vLLM captures that layer before the norm" in last_layer_caveat(run_dir)
+    _, prompts, _ = train._split(tokenize_rows(run_dir), train.TrainSettings(eval_prompts=6))
+    import time
+
+    monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)
+    drafter = zlab.DFlashDraftModel.from_pretrained(run_dir / "train" / "drafter",
+                                                    dtype=torch.float32).eval()
+    per_prompt = []
+    for prompt in prompts:
+        out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), 24,
+                                   sorted(eos_token_ids(target)), return_stats=True)
+        if out.acceptance_lengths:
+            per_prompt.append(np.mean(out.acceptance_lengths))
+    assert abs(np.mean(per_prompt) - evaluation["tau_final"]) < 1e-9

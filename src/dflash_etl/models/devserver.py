@@ -276,9 +276,9 @@ class StatesEngine:
         from dflash_etl.models.target import Target, TargetSpec
 
         self.layer_ids = list(layer_ids)
-        ours = sorted({i - 1 for i in layer_ids if i >= 1})
-        self.target = Target(TargetSpec(model=model, layers=",".join(map(str, ours))))
-        self.columns = [*self.target.layers, self.target.last_layer]
+        # vLLM's capture is every layer's own output (the last one's before the final norm):
+        # `every_layer`'s, in vLLM's numbering; the chosen layers of `Target` play no part
+        self.target = Target(TargetSpec(model=model, layers="0"))
         self.dir = states_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.count = 0
@@ -290,9 +290,7 @@ class StatesEngine:
         import torch
         from safetensors.torch import save_file
 
-        _, states = self.target.forward([ids], extra_layers=(self.target.last_layer,))
-        picked = [self.columns.index(i - 1) for i in self.layer_ids]
-        hidden = states[0][:, picked].contiguous()
+        hidden = self.target.every_layer(ids)[:, self.layer_ids].contiguous()
         if self.fault == "zeros":
             hidden = torch.zeros_like(hidden)
         elif self.fault == "nan":

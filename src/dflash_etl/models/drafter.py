@@ -29,6 +29,7 @@ from torch import nn
 
 from dflash_etl.models import dflash_remote as remote
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
+from dflash_etl.models.target import LAST_LAYER_STATE
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -102,7 +103,9 @@ class DrafterConfig:
             # vLLM's name for the same layers counted with the embedding output as 0; its
             # hidden-state capture reads this first (else dflash_config.target_layer_ids + 1)
             "eagle_aux_hidden_state_layer_ids": aux_hidden_state_layer_ids(
-                self.target_layer_ids)})
+                self.target_layer_ids),
+            # which state of the target's last layer the drafter reads, if it reads that one
+            "target_last_layer_state": LAST_LAYER_STATE})
         return doc
 
     @classmethod

@@ -4,7 +4,7 @@ online run computes), here where both stages and the hand-off can import it."""
 from __future__ import annotations
 
 from dflash_etl.core.errors import StageError
-from dflash_etl.models.target import parse_layers, text_config
+from dflash_etl.models.target import LAST_LAYER_STATE, parse_layers, text_config
 
 
 def target_shape(model: str) -> tuple[int, int]:
@@ -29,3 +29,9 @@ def resolve_layers(layers: str, model: str, draft_layers: int) -> list[int]:
     """The target layers `layers` names ('auto': DFlash's rule for `draft_layers`) on the
     decoder of `model`."""
     return parse_layers(layers, target_layer_count(model), draft_layers)
+
+
+def layer_state_identity(layers: list[int], n_layers: int) -> dict[str, str]:
+    """What a fingerprint adds for layers that include the last one, whose state changed
+    meaning (now after the final norm): outputs made before are redone; others keep theirs."""
+    return {"last_layer_state": LAST_LAYER_STATE} if n_layers - 1 in layers else {}

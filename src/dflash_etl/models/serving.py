@@ -56,3 +56,20 @@ def vllm_command(run_root: str | Path) -> str:
     trained, record = found
     return vllm_serve_command(record.settings["target"], trained.drafter_dir,
                               trained.block_size, tokenized[0].template_kwargs)
+
+
+def last_layer_caveat(run_root: str | Path) -> str:
+    """A warning for a run's drafter that reads the target's last layer: it trained on the state
+    after the final norm (what z-lab's `dflash_generate` and SpecForge give it), which vLLM's
+    hidden-state capture does not give (it takes that layer before the norm); "" otherwise."""
+    found = RunDir(Path(run_root)).published(DrafterOutput)
+    if found is None:
+        return ""
+    config = json.loads((found[0].drafter_dir / "config.json").read_text())
+    last = int(config.get("num_target_layers") or 0) - 1
+    if last < 0 or last not in config.get("dflash_config", {}).get("target_layer_ids", []):
+        return ""
+    return (f"note: the drafter reads the target's last layer ({last}) after its final norm, as "
+            "z-lab's dflash_generate and SpecForge feed it; vLLM captures that layer before "
+            "the norm, so under vLLM it sees another state than it trained on (a lower served "
+            f"tau): train on layers below {last} (`auto` does) for a vLLM deployment")

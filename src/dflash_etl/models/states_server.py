@@ -105,6 +105,13 @@ class ServerTarget:
         self.layers, self.n_layers, self.hidden = layers, n_layers, hidden
         self.last_layer = n_layers - 1
         self.device = "cpu"
+        if self.last_layer in layers:
+            raise StageError(
+                f"the server backend cannot give layer {self.last_layer} (the target's last) as "
+                "a drafter reads it: vLLM's hidden-states connector captures it before the "
+                "final norm, z-lab's and SpecForge's drafters read it after (Hugging Face's "
+                f"hidden_states[-1]); choose --layers below {self.last_layer} (`auto` does), or "
+                "use the local backend")
         if not settings.servers:
             raise StageError("extract --backend server needs --endpoint URL (the vLLM server's "
                              "/v1 base) or --endpoints URL,URL (several)")

@@ -122,6 +122,27 @@ def _report_placement(model: str, layer_devices: dict[str, str]) -> None:
           file=sys.stderr, flush=True)
 
 
+# What a layer id's stored state is, stated in the drafter's config: a decoder layer's output;
+# the last layer's, after the final norm, as Hugging Face's `hidden_states[-1]` that z-lab's
+# `dflash_generate` and SpecForge feed their drafters (a hook on the layer sees it before)
+LAST_LAYER_STATE = "after_final_norm"
+AFTER_NORM = "norm"  # the captured key of the final norm's output
+
+
+def decoder_norm(model: Any) -> Any:
+    """The final norm the decoder applies after its last layer (`get_decoder().norm`)."""
+    import torch
+
+    with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
+        norm = getattr(model.get_decoder(), "norm", None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    raise StageError(f"--layers names the last decoder layer of {type(model).__name__}, whose "
+                     "state is read after the final norm (as z-lab's and SpecForge's drafters "
+                     "read it), but the model has no get_decoder().norm: choose layers below "
+                     "the last (`auto` does)")
+
+
 class _EnoughLayers(Exception):
     """Raised by the last wanted layer's hook: the rest of the forward pass is not needed."""
 
@@ -142,8 +163,8 @@ class Target:
         self.n_layers = config.num_hidden_layers
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
         self.hidden = config.hidden_size
-        self.captured: dict[int, Any] = {}
-        self.stop_after: int | None = None  # the layer after which a forward pass may stop
+        self.captured: dict[int | str, Any] = {}
+        self.stop_after: int | str | None = None  # the layer after which a forward pass may stop
         # transformers renamed past_key_values to cache (5.x); older models know only the first
         self.cache_argument = ("cache" if "cache" in inspect.signature(
             self.model.forward).parameters else "past_key_values")
@@ -151,6 +172,11 @@ class Target:
         self.last_layer = self.n_layers - 1
         for index in sorted({*self.layers, self.last_layer}):
             modules[index].register_forward_hook(self._keep(index))
+        # a chosen last layer is read after the final norm (see `LAST_LAYER_STATE`); the extra
+        # last layer (the verifier's state for labels and speculators) stays before it
+        self.keys = [AFTER_NORM if i == self.last_layer else i for i in self.layers]
+        if AFTER_NORM in self.keys:
+            decoder_norm(self.model).register_forward_hook(self._keep(AFTER_NORM))
 
     def _load(self, settings: TargetSpec) -> bool:
         """Load the model in eval mode onto `self.device`, or spread by a device map (then
@@ -181,7 +207,7 @@ class Target:
             self.model.to(self.device).eval()
         return bool(placed)
 
-    def _keep(self, index: int):
+    def _keep(self, index: int | str):
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
             state = output[0] if isinstance(output, tuple) else output
             # under a device map the layers sit on several devices: gather on one (a no-op
@@ -213,12 +239,13 @@ class Target:
             mask[k, :len(r)] = 1
         self.captured.clear()
         # without logits, nothing after the last wanted layer is needed: its hook ends the pass
-        self.stop_after = None if logits else max((*self.layers, *extra_layers))
+        self.stop_after = None if logits else (
+            AFTER_NORM if AFTER_NORM in self.keys else max((*self.layers, *extra_layers)))
         out = None
         with torch.no_grad(), contextlib.suppress(_EnoughLayers):
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              use_cache=False, logits_to_keep=logits_keep if logits else 1)
-        stacked = torch.stack([self.captured[i] for i in (*self.layers, *extra_layers)],
+        stacked = torch.stack([self.captured[i] for i in (*self.keys, *extra_layers)],
                               dim=2).cpu()
         states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
         if not logits or out is None:
@@ -263,5 +290,5 @@ class Target:
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([tokens], device=self.device),
                              use_cache=True, **{self.cache_argument: cache})
-        states = torch.stack([self.captured[i] for i in self.layers], dim=2)[0].cpu()
+        states = torch.stack([self.captured[i] for i in self.keys], dim=2)[0].cpu()
         return out.logits[0], states

@@ -63,7 +63,7 @@ from dflash_etl.models.batching import (
 )
 from dflash_etl.models.fleet import add_use, use_figures
 from dflash_etl.models.identity import model_identity
-from dflash_etl.models.layers import resolve_layers, target_shape
+from dflash_etl.models.layers import layer_state_identity, resolve_layers, target_shape
 from dflash_etl.models.loading import placement
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.states_server import (
@@ -336,7 +336,8 @@ class ExtractStage(BatchStage):
         self.n_layers, self.hidden = target_shape(settings.model)
         return {"settings": fingerprinted(settings), "layers": self.layers,
                 "inputs": [sha256_file(f) for f in self.files],
-                "model": model_identity(settings.model)}
+                "model": model_identity(settings.model),
+                **layer_state_identity(self.layers, self.n_layers)}
 
     def begin(self, ctx: StageContext) -> None:
         settings = self.settings
@@ -437,7 +438,6 @@ class ExtractStage(BatchStage):
     def cleanup(self, ctx: StageContext) -> None:
         super().cleanup(ctx)
         shutil.rmtree(ctx.partial / "shards", ignore_errors=True)  # an older version's markers
-
 
     @classmethod
     def dry_run(cls, ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any] | None:

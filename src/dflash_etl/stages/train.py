@@ -262,7 +262,10 @@ def _fingerprint_payload(settings: TrainSettings, files: list[Path],
     payload = {"settings": fingerprinted(settings), "inputs": [sha256_file(f) for f in files],
                "extract": extract_fp, "model": model_identity(settings.target)}
     if layers is not None:  # online: [extract] may choose them (offline: extract_fp covers them)
+        from dflash_etl.models.layers import layer_state_identity, target_layer_count
+
         payload["layers"] = layers
+        payload.update(layer_state_identity(layers, target_layer_count(settings.target)))
     return payload
 
 
@@ -392,10 +395,11 @@ class TrainStage(Stage):
 
     def end(self, ctx: StageContext) -> None:
         if ctx.rank == 0:
-            from dflash_etl.models.serving import vllm_command
+            from dflash_etl.models.serving import last_layer_caveat, vllm_command
 
-            print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}",
-                  file=sys.stderr, flush=True)
+            caveat = last_layer_caveat(ctx.run.root)
+            print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}"
+                  + (f"\ntrain: {caveat}" if caveat else ""), file=sys.stderr, flush=True)
 
     @classmethod
     def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
