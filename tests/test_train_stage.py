@@ -940,3 +940,28 @@ def test_a_chosen_last_layer_is_read_after_the_final_norm_as_zlabs_decode_reads_
         if out.acceptance_lengths:
             per_prompt.append(np.mean(out.acceptance_lengths))
     assert abs(np.mean(per_prompt) - evaluation["tau_final"]) < 1e-9
+
+
+def test_a_reextract_with_the_same_states_in_another_format_keeps_train_valid(
+        extracted, untied_target, tmp_path, copy_run):
+    """Staleness follows content: extract's output is named by its rows' states, so rewriting
+    the same states in speculators' layout leaves train complete and current (it was stale,
+    and `train` retrained); other states (other layers) make it stale."""
+    from dflash_etl.core.rundir import RunDir
+
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
+    kw = {**SMALL, "steps": 4, "eval_prompts": 2, "eval_new_tokens": 4}
+    train.run(None, run_dir, progress=False, target=str(untied_target), **kw)
+    run = RunDir(run_dir)
+    native = run.record("extract").content
+    assert native and native.startswith("content:")
+    extract.run(None, run_dir, progress=False, model=str(untied_target), draft_layers=1,
+                format="speculators")
+    assert (run_dir / "extract" / "hidden_states" / "hs_0.safetensors").exists()
+    assert run.record("extract").content == native
+    assert run.stale() == {}
+    assert train.run(None, run_dir, progress=False, target=str(untied_target), **kw)["skipped"]
+    extract.run(None, run_dir, progress=False, model=str(untied_target), layers="1",
+                draft_layers=1, format="speculators")
+    assert run.record("extract").content != native
+    assert "train" in run.stale()

@@ -133,6 +133,11 @@ class StageRecord:
         return self.entry.get("fingerprint")
 
     @property
+    def content(self) -> str | None:
+        """Its output's identity by content (see `content_identity`), else None."""
+        return content_identity(self.entry)
+
+    @property
     def built_on(self) -> dict[str, str]:
         """upstream stage -> the identity of its output this stage read."""
         return dict(self.entry.get("built_on") or {})
@@ -503,8 +508,18 @@ def output_identity(entry: dict[str, Any] | None) -> str | None:
     rerun that makes the same data is the same output); None when it is not complete."""
     if not entry or entry.get("status") != "complete":
         return None
+    if content := content_identity(entry):
+        return content
     files = entry.get("files") or {}
     return f"{entry.get('fingerprint')}:{files.get('data_sha256') or files.get('listing_sha256')}"
+
+
+def content_identity(entry: dict[str, Any]) -> str | None:
+    """A stage's output named by its content alone, where the stage recorded a digest of it
+    (extract's states: `content_sha256`): the same states written in another layout are the
+    same output, and what was built on them stays valid. None: the stage records none."""
+    content = (entry.get("counts") or {}).get("content_sha256")
+    return f"content:{content}" if content else None
 
 
 def stale_stages(stages: Any) -> list[dict[str, str]]:

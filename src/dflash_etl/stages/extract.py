@@ -19,7 +19,6 @@ the verifier's final state), so either format exports to every consumer without 
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -54,6 +53,7 @@ from dflash_etl.core.stage import (
     counts_line,
     state_word,
 )
+from dflash_etl.io.hidden_states import content_digest, save_states
 from dflash_etl.models.batching import (
     length_batches,
     plan_sample,
@@ -88,7 +88,8 @@ from dflash_etl.validation.model_outputs import Q_NON_FINITE, Q_UNHEALTHY
 
 STAGE = "extract"
 INDEX = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("row", pa.int64()),
-                   ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32())])
+                   ("shard", pa.string()), ("offset", pa.int64()), ("length", pa.int32()),
+                   ("sha256", pa.string())])  # the row's states (io/hidden_states.py)
 QUARANTINE = pa.schema([("id", pa.string()), ("turn", pa.int32()), ("reason", pa.string())])
 SERVER = ("backend", ("server",))  # the settings of the server backend alone
 
@@ -231,7 +232,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
                        for k in keep]
         keep = []
     kept = [(rows[k], states[k]) for k in keep]
-    index = _save_states(torch, settings.format, kept, name, out / "hidden_states")
+    index = save_states(torch, settings.format, kept, name, out / "hidden_states")
     return (index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches),
             health)
 
@@ -250,35 +251,6 @@ def _stop_on_server_faults(target: Any, states: list[Any], name: str) -> None:
             f"states from the servers ({dict(faults)}{last}): the stage stops here, the shards "
             "done are kept; check the servers (--endpoint / --endpoints, --states-dir) and "
             "rerun to resume")
-
-
-def _save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]], name: str,
-                 directory: Path) -> list[dict[str, Any]]:
-    """Write the kept rows' states (speculators: a file per row; native: one per shard),
-    each renamed into place whole; returns their index rows."""
-    from safetensors.torch import save_file
-
-    def save(path: Path, states: Any, token_ids: list[int]) -> None:
-        save_file({"hidden_states": states.contiguous(),
-                   "token_ids": torch.tensor(token_ids, dtype=torch.long)},
-                  str(path.with_suffix(".tmp")))
-        os.replace(path.with_suffix(".tmp"), path)
-
-    directory.mkdir(exist_ok=True)
-    index, offset = [], 0
-    for row, states in kept:
-        shard = (f"hs_{row['row']}.safetensors" if layout == "speculators"
-                 else f"{name}.safetensors")
-        index.append({"id": row["id"], "turn": row["turn"], "row": row["row"], "shard": shard,
-                      "offset": offset, "length": len(row["input_ids"])})
-        if layout == "speculators":
-            save(directory / shard, states, row["input_ids"])
-        else:
-            offset += len(row["input_ids"])
-    if layout != "speculators" and kept:
-        save(directory / f"{name}.safetensors", torch.cat([s for _, s in kept]),
-             [t for row, _ in kept for t in row["input_ids"]])
-    return index
 
 
 def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str, Any]],
@@ -425,6 +397,10 @@ class ExtractStage(BatchStage):
                              "n_layers": n_layers, "hidden_size": self.hidden,
                              "dtype": settings.dtype, "format": settings.format,
                              "padding_share": round(1 - tokens / padded, 4) if padded else 0.0})
+        if all(e.get("sha256") for e in index):  # not when resumed over an older version's
+            shape = {k: doc["total"][k] for k in ("stored_layers", "hidden_size", "dtype")}
+            doc["total"]["content_sha256"] = content_digest(
+                index, {**shape, **layer_state_identity(layers, n_layers)})
         doc["health"] = _health_document(results, settings.dtype)
         if settings.backend == "server":  # the fleet's load and check: a run's record, not data
             ctx.call_totals["servers"] = _server_load(results)

@@ -344,7 +344,9 @@ class TrainStage(Stage):
             self.extracted = ctx.read(
                 HiddenStatesOutput, hint=", or train with --online to compute the hidden states "
                                          "from the target")
-            extract_fp = ctx.run.record(self.extracted.stage_dir.name).fingerprint
+            # the states by content where extract records it: another format is the same input
+            record = ctx.run.record(self.extracted.stage_dir.name)
+            extract_fp = record.content or record.fingerprint
             self.index = _read_index(self.extracted.index_file)
             self.rows = _rows_extracted(self.rows, self.index, ctx.run)
             if settings.labels == "target":

@@ -1,0 +1,56 @@
+"""Extract's hidden-state files (safetensors: `hidden_states` [tokens, layers, hidden] and
+`token_ids`; a file per shard, or per row in speculators' layout), and the digest of each row's
+states that makes the output's identity its content, not how its files are laid out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def states_digest(torch: Any, states: Any, token_ids: list[int]) -> str:
+    """sha256 of one row's states, as stored (their dtype's bytes), and its token ids."""
+    digest = hashlib.sha256(states.contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps(token_ids).encode())
+    return digest.hexdigest()
+
+
+def content_digest(index: list[dict[str, Any]], shape: dict[str, Any]) -> str:
+    """The output's identity from its rows' states alone (row, id, turn, digest; and what the
+    columns are: `shape`): a re-extract that stores the same states in another layout, shard
+    size or order has the same one, so what was built on it stays valid."""
+    rows = sorted((e["row"], e["id"], e["turn"], e["sha256"]) for e in index)
+    return hashlib.sha256(json.dumps([shape, rows], sort_keys=True).encode()).hexdigest()
+
+
+def save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]], name: str,
+                directory: Path) -> list[dict[str, Any]]:
+    """Write the kept rows' states (speculators: a file per row; native: one per shard),
+    each renamed into place whole; returns their index rows."""
+    from safetensors.torch import save_file
+
+    def save(path: Path, states: Any, token_ids: list[int]) -> None:
+        save_file({"hidden_states": states.contiguous(),
+                   "token_ids": torch.tensor(token_ids, dtype=torch.long)},
+                  str(path.with_suffix(".tmp")))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    directory.mkdir(exist_ok=True)
+    index, offset = [], 0
+    for row, states in kept:
+        shard = (f"hs_{row['row']}.safetensors" if layout == "speculators"
+                 else f"{name}.safetensors")
+        index.append({"id": row["id"], "turn": row["turn"], "row": row["row"], "shard": shard,
+                      "offset": offset, "length": len(row["input_ids"]),
+                      "sha256": states_digest(torch, states, row["input_ids"])})
+        if layout == "speculators":
+            save(directory / shard, states, row["input_ids"])
+        else:
+            offset += len(row["input_ids"])
+    if layout != "speculators" and kept:
+        save(directory / f"{name}.safetensors", torch.cat([s for _, s in kept]),
+             [t for row, _ in kept for t in row["input_ids"]])
+    return index
