@@ -92,13 +92,13 @@ def split_rows(run: Path, split: int
     """(our training rows: speculators' training split, dataset rows < `split`, that have
     hidden states and an anchor; the held-out rows: the rest, of conversations the split does
     not train on; the extract output; its index)."""
-    from dflash_etl.core.outputs import HiddenStatesOutput
+    from dflash_etl.core.outputs import HiddenStatesOutput, TokenizedOutput
     from dflash_etl.core.rundir import RunDir
     from dflash_etl.models.training.loss import anchor_candidates
     from dflash_etl.stages.train import _load_rows, _read_index
 
     rd = RunDir(run)
-    rows, _ = _load_rows(rd)
+    rows = _load_rows(TokenizedOutput.read(rd.stage_dir("tokenize")), rd)
     extracted = HiddenStatesOutput.read(rd.stage_dir("extract"))
     index = _read_index(extracted.index_file)
     stored = {e["row"] for e in index}
