@@ -283,3 +283,72 @@ VARYING = {"seconds", "run_id", "run_time", "validation_time", "batch_id", "acti
            "checkpoint_id", "batch_spec", "batch_markers"}
 
 
+
+
+def _spans(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for k, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
+def _mask_whole(mask: list[int]) -> list[int]:
+    return [1] * len(mask)
+
+
+def _mask_shifted(mask: list[int]) -> list[int]:
+    return [0, *mask[:-1]]
+
+
+def _mask_without_end_of_turn(mask: list[int]) -> list[int]:
+    out = list(mask)
+    for _, end in _spans(out):
+        out[end - 1] = 0
+    return out
+
+
+@pytest.mark.parametrize(("mistake", "failing"), [
+    (_mask_whole, {"supervised_turn_starts"}),
+    (_mask_shifted, {"spans_without_end_of_turn"}),
+    (_mask_without_end_of_turn, {"spans_without_end_of_turn"}),
+])
+def test_a_loss_mask_over_headers_shifted_or_without_the_end_of_turn_fails_the_suite(
+        default_run_dir, tmp_path, copy_run, mistake, failing):
+    """Masks made by anyone (a script of the user's, a regression here) are checked by the
+    tokens they cover: each reply's last supervised token is the end of turn and no turn-start
+    marker is supervised (the markers tokenize recorded). The failure-mode benchmark's c, d, e:
+    the same rows' suite passed all three before."""
+    stage = copy_run(default_run_dir / "tokenize", tmp_path)
+    settings = json.loads((stage / "settings.json").read_text())
+    assert settings["end_of_turn_ids"] == [2] and settings["turn_start_ids"] == [1]
+    clean = suites.run_suite(stage, "tokenized", suites.Thresholds.from_section(DEFAULT_LIMITS))
+    assert not _failed(clean)
+
+    def change(frame: pl.DataFrame) -> pl.DataFrame:
+        masks = [mistake(m) for m in frame["loss_mask"].to_list()]
+        return frame.with_columns(pl.Series("loss_mask", masks))
+
+    _rewrite_dataset(stage, change)
+    result = suites.run_suite(stage, "tokenized", suites.Thresholds.from_section(DEFAULT_LIMITS))
+    failed = {column for (kind, column) in _failed(result)
+              if kind == "expect_column_values_to_be_between"}
+    assert failing <= failed
+    entry = next(e for e in result["expectations"] if not e["success"]
+                 and e["columns"] == [next(iter(failing))])
+    # every row for c and e; d shows where a reply does not end its row (shifted, a span
+    # ending at the row's end still ends on the end of turn): the suite fails either way
+    rows = len(frame_rows(stage))
+    assert entry["unexpected_count"] == rows if mistake is not _mask_shifted \
+        else 0 < entry["unexpected_count"] < rows
+    why = suites.describe_failure(entry)
+    assert ("end-of-turn" in why) if "end_of_turn" in next(iter(failing)) else ("headers" in why)
+
+
+def frame_rows(stage: Path) -> list:
+    path = next((stage / "dataset").glob("*.arrow"))
+    return pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().column(
+        "id").to_pylist()

@@ -127,6 +127,9 @@ class TokenizedOutput(Output):
     d2t_file: Path
     t2d_file: Path
     t2d_length: int
+    # the mask's markers (stages/tokenize.mask_markers); empty in an output made before them
+    end_of_turn_ids: tuple[int, ...] = ()
+    turn_start_ids: tuple[int, ...] = ()
 
     @property
     def dataset_dir(self) -> Path:
@@ -162,16 +165,18 @@ class TokenizedOutput(Output):
     def read(cls, stage_dir: Path) -> TokenizedOutput:
         stage_dir = Path(stage_dir)
         settings, vocab = stage_dir / "settings.json", stage_dir / "draft_vocab.json"
-        limits = _fields(_load(settings, "tokenize"),
-                         ("seq_length", "min_supervised_tokens", "vocab_size"), settings,
-                         "tokenize")
+        recorded = _load(settings, "tokenize")
+        limits = _fields(recorded, ("seq_length", "min_supervised_tokens", "vocab_size"),
+                         settings, "tokenize")
         draft = _fields(_load(vocab, "tokenize"), ("size", "d2t", "t2d", "t2d_length"), vocab,
                         "tokenize")
         return cls(stage_dir=stage_dir, seq_length=int(limits["seq_length"]),
                    min_supervised_tokens=int(limits["min_supervised_tokens"]),
                    vocab_size=int(limits["vocab_size"]), draft_vocab_size=int(draft["size"]),
                    d2t_file=stage_dir / draft["d2t"], t2d_file=stage_dir / draft["t2d"],
-                   t2d_length=int(draft["t2d_length"]))
+                   t2d_length=int(draft["t2d_length"]),
+                   end_of_turn_ids=tuple(recorded.get("end_of_turn_ids") or ()),
+                   turn_start_ids=tuple(recorded.get("turn_start_ids") or ()))
 
 
 @dataclass(frozen=True)

@@ -325,6 +325,7 @@ class TokenizeStage(BatchStage):
     files: list[Path] = field(default_factory=list, init=False)
     vocab_size: int = field(default=0, init=False)
     probe_doc: dict[str, Any] = field(default_factory=dict, init=False)
+    markers: dict[str, list[int]] = field(default_factory=dict, init=False)  # mask_markers
     # ingest's mix (weight_by, seed, weights) and the share of rows each weighted source
     # asked for: what the supervised-token mix and the learning shares work from
     mix: dict[str, Any] = field(default_factory=dict, init=False)
@@ -341,6 +342,7 @@ class TokenizeStage(BatchStage):
         self.vocab_size = len(tokenizer)
         self.template_probe = probe(settings, tokenizer)
         self.probe_doc = self.template_probe.to_dict()
+        self.markers = mask_markers(tokenizer, self.probe_doc, settings.include_eot)
         origin = ctx.origin(ConversationsOutput)
         ingested = origin.stats() if origin else {}
         self.mix = dict(ingested.get("mix") or {})  # {}: made before ingest recorded it
@@ -389,7 +391,7 @@ class TokenizeStage(BatchStage):
 
     def finish(self, ctx: StageContext, results: ItemResults) -> dict[str, Any]:
         doc = _finish(self.settings, results, ctx.partial, self.vocab_size, self.probe_doc,
-                      ctx.fingerprint, self.mix, self.asked_shares)
+                      ctx.fingerprint, self.mix, self.asked_shares, self.markers)
         assert self.conversations is not None
         _check_on_policy(self.conversations, self.settings, doc, ctx.partial)
         return doc
@@ -434,7 +436,8 @@ def _check_on_policy(conversations: ConversationsOutput, settings: TokenizeSetti
 
 def _finish(settings: TokenizeSettings, results: ItemResults, partial: Path, vocab_size: int,
             probe_doc: dict[str, Any], fingerprint: str, mix: dict[str, Any],
-            asked_shares: dict[str, float | None]) -> dict[str, Any]:
+            asked_shares: dict[str, float | None], markers: dict[str, list[int]]
+            ) -> dict[str, Any]:
     """The items' rows joined into the dataset (the supervised-token mix applied), the draft
     vocabulary, the limits file and the stats document."""
     per_source = results.per_source()
@@ -465,7 +468,7 @@ def _finish(settings: TokenizeSettings, results: ItemResults, partial: Path, voc
                         model_vocab_from, partial)
     # the limits the contract and the suite check against (the suite reads this file)
     write_json_atomic(partial / "settings.json",
-                      {**asdict(settings), **_contract_params(vocab_size, settings)})
+                      {**asdict(settings), **_contract_params(vocab_size, settings), **markers})
     doc = stats_document(per_source, "tokenize")
     doc["learning_mix"] = learning_shares(doc["sources"], asked_shares,
                                           supervised_mix)
@@ -479,6 +482,24 @@ def _finish(settings: TokenizeSettings, results: ItemResults, partial: Path, voc
     doc["total"]["model_vocab_size"] = model_vocab
     doc["total"]["draft_vocab"] = draft
     return doc
+
+
+def mask_markers(tokenizer: Any, probe_doc: dict[str, Any], include_eot: bool
+                 ) -> dict[str, list[int]]:
+    """The tokens the suite checks every mask by, whoever made it: each reply's last supervised
+    token is the end of turn (with include_eot), and the turn-start marker that opens every
+    header (`<|im_start|>`, `<|start_header_id|>`, ...) is never supervised. A mask over the
+    whole sequence, shifted by a token, or without the end of turn fails one of them."""
+    eot: list[int] = []
+    if include_eot:
+        text = probe_doc.get("eot_text") or ""
+        ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+        fallback = probe_doc.get("eos_fallback_id")
+        eot = [int(ids[-1])] if ids else [int(fallback)] if fallback is not None else []
+    prompt = tokenizer.encode(probe_doc.get("generation_prompt") or "", add_special_tokens=False)
+    added = {*tokenizer.get_added_vocab().values(), *tokenizer.all_special_ids}
+    header = [int(prompt[0])] if prompt and prompt[0] in added and prompt[0] not in eot else []
+    return {"end_of_turn_ids": eot, "turn_start_ids": header}
 
 
 def _contract_params(vocab_size: int, settings: TokenizeSettings) -> dict[str, Any]:

@@ -195,8 +195,33 @@ def _list_buffers(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return values[base:offsets[-1]], offsets - base
 
 
-def tokenized_features(table: pa.Table) -> pl.DataFrame:
-    """One row per training row: identity columns plus mask and length features."""
+def marker_features(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
+                    markers: TokenizedOutput | None) -> list[pl.Series]:
+    """Per row, the supervised spans whose last token is not the end of turn (a span cut by
+    the row's end at seq_length aside), and the supervised turn-start markers: a mask over
+    the whole sequence, shifted by a token or without the end of turn shows in them."""
+    n_rows = len(offsets) - 1
+    on = mask == 1
+    row_of = np.repeat(np.arange(n_rows), np.diff(offsets))
+    last = np.zeros(len(mask), dtype=bool)  # the last token of each row
+    last[offsets[1:][np.diff(offsets) > 0] - 1] = True
+    span_end = on & (~np.concatenate([on[1:], [False]]) | last)
+    open_end = headers = np.zeros(n_rows, dtype=np.int64)
+    if markers is not None and markers.end_of_turn_ids:
+        cut = last & (np.diff(offsets)[row_of] >= markers.seq_length)  # truncated there
+        bad = span_end & ~np.isin(ids, markers.end_of_turn_ids) & ~cut
+        open_end = np.bincount(row_of[bad], minlength=n_rows)
+    if markers is not None and markers.turn_start_ids:
+        headers = np.bincount(row_of[on & np.isin(ids, markers.turn_start_ids)],
+                              minlength=n_rows)
+    return [pl.Series("spans_without_end_of_turn", open_end.astype(np.int32)),
+            pl.Series("supervised_turn_starts", headers.astype(np.int32))]
+
+
+def tokenized_features(table: pa.Table, markers: TokenizedOutput | None = None
+                       ) -> pl.DataFrame:
+    """One row per training row: identity columns plus mask and length features (and, with
+    the output's `markers`, what `marker_features` counts)."""
     names = table.column_names
     keep = [c for c in ("id", "source", "turn", "seq_len") if c in names]
     # combined into buffers of their own: a record batch read from a stream is one allocation,
@@ -219,6 +244,10 @@ def tokenized_features(table: pa.Table) -> pl.DataFrame:
                  pl.Series("supervised_tokens", supervised.astype(np.int32)),
                  pl.Series("longest_supervised_run", longest_runs(values, offsets)),
                  pl.Series("supervised_fraction", fraction)]
+        if "input_ids" in names:
+            ids, id_offsets = _list_buffers(table.column("input_ids"))
+            same = np.array_equal(id_offsets, offsets)  # else the contract names the mismatch
+            cols += marker_features(ids, values, offsets, markers if same else None)
     if not keep:
         return pl.DataFrame(cols)
     return out.with_columns(cols) if cols else out
@@ -232,12 +261,15 @@ def row_features(stage_dir: Path, kind: str) -> pl.DataFrame:
     1M conversations several hundred MB and the stage's peak memory grow with the dataset.
     """
     parts = []
+    markers = TokenizedOutput.read(Path(stage_dir)) if kind == "tokenized" and (
+        Path(stage_dir) / "settings.json").exists() else None
     for path in output_files(stage_dir, kind):
         if kind == "conversations":
             part = conversation_features(_conversation_columns(path))
         else:  # slice by slice: a shard's whole list columns (and temporaries) took GBs
-            part = pl.concat([tokenized_features(t) for t in arrow_slices(path)]) \
-                if str(path).endswith(".arrow") else tokenized_features(read_arrow(path))
+            part = pl.concat([tokenized_features(t, markers) for t in arrow_slices(path)]) \
+                if str(path).endswith(".arrow") else tokenized_features(read_arrow(path),
+                                                                        markers)
         repetitive = [c for c, dtype in part.schema.items() if dtype == pl.String and c != "id"]
         parts.append(part.with_columns(pl.col(repetitive).cast(pl.Categorical)))
     if not parts:
