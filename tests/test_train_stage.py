@@ -965,3 +965,39 @@ def test_a_reextract_with_the_same_states_in_another_format_keeps_train_valid(
                 draft_layers=1, format="speculators")
     assert run.record("extract").content != native
     assert "train" in run.stale()
+
+
+def test_extract_reads_whether_the_replies_are_the_targets(extracted, untied_target,
+                                                          tiny_target, default_tokenized,
+                                                          tmp_path, copy_run, capsys):
+    """Before its work extract says when the replies a drafter would learn are not the
+    target's: regenerate wrote them with another model (its model_identity), or they are the
+    sources' own; it reads the data then: the target's own greedy agreement on a sample
+    (84% on its own greedy replies here: the tiny random target's near-tied logits, and each
+    reply cut at max_new_tokens ends on a template's end of turn; a few % on others'). The
+    failure-mode benchmark's b and i, which trained silently before."""
+    from dflash_etl.models.reply_check import agreement, sample
+    from dflash_etl.models.target import Target, TargetSpec
+
+    own = json.loads((extracted / "extract" / "stats.json").read_text())
+    assert own["replies"] == {"origin": "target", "warning": ""} and not own.get("warnings")
+    rows = tokenize_rows(extracted)
+    picked = [rows[k] for k in sample([len(r["input_ids"]) for r in rows])]
+    mine = agreement(Target(TargetSpec(model=str(untied_target))), picked)["agreement"]
+    assert mine > 0.75
+
+    other = copy_run(extracted, tmp_path / "other", "*train*", "docs")
+    doc = extract.run(None, other, progress=False, model=str(tiny_target), draft_layers=1)
+    # the tied tiny target shares the untied one's initial weights: it agrees more than a
+    # stranger would, and is still another model, warned whatever it measures
+    assert doc["replies"]["origin"] == "other_model" and doc["replies"]["agreement"] < mine
+    assert "written by another model than this target" in doc["warnings"][0]
+    sources = copy_run(default_tokenized, tmp_path / "sources", "*extract*")
+    doc = extract.run(None, sources, progress=False, model=str(untied_target), draft_layers=1)
+    replies = doc["replies"]
+    assert replies["origin"] == "sources" and replies["rows"] == 16
+    assert replies["agreement"] < 0.5 and "the sources' own" in replies["warning"]
+    assert "WARNING: the replies are the sources' own" in capsys.readouterr().err
+    off = copy_run(default_tokenized, tmp_path / "off", "*extract*")
+    assert "replies" not in extract.run(None, off, progress=False, model=str(untied_target),
+                                        draft_layers=1, reply_check="off")

@@ -20,6 +20,15 @@ def _rerun(path: Path, stage: str) -> str:
     return f"rerun `dflash-etl {stage} --run {path.parent.parent} --force`"
 
 
+def _stats(stage_dir: Path) -> dict[str, Any]:
+    """A stage directory's stats.json, {} when unreadable."""
+    try:
+        doc = json.loads((stage_dir / "stats.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def _load(path: Path, stage: str) -> dict[str, Any]:
     """The JSON object in `path`; raises a StageError naming it and the stage to rerun."""
     try:
@@ -99,11 +108,7 @@ class ConversationsOutput(Output):
 
     def stats(self) -> dict[str, Any]:
         """Its stats.json ({} when unreadable: an output published before it was written)."""
-        try:
-            doc = json.loads((self.stage_dir / "stats.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        return doc if isinstance(doc, dict) else {}
+        return _stats(self.stage_dir)
 
     @classmethod
     def read(cls, stage_dir: Path) -> ConversationsOutput:
@@ -141,6 +146,10 @@ class TokenizedOutput(Output):
         """The chat-template kwargs the rows' generation prompts were rendered with (its
         stats.json): what a server must be started with to serve what the drafter learned."""
         return rendered_template_kwargs(_load(self.stage_dir / "stats.json", "tokenize"))
+
+    def stats(self) -> dict[str, Any]:
+        """Its stats.json ({} when unreadable); the on-policy report is in it."""
+        return _stats(self.stage_dir)
 
     def dataset_files(self) -> list[Path]:
         """The rows' Arrow files, in order (what extract and train read)."""

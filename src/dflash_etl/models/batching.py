@@ -1,8 +1,15 @@
 """How a target's forward passes group the rows: sorted by length into batches of at most
 `batch_tokens` padded tokens (little padding), shards of `shard_rows` (the same whoever extracts
-them), and the few batches a dry run measures. Pure: lists of lengths in, row indices out."""
+them), the few batches a dry run measures and what it projects from them. Pure: lists of
+lengths in, row indices out; figures in, figures and lines out."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dflash_etl.core.progress import size_text
+from dflash_etl.core.rundir import PLAN_FILE
 
 
 def length_batches(lengths: list[int], batch_tokens: int,
@@ -65,3 +72,42 @@ def run_batches(lengths: list[int], shard_rows: int, batch_tokens: int) -> list[
         batches += [[members[i] for i in b]
                     for b in length_batches([lengths[i] for i in members], batch_tokens)]
     return batches
+
+
+# ---------------------------------------------------------------- the dry run (--plan)
+def project(total: dict[str, int], sample: dict[str, float], free: int) -> dict[str, Any]:
+    """The whole dataset's bytes and hours from the measured sample (bytes scale with tokens,
+    time with padded tokens), and whether the output fits in `free` bytes."""
+    bytes_ = round(sample["bytes"] * total["tokens"] / sample["tokens"])
+    seconds = sample["seconds"] * total["padded_tokens"] / sample["padded_tokens"]
+    return {"bytes": bytes_, "seconds": round(seconds, 3), "hours": round(seconds / 3600, 4),
+            "free_bytes": free, "fits": bytes_ <= free, "short_by_bytes": max(0, bytes_ - free)}
+
+
+def plan_advice(doc: dict[str, Any]) -> str:
+    """One sentence: it fits (and with what left), or by how much it does not and what to do."""
+    p = doc["projected"]
+    if p["fits"]:
+        return (f"fits: ~{size_text(p['bytes'])} of the {size_text(p['free_bytes'])} free on "
+                f"{doc['disk_path']} ({size_text(p['free_bytes'] - p['bytes'])} left)")
+    return (f"does NOT fit: ~{size_text(p['bytes'])} needed, {size_text(p['free_bytes'])} "
+            f"free on {doc['disk_path']}, short by {size_text(p['short_by_bytes'])}: skip "
+            f"extract and train with `dflash-etl train --run {doc['run']} --online` (the "
+            "target computes the states each step; nothing is stored), or store fewer --layers "
+            "/ --dtype bf16")
+
+
+def plan_summary(doc: dict[str, Any], run: Path) -> list[str]:
+    data, sample, projected = doc["dataset"], doc["measured"], doc["projected"]
+    return [f"extract plan (a dry run: nothing extracted or published) on {doc['device']}:",
+            f"  dataset: {data['rows']} rows, {data['tokens']} tokens in {data['batches']} "
+            f"batches (padding {doc['padding_share']})",
+            f"  layers {doc['stored_layers']} of {doc['n_layers']} stored, hidden "
+            f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}",
+            f"  measured: {sample['batches']} batches, {sample['tokens']} tokens in "
+            f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
+            f"{size_text(sample['bytes'])} written",
+            f"  projected: {size_text(projected['bytes'])} on disk, {projected['hours']} hours "
+            f"({projected['seconds']} s) on this device",
+            f"  disk: {doc['advice']}",
+            f"  plan: {run / PLAN_FILE}"]

@@ -56,7 +56,10 @@ from dflash_etl.core.stage import (
 from dflash_etl.io.hidden_states import content_digest, save_states
 from dflash_etl.models.batching import (
     length_batches,
+    plan_advice,
     plan_sample,
+    plan_summary,
+    project,
     run_batches,
     shard_cost,
     shard_plan,
@@ -65,6 +68,8 @@ from dflash_etl.models.fleet import add_use, use_figures
 from dflash_etl.models.identity import model_identity
 from dflash_etl.models.layers import layer_state_identity, resolve_layers, target_shape
 from dflash_etl.models.loading import placement
+from dflash_etl.models.reply_check import check_replies, replies_origin
+from dflash_etl.models.reply_check import sample as reply_sample
 from dflash_etl.models.serving import aux_hidden_state_layer_ids
 from dflash_etl.models.states_server import (
     SERVER_FAULTS,
@@ -156,6 +161,11 @@ class ExtractSettings:
     keep_server_files: bool = setting(False, fingerprint=False, applies=SERVER,
                                       help="--backend server: keep the server's files after "
                                            "they are copied")
+    reply_check: str = setting("auto", choices=("auto", "off"), fingerprint=False,
+                               help="before the work: are the replies the target's? auto: when "
+                               "regenerate did not write them with this target, the target's "
+                               "own greedy agreement on a sample (hooks backend), warned below "
+                               "50%%")
     spot_check: str = setting("auto", choices=("auto", "on", "off"), fingerprint=False,
                               applies=SERVER, help="--backend server: one short row through the "
                               "target here against each server's states (layer ids, scale); "
@@ -297,18 +307,23 @@ class ExtractStage(BatchStage):
         self.layers: list[int] = []  # the chosen target layers
         self.n_layers = self.hidden = 0  # the target's decoder layers and hidden size
         self.partial = Path()  # where the workers write the shards
+        self.generated_with: dict[str, Any] | None = None  # how regenerate made the replies
+        self.identity = ""  # the target's model_identity
+        self.replies: dict[str, Any] | None = None  # the reply check's record
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings = self.settings
-        self.files = ctx.read(TokenizedOutput).dataset_files()
+        tokenized = ctx.read(TokenizedOutput)
+        self.files = tokenized.dataset_files()
+        self.generated_with = (tokenized.stats().get("on_policy") or {}).get("generated_with")
         self.lengths = pa.concat_tables([read_arrow(f).select(["input_ids"]) for f in self.files]
                                         ).column("input_ids").combine_chunks().value_lengths(
                                         ).to_pylist()
         self.layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
         self.n_layers, self.hidden = target_shape(settings.model)
+        self.identity = model_identity(settings.model)
         return {"settings": fingerprinted(settings), "layers": self.layers,
-                "inputs": [sha256_file(f) for f in self.files],
-                "model": model_identity(settings.model),
+                "inputs": [sha256_file(f) for f in self.files], "model": self.identity,
                 **layer_state_identity(self.layers, self.n_layers)}
 
     def begin(self, ctx: StageContext) -> None:
@@ -319,6 +334,14 @@ class ExtractStage(BatchStage):
         ctx.run.update_stage(STAGE, settings=asdict(settings), layers=self.layers,
                              stored_layers=stored, n_layers=self.n_layers, estimated_bytes=need,
                              ranks=ctx.world)
+        if settings.reply_check != "off":
+            origin = replies_origin(self.generated_with, self.identity)
+            measure = origin != "target" and settings.backend != "server"  # loads the target
+            rows = pa.concat_tables([read_arrow(f).select(["input_ids", "loss_mask"])
+                                     for f in self.files]).take(pa.array(
+                reply_sample(self.lengths), pa.int64())).to_pylist() if measure else []
+            self.replies = check_replies(
+                replace(settings, device=device_for_rank(settings.device)), rows, origin)
         if settings.backend == "server":
             first = next(c for f in self.files if len(c := read_arrow(f).column("input_ids")))
             begin_server_stage(settings, self.layers, self.n_layers, self.hidden,
@@ -402,6 +425,9 @@ class ExtractStage(BatchStage):
             doc["total"]["content_sha256"] = content_digest(
                 index, {**shape, **layer_state_identity(layers, n_layers)})
         doc["health"] = _health_document(results, settings.dtype)
+        if self.replies:
+            doc["replies"] = self.replies
+            doc["warnings"] = [w for w in [self.replies.get("warning")] if w]
         if settings.backend == "server":  # the fleet's load and check: a run's record, not data
             ctx.call_totals["servers"] = _server_load(results)
             ctx.call_totals["server_check"] = take_spot_check(ctx.partial)
@@ -427,7 +453,7 @@ class ExtractStage(BatchStage):
     @classmethod
     def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
         if doc.get("plan"):
-            return _plan_summary(doc, out.parent)
+            return plan_summary(doc, out.parent)
         total = doc["total"]
         lines = [f"extract {state_word(doc)}: rows {counts_line(total)}",
                  f"  layers {total.get('layers')} of {total.get('n_layers')}, hidden "
@@ -440,22 +466,6 @@ class ExtractStage(BatchStage):
             lines.append(f"  ranks:         {ranks} (torchrun; the output is one process's, "
                          "byte for byte)")
         return lines
-
-
-def _plan_summary(doc: dict[str, Any], run: Path) -> list[str]:
-    data, sample, projected = doc["dataset"], doc["measured"], doc["projected"]
-    return [f"extract plan (a dry run: nothing extracted or published) on {doc['device']}:",
-            f"  dataset: {data['rows']} rows, {data['tokens']} tokens in {data['batches']} "
-            f"batches (padding {doc['padding_share']})",
-            f"  layers {doc['stored_layers']} of {doc['n_layers']} stored, hidden "
-            f"{doc['hidden_size']}, {doc['dtype']}, {doc['format']}",
-            f"  measured: {sample['batches']} batches, {sample['tokens']} tokens in "
-            f"{sample['seconds']} s ({sample['tokens_per_s']} tokens/s), "
-            f"{size_text(sample['bytes'])} written",
-            f"  projected: {size_text(projected['bytes'])} on disk, {projected['hours']} hours "
-            f"({projected['seconds']} s) on this device",
-            f"  disk: {doc['advice']}",
-            f"  plan: {run / PLAN_FILE}"]
 
 
 def _cuda_available() -> bool:
@@ -484,28 +494,6 @@ def _health_document(results: list[dict[str, Any]], dtype: str) -> dict[str, Any
 
 
 # ---------------------------------------------------------------- the dry run (--plan)
-def project(total: dict[str, int], sample: dict[str, float], free: int) -> dict[str, Any]:
-    """The whole dataset's bytes and hours from the measured sample (bytes scale with tokens,
-    time with padded tokens), and whether the output fits in `free` bytes."""
-    bytes_ = round(sample["bytes"] * total["tokens"] / sample["tokens"])
-    seconds = sample["seconds"] * total["padded_tokens"] / sample["padded_tokens"]
-    return {"bytes": bytes_, "seconds": round(seconds, 3), "hours": round(seconds / 3600, 4),
-            "free_bytes": free, "fits": bytes_ <= free, "short_by_bytes": max(0, bytes_ - free)}
-
-
-def plan_advice(doc: dict[str, Any]) -> str:
-    """One sentence: it fits (and with what left), or by how much it does not and what to do."""
-    p = doc["projected"]
-    if p["fits"]:
-        return (f"fits: ~{size_text(p['bytes'])} of the {size_text(p['free_bytes'])} free on "
-                f"{doc['disk_path']} ({size_text(p['free_bytes'] - p['bytes'])} left)")
-    return (f"does NOT fit: ~{size_text(p['bytes'])} needed, {size_text(p['free_bytes'])} "
-            f"free on {doc['disk_path']}, short by {size_text(p['short_by_bytes'])}: skip "
-            f"extract and train with `dflash-etl train --run {doc['run']} --online` (the "
-            "target computes the states each step; nothing is stored), or store fewer --layers "
-            "/ --dtype bf16")
-
-
 def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
     """`extract --plan`: measure `plan_batches` batches of the real run (same target, layers,
     dtype, format, writer and health check) in a scratch directory, project the whole dataset,
