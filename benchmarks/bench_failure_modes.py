@@ -63,22 +63,23 @@ MISTAKES: dict[str, tuple[str, str]] = {
         "(tests/test_placeholders.py)"),
     "b_off_policy": (
         "b. the sources' own replies (regenerate skipped)",
-        "tokenize/train: the on-policy report says the replies are the source data's "
-        "(`generated_with` none) and train warns (validation/on_policy.py, "
-        "tests/test_on_policy.py)"),
+        "extract, before its work: the replies are not regenerate's with this target, so the "
+        "target's greedy agreement on 16 sampled rows is measured and warned below 50% "
+        "(models/reply_check.py; tests/test_train_stage.py::test_extract_reads_whether_the_"
+        "replies_are_the_targets)"),
     "c_mask_everything": (
         "c. loss mask over the whole sequence",
-        "tokenize, before extract: each row's mask is derived twice (template markers and "
-        "rendered spans) and must agree, and the tokenized suite bounds the supervised share "
-        "(tests/test_masks.py)"),
+        "tokenize's gate, before extract: `supervised_turn_starts` (a turn-start marker is "
+        "supervised) fails the tokenized suite (tests/test_suites.py::test_a_loss_mask_over_"
+        "headers_shifted_or_without_the_end_of_turn_fails_the_suite)"),
     "d_mask_shifted": (
         "d. loss mask shifted by one token",
-        "tokenize, before extract: the two mask derivations disagree on every span "
-        "(tests/test_masks.py)"),
+        "tokenize's gate, before extract: `spans_without_end_of_turn` (a reply's last "
+        "supervised token is not the end of turn) fails the tokenized suite (same test)"),
     "e_no_end_of_turn": (
         "e. end-of-turn token not supervised",
-        "tokenize, before extract: the mask must cover the end-of-turn token "
-        "(tests/test_masks.py)"),
+        "tokenize's gate, before extract: `spans_without_end_of_turn` fails the tokenized "
+        "suite (same test)"),
     "f_truncated_kept": (
         "f. replies cut at half, kept as complete",
         "regenerate, before tokenize: replies that stopped at max_new_tokens are filtered "

@@ -1001,3 +1001,9 @@ def test_extract_reads_whether_the_replies_are_the_targets(extracted, untied_tar
     off = copy_run(default_tokenized, tmp_path / "off", "*extract*")
     assert "replies" not in extract.run(None, off, progress=False, model=str(untied_target),
                                         draft_layers=1, reply_check="off")
+    # train --online reads no extract output: it checks the replies itself, on its target
+    online = copy_run(default_tokenized, tmp_path / "online", "*extract*")
+    doc = train.run(None, online, progress=False, target=str(untied_target), online=True,
+                    **{**SMALL, "steps": 2, "eval_prompts": 1, "eval_new_tokens": 2})
+    assert doc["replies"]["origin"] == "sources" and doc["replies"]["agreement"] < 0.5
+    assert doc["warnings"] == [doc["replies"]["warning"]]

@@ -75,10 +75,11 @@ def verdict(origin: str, measured: dict[str, Any] | None, min_agreement: float) 
             "(`dflash-etl regenerate`) unless that is what you want")
 
 
-def check_replies(spec: Any, rows: list[dict[str, Any]], origin: str) -> dict[str, Any]:
+def check_replies(rows: list[dict[str, Any]], origin: str, spec: Any = None,
+                  target: Any = None) -> dict[str, Any]:
     """Before a stage's work: with `rows` (a sample; none where the target is not to be loaded
-    here), the agreement of the target `spec` loads, let go before the workers load theirs;
-    the warning printed; the record for the stage's stats."""
+    here), the agreement of `target`, or of the target `spec` loads, let go before the workers
+    load theirs; the warning printed; the record for the stage's stats."""
     import gc
     import sys
 
@@ -86,11 +87,11 @@ def check_replies(spec: Any, rows: list[dict[str, Any]], origin: str) -> dict[st
 
     measured = None
     if rows and origin != "target":
-        target = Target(spec)
+        loaded = target if target is not None else Target(spec)
         try:
-            measured = agreement(target, rows)
+            measured = agreement(loaded, rows)
         finally:
-            del target
+            del loaded
             gc.collect()
     warning = verdict(origin, measured, MIN_AGREEMENT)
     if warning:

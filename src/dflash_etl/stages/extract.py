@@ -341,7 +341,7 @@ class ExtractStage(BatchStage):
                                      for f in self.files]).take(pa.array(
                 reply_sample(self.lengths), pa.int64())).to_pylist() if measure else []
             self.replies = check_replies(
-                replace(settings, device=device_for_rank(settings.device)), rows, origin)
+                rows, origin, spec=replace(settings, device=device_for_rank(settings.device)))
         if settings.backend == "server":
             first = next(c for f in self.files if len(c := read_arrow(f).column("input_ids")))
             begin_server_stage(settings, self.layers, self.n_layers, self.hidden,

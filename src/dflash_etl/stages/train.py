@@ -122,6 +122,10 @@ class TrainSettings:
                                    "speculators' --draft-vocab-size; labels outside it are left "
                                    "out of the loss and counted)")
     # runs made before the setting (labels from the data) are not redone
+    reply_check: str = setting("auto", choices=("auto", "off"), fingerprint=False,
+                               applies=("online", (True,)),
+                               help="--online: are the replies the target's? as extract's "
+                                    "reply_check (offline, extract checked them)")
     labels: str = setting("data", choices=("data", "target"), fingerprint="unless_default",
                           help="what each block position learns to predict: the row's token "
                                "(data), or the target's greedy token there (target: the argmax "
@@ -329,10 +333,12 @@ class TrainStage(Stage):
         self.layers: list[int] = []
         self.layers_from = ""  # where the layers came from, in words
         self.t2d: np.ndarray | None = None  # --head-vocab draft: tokenize's t2d map
+        self.generated_with: dict[str, Any] | None = None  # how regenerate made the replies
 
     def prepare(self, ctx: StageContext) -> dict[str, Any]:
         settings = self.settings
         tokenized = ctx.read(TokenizedOutput)
+        self.generated_with = (tokenized.stats().get("on_policy") or {}).get("generated_with")
         self.rows = _load_rows(tokenized, ctx.run)
         files = tokenized.dataset_files()
         if settings.head_vocab == "draft":
@@ -376,6 +382,13 @@ class TrainStage(Stage):
                           ctx.rank, ctx.world, draft_vocab=self.t2d,
                           mask_token=resolve_mask_token)
         trainer.layers_from = self.layers_from
+        replies = None  # online, nothing before read the replies (extract does, offline)
+        if settings.online and ctx.rank == 0 and settings.reply_check != "off":
+            from dflash_etl.models.reply_check import check_replies, replies_origin, sample
+
+            origin = replies_origin(self.generated_with, model_identity(settings.target))
+            picked = [train_rows[k] for k in sample([len(r["input_ids"]) for r in train_rows])]
+            replies = check_replies(picked, origin, target=trainer.target)
         if settings.online and settings.states_from == "server":
             trainer.states = _server_states(settings, trainer.target, stage_settings(
                 ExtractStage, ctx.config, ctx.run.root, {"model": settings.target}),
@@ -383,6 +396,9 @@ class TrainStage(Stage):
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)
+            if replies:
+                doc["replies"] = replies
+                doc["warnings"] = [*doc.get("warnings", []), *filter(None, [replies["warning"]])]
             ctx.timings.update(timing)
             if timing:  # how much of the training this call did: the run's record, not data
                 ctx.call_totals["steps_this_run"] = timing["steps_this_run"]
