@@ -974,7 +974,7 @@ def test_extract_reads_whether_the_replies_are_the_targets(extracted, untied_tar
     target's: regenerate wrote them with another model (its model_identity), or they are the
     sources' own; it reads the data then: the target's own greedy agreement on a sample
     (84% on its own greedy replies here: the tiny random target's near-tied logits, and each
-    reply cut at max_new_tokens ends on a template's end of turn; a few % on others'). The
+    reply cut at max_new_tokens ends on a template's end of turn; 0% on the sources' own). The
     failure-mode benchmark's b and i, which trained silently before."""
     from dflash_etl.models.reply_check import agreement, sample
     from dflash_etl.models.target import Target, TargetSpec
