@@ -200,6 +200,124 @@ def other_layers_tau(bench: Any, drafter: Any, layers: list[int]) -> float:
     return round(sum(stepped) / len(stepped), 4) if stepped else 1.0
 
 
+# ---------------------------------------------------------------- caught by: the checks, run
+def _said(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:220]
+
+
+def caught_dummy_replies(run: Path) -> str:
+    """a: the run's sources with every reply "OK.", through ingest: what it filters."""
+    from dflash_etl.stages import ingest, load_config
+
+    work = WORK / "caught-a"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rows = [json.loads(line) for line in (REPO / "data" / "sources" / "sharegpt.jsonl"
+                                          ).read_text().splitlines() if line.strip()]
+    for row in rows:
+        for turn in row.get("conversations", []):
+            if turn.get("from") in ("gpt", "assistant"):
+                turn["value"] = "OK."
+    (work / "padded.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "pipeline.toml").write_text('[[sources]]\nname = "padded"\npath = "padded.jsonl"\n')
+    try:
+        doc = ingest.run(load_config(work / "pipeline.toml"), work / "run", progress=False)
+    except Exception as exc:  # nothing left: the stage's error is the catch
+        return f"ingest failed: {_said(exc)}"
+    filtered = doc["total"]["rows_filtered"].get("placeholder_reply", 0)
+    return f"ingest filtered {filtered} of {doc['total']['rows_in']} `placeholder_reply`" \
+        if filtered else "NOT caught"
+
+
+def caught_mask(run: Path, mistake: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
+    """c, d, e: the run's conversations tokenized (by this checkout), the masks made wrong,
+    through tokenize's suite."""
+    import pyarrow as pa
+
+    from dflash_etl.stages import tokenize
+    from dflash_etl.validation import suites
+
+    stage = WORK / "caught-mask" / "tokenize"
+    if not stage.is_dir():  # tokenized again by this checkout (its markers), once
+        shutil.rmtree(stage.parent, ignore_errors=True)
+        shutil.copytree(run, stage.parent, ignore=shutil.ignore_patterns(
+            "extract", "train", "docs", "export", ".lock"))
+        recorded = json.loads((run / "manifest.json").read_text())["stages"]["tokenize"]
+        tokenize.run(None, stage.parent, progress=False, force=True,
+                     **{k: recorded["settings"][k] for k in ("model", "seq_length",
+                                                             "draft_vocab_size")})
+    shutil.rmtree(stage.with_name("mistaken"), ignore_errors=True)
+    stage = Path(shutil.copytree(stage, stage.with_name("mistaken")))
+    for path in sorted((stage / "dataset").glob("*.arrow")):
+        table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all()
+        masks = [mistake({"input_ids": i, "loss_mask": m})["loss_mask"] for i, m in zip(
+            table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(),
+            strict=True)]
+        column = table.schema.get_field_index("loss_mask")
+        table = table.set_column(column, table.schema.field(column),
+                                 pa.array(masks, table.schema.field(column).type))
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+            out.write_table(table)
+    result = suites.run_suite(stage, "tokenized", suites.Thresholds())
+    failed = [f"{(e['columns'] or [''])[0]} ({e.get('unexpected_count')} rows)"
+              for e in result["expectations"] if not e["success"]]
+    return f"tokenize's suite fails: {', '.join(failed)}" if failed else "NOT caught"
+
+
+def caught_truncated(run: Path) -> str:
+    """f: regenerate with replies cut short (max_new_tokens 4): what it filters."""
+    from dflash_etl.stages import regenerate
+
+    work = WORK / "caught-f"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(run, work, ignore=shutil.ignore_patterns(
+        "regenerate", "tokenize", "extract", "train", "docs", "export", ".lock"))
+    manifest = json.loads((work / "manifest.json").read_text())
+    recorded = manifest["stages"]["regenerate"]["settings"]
+    manifest["stages"] = {"ingest": manifest["stages"]["ingest"]}
+    (work / "manifest.json").write_text(json.dumps(manifest))
+    try:
+        doc = regenerate.run(None, work, progress=False, model=recorded["model"],
+                             max_new_tokens=4)
+    except Exception as exc:  # nothing left: the stage's error is the catch
+        return f"regenerate fails: {_said(exc)}"
+    filtered = sum(n for reason, n in doc["total"]["rows_filtered"].items()
+                   if "truncat" in reason)
+    return (f"regenerate filtered {filtered} of {doc['total']['rows_in']} as truncated"
+            if filtered else "NOT caught")
+
+
+def caught_replies(rows: list[dict[str, Any]], target: str) -> str:
+    """b: the reply check extract runs before its work, on the off-policy rows."""
+    from dflash_etl.models.reply_check import check_replies, sample
+    from dflash_etl.models.target import TargetSpec
+
+    picked = [rows[k] for k in sample([len(r["input_ids"]) for r in rows])]
+    record = check_replies(picked, "sources", spec=TargetSpec(model=target, device="cpu"))
+    return (f"extract warns: agreement {record['agreement']:.0%}" if record["warning"]
+            else "NOT caught")
+
+
+def caught_layers(run: Path) -> str:
+    """j: a drafter directory whose layers are not the extract's, through `export --to
+    specforge` (SpecForge's run config carries the layers; vLLM and eval read the drafter's)."""
+    from dflash_etl.handoff.export import export
+
+    work = WORK / "caught-j"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(run, work / "run", ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    path = work / "run" / "train" / "drafter" / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"]["target_layer_ids"] = [
+        max(0, i - 1) for i in config["dflash_config"]["target_layer_ids"]]
+    path.write_text(json.dumps(config))
+    try:
+        export(work / "run", "specforge", work / "out", progress=False)
+    except Exception as exc:
+        return f"export refuses: {_said(exc)}"
+    return "NOT caught"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, default=REPO / "runs" / "default")
@@ -236,6 +354,14 @@ def main() -> None:
         "f_truncated_kept": ([rewrite_replies(r, first_half) for r in rows], False),
     }
     print(f"rows and variants: {time.perf_counter() - clock:.0f} s", flush=True)
+    caught = {"a_dummy_replies": caught_dummy_replies(run),
+              "b_off_policy": caught_replies(variants["b_off_policy"][0], str(base.target)),
+              "c_mask_everything": caught_mask(run, mask_everything),
+              "d_mask_shifted": caught_mask(run, mask_shifted),
+              "e_no_end_of_turn": caught_mask(run, no_end_of_turn),
+              "f_truncated_kept": caught_truncated(run),
+              "j_other_layers": caught_layers(run)}
+    print(f"caught: {json.dumps(caught, indent=1)}", flush=True)
     results: dict[str, dict[str, Any]] = {name: {"seeds": {}} for name in MISTAKES}
     for seed in seeds:
         settings = replace(base, seed=seed)
@@ -250,6 +376,8 @@ def main() -> None:
                 tau_j = other_layers_tau(bench, drafter, layers)
                 results["j_other_layers"]["seeds"][seed] = {"tau": tau_j, "layers": layers}
                 print(f"seed {seed} j_other_layers: tau {tau_j:.3f}", flush=True)
+    for name, said in caught.items():
+        results[name]["caught_here"] = said
     write(args, run, base, seeds, results, len(rows), time.perf_counter() - clock)
 
 
@@ -282,12 +410,12 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
              f"{settings.steps} steps, seeds {', '.join(map(str, seeds))}, {rows} training "
              f"rows; tau on {args.prompts} held-out prompts x {args.new_tokens} tokens.", "",
              "| mistake | tau (mean) | min-max | x correct | below correct on every seed | "
-             "caught by |", "|---|---:|---|---:|---|---|"]
+             "caught by | the check, run by this benchmark |", "|---|---:|---|---:|---|---|---|"]
     for doc in results.values():
         lines.append(f"| {doc['what']} | {doc['tau']:.3f} | {doc['tau_min']:.3f}-"
                      f"{doc['tau_max']:.3f} | {doc['relative']:.2f} | "
                      f"{'yes' if doc['below_correct_every_seed'] else 'no'} | "
-                     f"{doc['caught_by']} |")
+                     f"{doc['caught_by']} | {doc.get('caught_here', '-')} |")
     previous = args.out.with_suffix(".md")
     notes = ""
     if previous.exists() and "## Findings" in (text := previous.read_text()):
