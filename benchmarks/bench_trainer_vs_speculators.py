@@ -10,9 +10,12 @@ clip and seed, on the same rows (speculators' training split); then it measures
   verification by the target as `evaluate.Evaluator` loads it) on a seeded sample of prompts
   neither trainer saw: the run's held-out conversations (default) or GSM8K + MT-Bench
   (`--prompts-from bench`, rendered as `dflash-etl eval` renders them); theirs drafts with its
-  own `DFlashDraftModel` loaded from its checkpoint, its draft-vocabulary head and d2t;
+  own `DFlashDraftModel` loaded from its checkpoint, with its head (and d2t, for a draft
+  vocabulary);
 * steps/s of both: the wall time (and CPU time) of the optimizer steps only (batches, forward,
-  backward, optimizer), not model loading, validation or checkpoints;
+  backward, optimizer), not model loading, validation or checkpoints, each trainer timed
+  `--rounds` times per seed in alternating order (ours, theirs, theirs, ours, ...), so a burst
+  of other load on a shared machine falls on both sides of each ratio;
 * the untrained drafter's tau (our init, the same seed) as the floor.
 
 The goal (the issue's): our tau >= theirs at equal steps, and our steps/s >= 1.5x theirs.
@@ -786,8 +789,9 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
               "tau: the same simulator for both (`speculative_decode`, greedy), "
               f"{len(bench_prompts)} seeded prompts ({PROMPTS[args.prompts_from]}), "
               f"{args.new_tokens} new tokens per turn; neither trainer saw them. Theirs "
-              "drafts with its own `DFlashDraftModel` (its checkpoint, its "
-              "draft-vocabulary head, d2t back to target ids). steps/s: the optimizer steps "
+              "drafts with its own `DFlashDraftModel` (its checkpoint and the head the "
+              "export's command gives it: the full vocabulary, or the draft vocabulary and d2t "
+              "back to target ids with `head_vocab = draft`). steps/s: the optimizer steps "
               "only (ours: `Trainer.step` in a loop; theirs: its `train_epoch`s), final losses "
               "in the JSON (not comparable: other labels and normaliser).", "",
               *settings_table({

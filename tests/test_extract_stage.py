@@ -192,6 +192,9 @@ def test_run_chains_every_stage_on_a_named_target(tiny_target, tmp_path, capsys)
     assert train["target_layers"] == [1, 2] and train["steps"] == 3
     report = (run_dir / "docs" / "index.html").read_text()
     assert all(stage in report for stage in stages)
+    # the failure-mode table, linked where the source tree is (this checkout)
+    page = REPO / "docs" / "failure-modes.md"
+    assert page.is_file() and f'href="{page.as_uri()}"' in report
 
 
 ARCHITECTURES = {  # tiny configs of the families the hooks must serve, beyond dense Qwen2

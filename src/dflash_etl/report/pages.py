@@ -341,6 +341,21 @@ def _tau_row(stages: list[StageInfo]) -> list[tuple[str, str]]:
 
 
 # --------------------------------------------------------------- pages
+FAILURE_MODES = "docs/failure-modes.md"  # in dflash-etl's source tree
+
+
+def failure_modes_link() -> str:
+    """A line to the failure-mode table (what each data mistake costs in acceptance, and the
+    check here that stops it): a link where the source tree is beside the package (a checkout,
+    an editable install), else its path in the project."""
+    page_path = Path(__file__).resolve().parents[3] / FAILURE_MODES
+    name = (f'<a href="{escape(page_path.as_uri())}">{FAILURE_MODES}</a>' if page_path.is_file()
+            else f"{FAILURE_MODES} in dflash-etl's source")
+    return (f'<p class="muted">What each data mistake (dummy replies, off-policy replies, wrong '
+            f"masks, cut replies, other layers) costs in acceptance, and the check here that "
+            f"stops it: {name}.</p>")
+
+
 def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInfo]) -> str:
     ok = all(s.status == "complete" and s.gate_passed is not False
              and s.contract_passed is not False for s in stages) and bool(stages)
@@ -356,7 +371,7 @@ def summary_page(run_root: Path, manifest: dict[str, Any], stages: list[StageInf
                     "great-expectations")),
                 ("input files", len(manifest.get("inputs") or [])),
                 *_tau_row(stages),
-            ]) + "<h3>Gates</h3>"
+            ]) + failure_modes_link() + "<h3>Gates</h3>"
             + table(["stage", "status", "contract", "suite", "output"],
                     [gate_cells(s) for s in stages], raw=True) + "</section>"]
     for s in stages:
