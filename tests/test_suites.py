@@ -15,7 +15,7 @@ import pytest
 
 from dflash_etl.cli.main import main
 from dflash_etl.core.config import ConfigError
-from dflash_etl.validation import suites
+from dflash_etl.validation import row_features, suites
 from run_compare import without_keys
 
 DEFAULT_LIMITS = {"max_quarantine_rate_per_source": {"openai_chat": 0.10}}
@@ -59,7 +59,7 @@ def test_longest_runs_matches_a_plain_loop():
             best = max(best, run)
         return best
 
-    assert suites.longest_runs(values, offsets).tolist() == [loop(r) for r in rows]
+    assert row_features.longest_runs(values, offsets).tolist() == [loop(r) for r in rows]
 
 
 def test_thresholds_come_from_the_config_and_unknown_keys_are_refused():
