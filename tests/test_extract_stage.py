@@ -348,3 +348,17 @@ def test_a_rerun_that_drops_the_chosen_layers_is_refused(tiny_target, default_to
     assert kept.get("skipped") is True
     changed = extract.run(None, run_dir, progress=False, model=str(tiny_target), layers="auto")
     assert changed["total"]["layers"] == [1]
+
+
+def test_the_final_norm_stays_callable_after_a_pass_that_stopped_at_it(tiny_target):
+    """A chosen last layer is read at the final norm's hook, where the pass stops; the labels
+    of `labels = "target"` call that norm again afterwards, which must not end anything."""
+    import torch
+
+    from dflash_etl.models.target import Target, TargetSpec
+    from dflash_etl.models.training.labels import final_norm
+
+    target = Target(TargetSpec(model=str(tiny_target), layers="1,3"))
+    states = target.states([[5, 6, 7, 8]])
+    assert states[0].shape == (4, 2, 64)
+    assert final_norm(target.model)(torch.ones(1, 64)).shape == (1, 64)

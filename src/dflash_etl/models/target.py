@@ -242,9 +242,13 @@ class Target:
         self.stop_after = None if logits else (
             AFTER_NORM if AFTER_NORM in self.keys else max((*self.layers, *extra_layers)))
         out = None
-        with torch.no_grad(), contextlib.suppress(_EnoughLayers):
-            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             use_cache=False, logits_to_keep=logits_keep if logits else 1)
+        try:
+            with torch.no_grad(), contextlib.suppress(_EnoughLayers):
+                out = self.model(input_ids=ids.to(self.device),
+                                 attention_mask=mask.to(self.device), use_cache=False,
+                                 logits_to_keep=logits_keep if logits else 1)
+        finally:  # the final norm's hook is also called by the training labels' norm
+            self.stop_after = None
         stacked = torch.stack([self.captured[i] for i in (*self.keys, *extra_layers)],
                               dim=2).cpu()
         states = [stacked[k, :len(r)] for k, r in enumerate(rows)]
