@@ -93,6 +93,11 @@ def check_replies(rows: list[dict[str, Any]], origin: str, spec: Any = None,
         finally:
             del loaded
             gc.collect()
+            if target is None:  # ours: its GPU memory back before the workers load theirs
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     warning = verdict(origin, measured, MIN_AGREEMENT)
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)

@@ -465,7 +465,7 @@ class ExtractStage(BatchStage):
         if ranks > 1 and not doc.get("skipped"):
             lines.append(f"  ranks:         {ranks} (torchrun; the output is one process's, "
                          "byte for byte)")
-        return lines
+        return [*lines, *(f"  WARNING: {warning}" for warning in doc.get("warnings", []))]
 
 
 def _cuda_available() -> bool:
