@@ -83,8 +83,9 @@ def test_corrupted_states_fail_extract_with_the_numbers(default_tokenized, tiny_
         return out, states
 
     monkeypatch.setattr(Target, "forward", corrupted)
-    with pytest.raises(ContractError) as caught:
-        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2")
+    with pytest.raises(ContractError) as caught:  # the reply check's pass is not the subject
+        extract.run(None, run, progress=False, model=str(tiny_target), layers="1,2",
+                    reply_check="off")
     message = str(caught.value)
     expected = "exactly zero" if corruption == "zeros" else "padding leaks"
     assert "health check failed" in message and expected in message

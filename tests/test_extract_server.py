@@ -39,8 +39,9 @@ def _assert_same_states(hooks: Path, served: Path) -> None:
     token ids exactly and its states within 1e-6."""
     from safetensors.torch import load_file
 
-    a = pq.read_table(hooks / "extract" / "index.parquet")
-    b = pq.read_table(served / "extract" / "index.parquet")
+    # the rows' digests differ (the states match within 1e-6, not bit for bit): all else equal
+    a = pq.read_table(hooks / "extract" / "index.parquet").drop_columns(["sha256"])
+    b = pq.read_table(served / "extract" / "index.parquet").drop_columns(["sha256"])
     assert a.equals(b)
     for shard in sorted((hooks / "extract" / "hidden_states").glob("*.safetensors")):
         mine, theirs = load_file(str(shard)), load_file(str(served / "extract" /

@@ -678,8 +678,9 @@ def test_server_backed_extract_equals_the_hooks_on_qwen3_5(models, tokenized_cop
         extract.run(None, served, progress=False, model=target, layers="1,2",
                     backend="server", endpoint=server.url, states_dir=str(states),
                     retries=0)
-    assert pq.read_table(hooks / "extract" / "index.parquet").equals(
-        pq.read_table(served / "extract" / "index.parquet"))
+    # the rows' digests differ (the states match within 1e-6, not bit for bit): all else equal
+    assert pq.read_table(hooks / "extract" / "index.parquet").drop_columns(["sha256"]).equals(
+        pq.read_table(served / "extract" / "index.parquet").drop_columns(["sha256"]))
     for shard in sorted((hooks / "extract" / "hidden_states").glob("*.safetensors")):
         mine = load_file(str(shard))
         theirs = load_file(str(served / "extract" / "hidden_states" / shard.name))
