@@ -17,6 +17,7 @@ from dflash_etl.cli.main import main
 from dflash_etl.core.config import ConfigError
 from dflash_etl.validation import row_features, suites
 from run_compare import without_keys
+from templates_helpers import runs
 
 DEFAULT_LIMITS = {"max_quarantine_rate_per_source": {"openai_chat": 0.10}}
 
@@ -285,17 +286,6 @@ VARYING = {"seconds", "run_id", "run_time", "validation_time", "batch_id", "acti
 
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for k, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = k
-        elif not m and start is not None:
-            runs.append((start, k))
-            start = None
-    return runs
-
-
 def _mask_whole(mask: list[int]) -> list[int]:
     return [1] * len(mask)
 
@@ -306,7 +296,7 @@ def _mask_shifted(mask: list[int]) -> list[int]:
 
 def _mask_without_end_of_turn(mask: list[int]) -> list[int]:
     out = list(mask)
-    for _, end in _spans(out):
+    for _, end in runs(out):
         out[end - 1] = 0
     return out
 

@@ -81,22 +81,31 @@ def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, untied
     zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
     from transformers import AutoModelForCausalLM
 
-    from dflash_etl.models.acceptance import eos_token_ids
 
-    _, prompts, _ = train._split(tokenize_rows(run_dir), train.TrainSettings(eval_prompts=8))
+    target = AutoModelForCausalLM.from_pretrained(untied_target, dtype=torch.float32).eval()
+    tau = zlab_tau(zlab, run_dir, target, prompts=8, new_tokens=32, monkeypatch=monkeypatch)
+    assert abs(tau - evaluation["tau_final"]) < 1e-9
+
+
+def zlab_tau(zlab, run_dir: Path, target, prompts: int, new_tokens: int, monkeypatch) -> float:
+    """tau as z-lab's own decode loop counts it (`dflash.model.dflash_generate`, its
+    DFlashDraftModel loaded from the run's drafter directory) on train's held-out prompts."""
     import time
 
+    from dflash_etl.models.acceptance import eos_token_ids
+
+    _, held, _ = train._split(tokenize_rows(run_dir),
+                              train.TrainSettings(eval_prompts=prompts))
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # CPU only: its timer syncs CUDA
-    target = AutoModelForCausalLM.from_pretrained(untied_target, dtype=torch.float32).eval()
     drafter = zlab.DFlashDraftModel.from_pretrained(run_dir / "train" / "drafter",
                                                     dtype=torch.float32).eval()
     per_prompt = []
-    for prompt in prompts:
-        out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), 32,
+    for prompt in held:
+        out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), new_tokens,
                                    sorted(eos_token_ids(target)), return_stats=True)
         if out.acceptance_lengths:  # z-lab's benchmark averages the prompts that took a step
             per_prompt.append(np.mean(out.acceptance_lengths))
-    assert abs(np.mean(per_prompt) - evaluation["tau_final"]) < 1e-9
+    return float(np.mean(per_prompt))
 
 
 def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, untied_target):
@@ -895,7 +904,6 @@ def test_a_chosen_last_layer_is_read_after_the_final_norm_as_zlabs_decode_reads_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash_etl.models.acceptance import eos_token_ids
     from dflash_etl.models.serving import last_layer_caveat
 
     run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
@@ -927,19 +935,8 @@ def test_a_chosen_last_layer_is_read_after_the_final_norm_as_zlabs_decode_reads_
     assert config["dflash_config"]["target_layer_ids"] == [1, 3]
     assert config["target_last_layer_state"] == "after_final_norm"
     assert "vLLM captures that layer before the norm" in last_layer_caveat(run_dir)
-    _, prompts, _ = train._split(tokenize_rows(run_dir), train.TrainSettings(eval_prompts=6))
-    import time
-
-    monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)
-    drafter = zlab.DFlashDraftModel.from_pretrained(run_dir / "train" / "drafter",
-                                                    dtype=torch.float32).eval()
-    per_prompt = []
-    for prompt in prompts:
-        out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), 24,
-                                   sorted(eos_token_ids(target)), return_stats=True)
-        if out.acceptance_lengths:
-            per_prompt.append(np.mean(out.acceptance_lengths))
-    assert abs(np.mean(per_prompt) - evaluation["tau_final"]) < 1e-9
+    tau = zlab_tau(zlab, run_dir, target, prompts=6, new_tokens=24, monkeypatch=monkeypatch)
+    assert abs(tau - evaluation["tau_final"]) < 1e-9
 
 
 def test_a_reextract_with_the_same_states_in_another_format_keeps_train_valid(
