@@ -13,7 +13,7 @@ from typing import Any
 
 def states_digest(torch: Any, states: Any, token_ids: list[int]) -> str:
     """sha256 of one row's states, as stored (their dtype's bytes), and its token ids."""
-    digest = hashlib.sha256(states.contiguous().view(torch.uint8).numpy().tobytes())
+    digest = hashlib.sha256(states.contiguous().view(torch.uint8).numpy())  # no copy
     digest.update(json.dumps(token_ids).encode())
     return digest.hexdigest()
 

@@ -86,18 +86,19 @@ def check_replies(rows: list[dict[str, Any]], origin: str, spec: Any = None,
     from dflash_etl.models.target import Target
 
     measured = None
-    if rows and origin != "target":
-        loaded = target if target is not None else Target(spec)
+    if rows and origin != "target" and target is not None:
+        measured = agreement(target, rows)
+    elif rows and origin != "target":
+        loaded = Target(spec)
         try:
             measured = agreement(loaded, rows)
-        finally:
+        finally:  # its memory back before the workers load theirs
             del loaded
             gc.collect()
-            if target is None:  # ours: its GPU memory back before the workers load theirs
-                import torch
+            import torch
 
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     warning = verdict(origin, measured, MIN_AGREEMENT)
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)

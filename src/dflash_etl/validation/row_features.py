@@ -56,7 +56,8 @@ def marker_features(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
     last = np.zeros(len(mask), dtype=bool)  # the last token of each row
     last[offsets[1:][np.diff(offsets) > 0] - 1] = True
     span_end = on & (~np.concatenate([on[1:], [False]]) | last)
-    open_end = headers = np.zeros(n_rows, dtype=np.int64)
+    open_end = np.zeros(n_rows, dtype=np.int64)
+    headers = np.zeros(n_rows, dtype=np.int64)
     if markers is not None and markers.end_of_turn_ids:
         cut = last & (np.diff(offsets)[row_of] >= markers.seq_length)  # truncated there
         bad = span_end & ~np.isin(ids, markers.end_of_turn_ids) & ~cut
