@@ -217,3 +217,29 @@ def test_a_ranks_gpu_is_its_local_rank_unless_it_sees_only_its_own(monkeypatch, 
     assert distributed.rank_gpu() == gpu
     assert distributed.device_for_rank("auto") == f"cuda:{gpu}"
     assert distributed.device_for_rank("cpu") == "cpu"
+
+
+@pytest.mark.parametrize("outcome", ["done", "user error"])
+def test_a_command_leaves_the_process_group_it_joined(tmp_path, outcome):
+    """A rank ends its command with its process group destroyed, on success and on an error:
+    gloo's threads left running at exit can abort the process after its work succeeded
+    (SIGABRT, "terminate called without an active exception"), a rank torchrun reports failed."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from dflash_etl.cli.stage import execute
+    from dflash_etl.core.errors import StageError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+
+    def command(args: argparse.Namespace) -> int:
+        assert dist.is_initialized()
+        if outcome == "user error":
+            raise StageError("bad input")
+        return 0
+
+    code = execute(argparse.Namespace(func=command, command="extract"))
+    assert code == (0 if outcome == "done" else 1)
+    assert not dist.is_initialized()

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash_etl.cli.flags import add_settings_flags
 from dflash_etl.core.config import ConfigError
+from dflash_etl.core.distributed import leave
 from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.rundir import RunDir
 from dflash_etl.core.stage import BatchStage, RunOptions, Stage
@@ -134,6 +135,8 @@ def execute(args: argparse.Namespace) -> int:
             traceback.print_exc()
         print(f"error: {describe_error(exc, args.command)}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        leave()
 
 
 def terminate_as_interrupt() -> None:

@@ -65,6 +65,21 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def leave() -> None:
+    """Destroy the process group this process joined, if any. A process that exits with gloo's
+    threads still running can abort at interpreter shutdown (SIGABRT, "terminate called
+    without an active exception": pytorch#190489), which torchrun reports as the rank failing
+    after the work succeeded."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def device_for_rank(device: str) -> str:
     """The device a rank's model goes to: under a launcher, `auto`/`cuda` mean this rank's GPU
     (`rank_gpu`), so the ranks of a node never share one."""

@@ -34,10 +34,11 @@ def gate(stage: Stage, ctx: StageContext, doc: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def warming_up(stage: Stage) -> Iterator[Callable[[], None]]:
+def warming_up(stage: Stage, rank: int = 0) -> Iterator[Callable[[], None]]:
     """What the executor calls once the workers are forked: the gate's imports on a thread (for
-    a kind with a suite: pandera and great_expectations), joined on leaving."""
-    if stage.writes is None or stage.writes.suite is None:
+    a kind with a suite: pandera and great_expectations), joined on leaving; only on rank 0,
+    the one that gates."""
+    if stage.writes is None or stage.writes.suite is None or rank != 0:
         yield lambda: None
         return
     with suites.warming_up(("pandera.polars",)) as start:

@@ -145,7 +145,7 @@ def _execute(stage: Stage, ctx: StageContext) -> dict[str, Any]:
         return stage.execute(ctx)
     work_dir = ctx.partial / "units"
     work_dir.mkdir(exist_ok=True)
-    with warming_up(stage) as workers_started:
+    with warming_up(stage, ctx.rank) as workers_started:
         items = stage.plan(ctx)
         results = get_executor(ctx).map(stage, ctx, items, work_dir, workers_started)
         if ctx.rank != 0:
