@@ -18,25 +18,27 @@ TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 
 setup: $(VENV)/.installed
 
-# Every dependency at the version in requirements.lock (torch exactly 2.13.0+cpu, the CPU
-# build on local disk: any other version pulls CUDA wheels), then the package itself: a fresh
-# machine installs what CI tested, whatever PyPI released since (`make lock` moves the lock).
-$(VENV)/.installed: pyproject.toml requirements.lock
+# Every dependency at the version in pylock.toml, the PEP 751 lock (torch exactly 2.13.0+cpu,
+# the CPU build on local disk: any other version pulls CUDA wheels), then the package itself: a
+# fresh machine installs what CI tested, whatever PyPI released since (`make lock` moves the
+# lock; it names torch's wheel by its path, so `make lock TORCH_WHEELS=DIR` where it is
+# elsewhere).
+$(VENV)/.installed: pyproject.toml pylock.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python \
-		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -r requirements.lock
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -r pylock.toml
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(CONSUMERS)
 	touch $@
 
-# requirements.lock from pyproject.toml's dependencies (the dev extras) and
+# pylock.toml from pyproject.toml's dependencies (the dev extras) and
 # requirements/pins.in (torch's CPU build, and each upper bound a release that broke us forced,
 # with its reason): run it to take newer releases, then `make test`.
 lock: $(VENV)/.installed
 	$(BIN)/uv pip compile pyproject.toml requirements/pins.in --extra dev --python-version 3.11 \
-		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) --annotation-style line \
-		--quiet -o requirements.lock
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) --format pylock.toml \
+		--quiet -o pylock.toml
 
 # The trainers the hand-off tests run (tests/test_handoff.py; yunchang is SpecForge's trainer's,
 # whose package is ../shared/fixtures/specforge), without their dependencies: a plain install
@@ -87,8 +89,9 @@ wheel-check: setup
 	rm -rf dist $(WHEEL_TRY)
 	$(BIN)/uv build --quiet --out-dir dist
 	$(BIN)/uv venv --quiet --python $(PYTHON) $(WHEEL_TRY)/venv
+	$(BIN)/python tools/lock_pins.py > $(WHEEL_TRY)/constraints.txt
 	$(BIN)/uv pip install --quiet --python $(WHEEL_TRY)/venv/bin/python \
-		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -c requirements.lock \
+		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) -c $(WHEEL_TRY)/constraints.txt \
 		"torch==2.13.0+cpu" "$$(ls dist/dflash_etl-*.whl)[tokenize]"
 	mkdir -p $(WHEEL_TRY)/work
 	cd $(WHEEL_TRY)/work && $(IN_WHEEL_ENV) python -c 'import sys, dflash_etl as p; \

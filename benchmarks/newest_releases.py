@@ -1,7 +1,7 @@
 """Which newest release of the libraries whose internals the code touches breaks what: each one,
 alone, over the locked environment, against the tests that exercise it.
 
-Why: installs are locked (requirements.lock), so a new release never reaches a user of the
+Why: installs are locked (pylock.toml), so a new release never reaches a user of the
 README's commands unannounced; this is how the lock learns about it before it moves (`make
 lock`). A scratch environment is made from the lock (uv, torch's local CPU wheel); then for each
 library its newest release is installed in place of the locked one, its tests run, and the
@@ -30,7 +30,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORK = HERE / "work" / "newest_releases"
-LOCK = REPO / "requirements.lock"
+LOCK = REPO / "pylock.toml"
+sys.path.insert(0, str(REPO / "tools"))
+from lock_pins import pins  # noqa: E402  (the lock's versions: tools/lock_pins.py)
+
 TORCH_WHEELS = os.environ.get("TORCH_WHEELS") or os.environ.get("PIP_FIND_LINKS") or "/opt/wheels"
 
 # library -> the tests that exercise the internals we use (-m "not slow": minutes, not an hour)
@@ -52,9 +55,9 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def locked(name: str) -> str:
-    for line in LOCK.read_text().splitlines():
-        if re.match(rf"^{re.escape(name)}==", line, re.I):
-            return line.split("==")[1].split()[0]
+    for locked_name, version in pins(LOCK).items():
+        if locked_name.lower() == name.lower():
+            return version
     raise SystemExit(f"{name} is not in {LOCK}")
 
 
@@ -125,7 +128,7 @@ def main() -> None:
                "libraries": rows}
     (HERE / "results" / "newest_releases.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [f"# the newest releases against the lock ({results['date']})", "",
-             "Each library's newest release alone over requirements.lock, its tests "
+             "Each library's newest release alone over pylock.toml, its tests "
              "(`-m \"not slow\"`, stopping at the first failure). Command: `python "
              "benchmarks/newest_releases.py`.", "",
              "| library | locked | tried | tests | result |", "|---|---|---|---|---|"]
