@@ -338,6 +338,63 @@ def test_a_loss_mask_over_headers_shifted_or_without_the_end_of_turn_fails_the_s
     assert ("end-of-turn" in why) if "end_of_turn" in next(iter(failing)) else ("headers" in why)
 
 
+def _cap_replies(ids: list[int], mask: list[int], cap: int) -> tuple[list[int], list[int]]:
+    """Each reply longer than `cap` tokens cut there, its end-of-turn token kept after the cut:
+    what a generator stopped at max_new_tokens leaves once a template closes the message."""
+    out_ids, out_mask, at = [], [], 0
+    for start, end in runs(mask):
+        reply = [*ids[start:end - 1][:cap], ids[end - 1]]
+        out_ids += ids[at:start] + reply
+        out_mask += [0] * (start - at) + [1] * len(reply)
+        at = end
+    return out_ids + ids[at:], out_mask + [0] * (len(ids) - at)
+
+
+def test_replies_cut_at_a_generation_limit_fail_the_suite_naming_the_source(
+        default_run_dir, default_tokenized, tmp_path, copy_run):
+    """Replies a generator cut at max_new_tokens before this tool saw them (the failure-mode
+    benchmark's f, arriving as data): one source's replies end at one length, mid-text, which
+    the suite finds in the tokens, naming that source; the run's own rows pass, and so do the
+    sources' own templated replies, every one of a source as long as the others but ending as
+    a sentence ends."""
+    templated = suites.source_frame(
+        default_tokenized / "tokenize", "tokenized",
+        suites.row_features(default_tokenized / "tokenize", "tokenized"),
+        suites.Thresholds.from_section(DEFAULT_LIMITS)).to_dicts()
+    tools = next(r for r in templated if r["source"] == "openai_tools")
+    assert tools["rows_at_longest_reply"] == tools["rows_in_output"] > 3
+    assert tools["ending_mid_text"] == 0 and tools["capped_reply_share"] == 0
+    stage = copy_run(default_run_dir / "tokenize", tmp_path)
+    limits = suites.Thresholds.from_section(DEFAULT_LIMITS)
+    clean = suites.run_suite(stage, "tokenized", limits)
+    assert not _failed(clean)
+    cap = 20
+
+    def change(frame: pl.DataFrame) -> pl.DataFrame:
+        cut = [_cap_replies(i, m, cap) if source == "openai_chat" else (i, m) for i, m, source
+               in zip(frame["input_ids"].to_list(), frame["loss_mask"].to_list(),
+                      frame["source"].to_list(), strict=True)]
+        return frame.with_columns(pl.Series("input_ids", [i for i, _ in cut]),
+                                  pl.Series("loss_mask", [m for _, m in cut]),
+                                  pl.Series("seq_len", [len(i) for i, _ in cut]))
+
+    _rewrite_dataset(stage, change)
+    result = suites.run_suite(stage, "tokenized", limits)
+    assert set(_failed(result)) == {("expect_column_values_to_be_between", "capped_reply_share")}
+    entry = _failed(result)[("expect_column_values_to_be_between", "capped_reply_share")]
+    assert entry["unexpected_count"] == 1
+    why = suites.describe_failure(entry)
+    assert "openai_chat" in why and "max_new_tokens" in why
+    sources = {r["source"]: r for r in suites.source_frame(
+        stage, "tokenized", suites.row_features(stage, "tokenized"), limits).to_dicts()}
+    assert sources["openai_chat"]["longest_reply"] == cap
+    assert sources["openai_chat"]["capped_reply_share"] > 0.5
+    assert sources["openai_chat"]["ending_mid_text"] > sources["openai_chat"][
+        "rows_at_longest_reply"] / 2
+    assert all(r["capped_reply_share"] == 0 for name, r in sources.items()
+               if name != "openai_chat")
+
+
 def frame_rows(stage: Path) -> list:
     path = next((stage / "dataset").glob("*.arrow"))
     return pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().column(

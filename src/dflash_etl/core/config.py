@@ -75,6 +75,7 @@ class ExpectationsSettings:
     share_tolerance: float = setting(0.05, min=0, max=1)
     min_mean_supervised_fraction: float = setting(0.05, min=0, max=1)
     max_mean_supervised_fraction: float = setting(0.95, min=0, max=1)
+    max_capped_reply_share: float = setting(0.05, min=0, max=1)
     # a setting's range applies to a table's values (`setting` would do, but ruff's RUF009)
     max_quarantine_rate_per_source: dict[str, float] = field(default_factory=dict,
                                                              metadata={"min": 0, "max": 1})

@@ -1,9 +1,14 @@
 """The per-row features the tokenized suite validates, computed over a table's flattened
 list columns with numpy (no Python loop over rows): lengths, supervised tokens, the longest
 supervised run, and the mask's markers (does each reply end on the end of turn, is a
-turn-start marker supervised). Pure: Arrow tables in, polars frames out."""
+turn-start marker supervised, how long is the longest complete reply); per source, how many
+rows' longest reply sits at the source's longest (replies cut at a generation limit pile up
+there). Pure: Arrow tables in, polars frames out."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -53,20 +58,79 @@ def marker_features(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
     n_rows = len(offsets) - 1
     on = mask == 1
     row_of = np.repeat(np.arange(n_rows), np.diff(offsets))
+    first = np.zeros(len(mask), dtype=bool)  # the first token of each row
+    first[offsets[:-1][np.diff(offsets) > 0]] = True
     last = np.zeros(len(mask), dtype=bool)  # the last token of each row
     last[offsets[1:][np.diff(offsets) > 0] - 1] = True
     span_end = on & (~np.concatenate([on[1:], [False]]) | last)
     open_end = np.zeros(n_rows, dtype=np.int64)
     headers = np.zeros(n_rows, dtype=np.int64)
+    longest = np.zeros(n_rows, dtype=np.int64)
+    final = np.full(n_rows, -1, dtype=np.int64)  # the longest reply's last token
     if markers is not None and markers.end_of_turn_ids:
         cut = last & (np.diff(offsets)[row_of] >= markers.seq_length)  # truncated there
-        bad = span_end & ~np.isin(ids, markers.end_of_turn_ids) & ~cut
+        closed = np.isin(ids, markers.end_of_turn_ids)
+        bad = span_end & ~closed & ~cut
         open_end = np.bincount(row_of[bad], minlength=n_rows)
+        starts = np.flatnonzero(on & (~np.concatenate([[False], on[:-1]]) | first))
+        ends = np.flatnonzero(span_end)  # one per start, in order
+        complete = closed[ends] & (ends > starts)
+        rows, lengths, ends = row_of[ends[complete]], (ends - starts)[complete], ends[complete]
+        order = np.lexsort((lengths, rows))  # by row, then length: each row's longest last
+        keep = order[np.r_[rows[order][1:] != rows[order][:-1], True]] if len(order) else order
+        longest[rows[keep]] = lengths[keep]
+        final[rows[keep]] = ids[ends[keep] - 1]
     if markers is not None and markers.turn_start_ids:
         headers = np.bincount(row_of[on & np.isin(ids, markers.turn_start_ids)],
                               minlength=n_rows)
     return [pl.Series("spans_without_end_of_turn", open_end.astype(np.int32)),
-            pl.Series("supervised_turn_starts", headers.astype(np.int32))]
+            pl.Series("supervised_turn_starts", headers.astype(np.int32)),
+            pl.Series("longest_complete_reply", longest.astype(np.int32)),
+            pl.Series("longest_reply_last_token", final)]
+
+
+MIN_CAPPED_REPLY = 16  # tokens: shorter replies at one length are an answer format, not a cap
+MIN_CAPPED_ROWS = 3
+MID_TEXT = 0.5  # of the rows at the longest length, ending mid-text: cut, not a fixed format
+
+
+def capped_replies(rows: pl.DataFrame, ends_mid_text: Callable[[list[int]], list[bool]]
+                   ) -> dict[str, dict[str, Any]]:
+    """Per source: its longest complete reply (tokens, end of turn aside), how many rows'
+    longest reply is exactly that long, how many of those end mid-text (`ends_mid_text` of
+    their last tokens: a word or a comma, not a full stop, a bracket or a code fence), and the
+    share of its rows they are where that is a cut (>= MIN_CAPPED_ROWS rows of >=
+    MIN_CAPPED_REPLY tokens, most of them mid-text), else 0. Natural replies thin out towards
+    the longest; a generator stopped at max_new_tokens leaves them all there, cut; templated
+    replies of one length end as sentences do."""
+    needed = {"source", "longest_complete_reply", "longest_reply_last_token"}
+    if not needed <= set(rows.columns) or not rows.height:
+        return {}
+    at_longest = pl.col("longest_complete_reply") == pl.col("longest_complete_reply").max()
+    grouped = rows.group_by("source").agg(
+        pl.len().alias("rows"), pl.col("longest_complete_reply").max().alias("longest"),
+        at_longest.sum().alias("at_longest"),
+        pl.col("longest_reply_last_token").filter(at_longest).alias("last_tokens"))
+    out = {}
+    for source, n, longest, at, last_tokens in grouped.iter_rows():
+        piled = at >= MIN_CAPPED_ROWS and longest >= MIN_CAPPED_REPLY
+        mid_text = sum(ends_mid_text(last_tokens)) if piled else 0
+        cut = piled and mid_text >= MID_TEXT * at
+        out[source] = {"longest_reply": int(longest), "rows_at_longest_reply": int(at),
+                       "ending_mid_text": int(mid_text), "capped_reply_share": at / n if cut
+                       else 0.0}
+    return out
+
+
+def mid_text_endings(tokenizer: Any) -> Callable[[list[int]], list[bool]]:
+    """Whether each token, decoded, ends mid-text: a letter, a digit or , ; ( - last."""
+    def ends_mid_text(ids: list[int]) -> list[bool]:
+        out = []
+        for i in ids:
+            text = tokenizer.decode([int(i)]).rstrip()
+            out.append(bool(text) and (text[-1].isalnum() or text[-1] in ",;(-"))
+        return out
+    return ends_mid_text
 
 
 def tokenized_features(table: pa.Table, markers: TokenizedOutput | None = None

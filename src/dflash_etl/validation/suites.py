@@ -29,7 +29,11 @@ from dflash_etl.core.errors import StageError
 from dflash_etl.core.outputs import OUTPUTS, TokenizedOutput
 from dflash_etl.formats import roles
 from dflash_etl.validation.contracts import arrow_slices, read_arrow
-from dflash_etl.validation.row_features import tokenized_features
+from dflash_etl.validation.row_features import (
+    capped_replies,
+    mid_text_endings,
+    tokenized_features,
+)
 
 # suite -> the folder of an output of its kind that holds the shards (the contract of the same
 # name checks them)
@@ -43,6 +47,7 @@ DEFAULTS: dict[str, float] = {
     "share_tolerance": 0.05,
     "min_mean_supervised_fraction": 0.05,
     "max_mean_supervised_fraction": 0.95,
+    "max_capped_reply_share": 0.05,
 }
 PER_SOURCE_KEY = "max_quarantine_rate_per_source"
 # Row-frame columns that identify a row in the samples of a failing expectation.
@@ -213,6 +218,7 @@ def source_frame(stage_dir: Path, kind: str, rows: pl.DataFrame,
     if "source" in rows.columns:
         counted = dict(rows.group_by("source").len().iter_rows())
     names = list(stats) + sorted(n for n in counted if n not in stats and n is not None)
+    capped = capped_replies(rows, _mid_text(stage_dir)) if kind == "tokenized" else {}
     records = []
     for name in names:
         s = stats.get(name, {})
@@ -227,6 +233,9 @@ def source_frame(stage_dir: Path, kind: str, rows: pl.DataFrame,
         }
         if kind == "tokenized":
             record["rows_written"] = int(s.get("rows_written", 0))
+            record.update(capped.get(name) or {"longest_reply": 0, "rows_at_longest_reply": 0,
+                                               "ending_mid_text": 0,
+                                               "capped_reply_share": 0.0})
         else:
             mix = s.get("mix") or {}
             record["weight"] = mix.get("weight")
@@ -243,6 +252,20 @@ def source_frame(stage_dir: Path, kind: str, rows: pl.DataFrame,
         frame = frame.with_columns(
             (pl.col("share") - pl.col("target_share")).abs().alias("share_error"))
     return frame
+
+
+def _mid_text(stage_dir: Path) -> Callable[[list[int]], list[bool]]:
+    """How tokenize's tokenizer decodes a reply's last token, loaded only when a source's rows
+    pile up at its longest reply; where it cannot be loaded, every such token counts as cut."""
+    def ends_mid_text(ids: list[int]) -> list[bool]:
+        from dflash_etl.models.tokenizer import load_tokenizer
+
+        try:
+            model = json.loads((Path(stage_dir) / "settings.json").read_text())["model"]
+            return mid_text_endings(load_tokenizer(model))(ids)
+        except (OSError, ValueError, KeyError, StageError):
+            return [True] * len(ids)
+    return ends_mid_text
 
 
 # recorded in the conversations suites' parameters since before tokenize wrote its limits; no
