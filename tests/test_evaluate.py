@@ -168,12 +168,24 @@ def test_served_tau_is_the_servers_own_count_and_equals_the_simulators(run, tmp_
         line = "; ".join(evaluate._summary_parts(doc))
         assert f"served: {served['tau']:.3f} tokens per step pooled over" in line
         assert "served tau" not in line and f"{doc['tokens_per_step']:.3f} tokens per step" in line
+        assert "below_offline" not in served and "WARNING" not in line
     trained = results["mt_bench_question"]["served"]["tau"]
     with DevServer(str(target), drafter=str(_untrained_copy(drafter, tmp_path))) as server:
         other = evaluate.evaluate(BENCHES[:1], out=tmp_path / "other", limit=2,
                                   decoding=evaluate.Decoding(16), server=server.url)
-    assert "tau" not in other["mt_bench_question"]  # served only: no drafter given here
-    assert other["mt_bench_question"]["served"]["tau"] < trained
+        assert "tau" not in other["mt_bench_question"]  # served only: no drafter given here
+        assert other["mt_bench_question"]["served"]["tau"] < trained
+        # the run's drafter offline beside a deployment serving another, on prompts of the
+        # run's own kind (the embedded default's prompt-only source): the gap is named
+        both = evaluate.evaluate([str(REPO / "data" / "sources" / "prompts.jsonl")], run=run,
+                                 out=tmp_path / "both", limit=4, decoding=evaluate.Decoding(16),
+                                 server=server.url)
+    doc = both["prompts"]
+    assert doc["served"]["tau"] < evaluate.SERVED_GAP * doc["tokens_per_step"]
+    line = "; ".join(evaluate._summary_parts(doc))
+    assert "WARNING: the server's" in line and "does not serve what was trained" in line
+    for cause in ("drafter directory", "target_layer_ids", "thinking", "sliding window"):
+        assert cause in doc["served"]["below_offline"]
 
 
 def _untrained_copy(drafter: Path, tmp_path: Path) -> Path:
@@ -229,3 +241,43 @@ def test_a_benchmark_that_cannot_give_a_figure_is_refused_naming_the_file(tmp_pa
     with pytest.raises(StageError, match="two benchmark files share the name 'gsm8k'"):
         _benchmark_items([tmp_path / "a" / "gsm8k.jsonl", tmp_path / "b" / "gsm8k.jsonl"],
                          None, 0)
+
+
+def test_rows_rendered_with_another_template_than_the_targets_are_served_and_measured_with_it(
+        run, tmp_path, monkeypatch):
+    """The failure-mode benchmark's h: the target directory's own chat template is not the one
+    tokenize rendered the rows with (a template patched to get past a strict probe, say). The
+    serve line makes vLLM render with the rows' template (`--tokenizer` naming tokenize's
+    tokenizer), and eval renders the prompts with it: the tau is the one the drafter earns
+    on its own contexts, equal to eval with the run's target; with the target's own template
+    the prompts, and the tau, would differ."""
+    import shutil
+
+    from dflash_etl import evaluate
+    from dflash_etl.core.rundir import RunDir
+    from dflash_etl.models.serving import rows_template, vllm_serve_command
+
+    target = run / "target"
+    assert rows_template(RunDir(run), target).flags == ""  # the run's own: nothing to add
+    patched = Path(shutil.copytree(target, tmp_path / "patched-target"))
+    template = (patched / "chat_template.jinja").read_text()
+    (patched / "chat_template.jinja").write_text("Answer in English.\n" + template)
+    found = rows_template(RunDir(run), patched)
+    tokenizer_dir = json.loads((run / "manifest.json").read_text())["stages"]["tokenize"][
+        "settings"]["model"]
+    assert found.flags == f" --tokenizer {tokenizer_dir}" and found.text == template
+    line = vllm_serve_command(patched, run / "train" / "drafter", 4, None, found.flags)
+    assert line.endswith(f"--tokenizer {tokenizer_dir}")
+    kwargs = {"limit": 2, "decoding": evaluate.Decoding(16)}
+    own = evaluate.evaluate(BENCHES[1:2], run=run, out=tmp_path / "own", **kwargs)
+    served = evaluate.evaluate(BENCHES[1:2], run=run, target=str(patched),
+                               out=tmp_path / "patched", **kwargs)
+    (name, doc), = served.items()
+    assert doc["settings"]["chat_template"] == "the rows'"
+    assert doc["tau"] == own[name]["tau"]
+    assert doc["per_prompt"] == own[name]["per_prompt"]
+    # what eval measured before: the target's own template, other prompts, another tau
+    monkeypatch.setattr(evaluate, "_rows_template", lambda run, target: None)
+    before = evaluate.evaluate(BENCHES[1:2], run=run, target=str(patched),
+                               out=tmp_path / "before", **kwargs)
+    assert before[name]["per_prompt"] != own[name]["per_prompt"]

@@ -24,6 +24,7 @@ deployment is not running what was trained.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,7 +88,7 @@ class Evaluator:
 
     def __init__(self, drafter_dir: Path, target_dir: str, template_kwargs: dict[str, Any],
                  decoding: Decoding, baseline: bool = False, propose: Any = None,
-                 shared: Evaluator | None = None) -> None:
+                 shared: Evaluator | None = None, chat_template: str | None = None) -> None:
         import torch
 
         from dflash_etl.models.acceptance import drafter_proposer, eos_token_ids
@@ -106,6 +107,7 @@ class Evaluator:
         self.drafter_dir, self.target_dir = drafter_dir, target_dir
         self.tokenizer = load_tokenizer(target_dir)
         self.kwargs = dict(template_kwargs)
+        self.chat_template = chat_template  # None: the target's own
         self.decoding = decoding
         self.eos = eos_token_ids(self.target.model)
         self.propose = propose or drafter_proposer(self.target, self.drafter)
@@ -115,7 +117,7 @@ class Evaluator:
         from dflash_etl.templates.render import render
 
         try:
-            text = render(self.tokenizer, messages, chat_template=None,
+            text = render(self.tokenizer, messages, chat_template=self.chat_template,
                           add_generation_prompt=True, kwargs=self.kwargs)
         except RenderError as exc:
             raise StageError(f"the target's chat template refused a benchmark prompt ({exc}): "
@@ -226,9 +228,12 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
     if not files:
         raise StageError("give --bench FILE[,FILE...]: the benchmark prompt files")
     items = _benchmark_items(files, limit, decoding.seed)
-    evaluator = (Evaluator(drafter_dir, target_dir, kwargs, decoding, propose=propose)
+    template = _rows_template(run, target_dir)
+    evaluator = (Evaluator(drafter_dir, target_dir, kwargs, decoding, propose=propose,
+                           chat_template=template)
                  if drafter_dir is not None and target_dir is not None else None)
-    base = (Evaluator(drafter_dir, target_dir, kwargs, decoding, True, shared=evaluator)
+    base = (Evaluator(drafter_dir, target_dir, kwargs, decoding, True, shared=evaluator,
+                      chat_template=template)
             if baseline and evaluator is not None else None)
     served = (ServedEvaluator(server, served_model, kwargs, decoding, concurrency,
                               request_deadline_s) if server else None)
@@ -239,9 +244,12 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
             doc.update(_offline(evaluator, base, f.stem, items[f.stem]))
         if served is not None:
             doc["served"] = served.bench(items[f.stem])
+            if gap := served_gap(doc):
+                doc["served"]["below_offline"] = gap
         doc.update({
             "file": str(f.resolve()),
             "settings": {**asdict(decoding), "limit": limit,
+                         "chat_template": "the rows'" if template else "the target's",
                          "block_size": evaluator.drafter.config.block_size
                          if evaluator else None, "template_kwargs": kwargs},
             "created_at": now()})
@@ -253,6 +261,46 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
 
         publish_docs(run)  # the report's "Acceptance per benchmark" section
     return results
+
+
+def _rows_template(run: str | Path | None, target: str | None) -> str | None:
+    """The template tokenize rendered the run's rows with, where it is not the target's own:
+    the drafter is measured on the contexts it trained on (and the serve line makes vLLM render
+    with it too); said on stderr."""
+    if run is None or target is None:
+        return None
+    from dflash_etl.core.rundir import RunDir
+    from dflash_etl.models.serving import rows_template
+
+    template = rows_template(RunDir(Path(run)), target)
+    if template.note:
+        print(f"eval: {template.note}" + (
+            "; prompts are rendered with it, as the serve line of `dflash-etl export --to "
+            f"vllm` has the server do ({template.flags.strip()})" if template.text else ""),
+              file=sys.stderr, flush=True)
+    return template.text
+
+
+SERVED_GAP = 0.8  # served / offline tokens per step below this: not what was trained is served
+
+
+def served_gap(doc: dict[str, Any]) -> str | None:
+    """Where the server's figure falls far below this drafter's offline one on the same prompts
+    (both pooled per step; greedy, they agree to 1e-3 when the deployment serves what was
+    trained), what the deployment likely serves differently."""
+    if "served" not in doc or "tokens_per_step" not in doc:
+        return None
+    served, offline = doc["served"]["tau"], doc["tokens_per_step"]
+    if served >= SERVED_GAP * offline:
+        return None
+    return (f"the server's {served:.3f} tokens per step is {1 - served / offline:.0%} below "
+            f"this drafter's {offline:.3f} offline on the same prompts: the deployment does not "
+            "serve what was trained. Compare its command with the serve line `dflash-etl export "
+            "--to vllm` printed: the drafter directory (another or an older drafter), the "
+            "target layers it is fed (`target_layer_ids`), the chat template and its thinking "
+            "mode (`--default-chat-template-kwargs`: rows rendered with thinking off, served "
+            "with it on), the attention (a sliding window, causal within the block), the "
+            "target's weights and dtype")
 
 
 def _benchmark_items(files: list[Path], limit: int | None, seed: int
@@ -419,6 +467,8 @@ def _summary_parts(doc: dict[str, Any]) -> list[str]:
                      "compare with the pooled offline figure)"
                      + (f", {len(served['failed'])} requests failed" if served["failed"]
                         else ""))
+        if served.get("below_offline"):
+            parts.append(f"WARNING: {served['below_offline']}")
         if served.get("other_traffic_tokens"):
             parts.append(f"note: the server generated {served['other_traffic_tokens']} tokens "
                          "for other clients meanwhile, and its counters include them")

@@ -43,7 +43,7 @@ from dflash_etl.handoff import specforge, speculators
 from dflash_etl.models.loading import embedding_weight_names
 from dflash_etl.models.serving import (
     aux_hidden_state_layer_ids,
-    last_layer_caveat,
+    serve_notes,
     vllm_command,
 )
 from dflash_etl.stages import PIPELINE
@@ -507,9 +507,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.out:  # nothing is written: an --out given would be silently ignored
             raise StageError("--to vllm prints the serve line and writes nothing: drop --out "
                              f"({args.out})")
-        caveat = last_layer_caveat(args.run)
         print(f"serve the drafter with:\n  {vllm_command(args.run)}"
-              + (f"\n{caveat}" if caveat else ""), flush=True)
+              + "".join(f"\n{note}" for note in serve_notes(args.run)), flush=True)
         return 0
     if args.gpus is not None and args.gpus < 1:
         raise StageError(f"--gpus {args.gpus}: give the number of GPUs per node, 1 or more")

@@ -11,8 +11,10 @@ there: our [2] is their [3]."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ def aux_hidden_state_layer_ids(target_layer_ids: list[int]) -> list[int]:
 
 
 def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: int,
-                       template_kwargs: dict[str, Any] | None = None) -> str:
+                       template_kwargs: dict[str, Any] | None = None,
+                       template_flags: str = "") -> str:
     """The `vllm serve` line for this drafter: vLLM's DFlash proposer drafts
     num_speculative_tokens tokens per step in one block (the anchor + that many mask tokens),
     so a drafter trained on blocks of `block_size` drafts block_size - 1 (z-lab's b16 drafters
@@ -41,7 +44,7 @@ def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: 
             f"--speculative-config {shlex.quote(json.dumps(spec))}")
     if template_kwargs:
         line += f" --default-chat-template-kwargs {shlex.quote(json.dumps(template_kwargs))}"
-    return line
+    return line + template_flags
 
 
 def vllm_command(run_root: str | Path) -> str:
@@ -54,8 +57,79 @@ def vllm_command(run_root: str | Path) -> str:
         raise StageError(f"no trained drafter in {run.root}: run `dflash-etl train --run "
                          f"{run.root}` first")
     trained, record = found
-    return vllm_serve_command(record.settings["target"], trained.drafter_dir,
-                              trained.block_size, tokenized[0].template_kwargs)
+    target = record.settings["target"]
+    return vllm_serve_command(target, trained.drafter_dir, trained.block_size,
+                              tokenized[0].template_kwargs, rows_template(run, target).flags)
+
+
+@dataclass(frozen=True)
+class RowsTemplate:
+    """The chat template tokenize rendered the rows with, where it is not the target's own:
+    a server (and eval) rendering prompts with the target's would show the drafter contexts it
+    never trained on. `text`: that template; `flags`: what makes vLLM render with it."""
+
+    text: str | None = None
+    flags: str = ""
+    note: str = ""
+
+
+def rows_template(run: RunDir, target: str | Path) -> RowsTemplate:
+    """Compares the template sha256 tokenize recorded with the target directory's own."""
+    from dflash_etl.models.tokenizer import load_tokenizer, read_template
+
+    tokenized = run.published(TokenizedOutput)
+    if tokenized is None or not Path(target).is_dir():
+        return RowsTemplate()
+    output, record = tokenized
+    probe = output.stage_dir / "probe.json"
+    rendered = json.loads(probe.read_text()).get("template_sha256") if probe.is_file() else None
+    if rendered is None or template_sha256(load_tokenizer(str(target))) == rendered:
+        return RowsTemplate()
+    given, model = record.settings.get("chat_template"), record.settings.get("model")
+    if given and _sha(read_template(given) or "") == rendered:
+        path = str(Path(given).resolve())
+        return RowsTemplate(read_template(given), f" --chat-template {shlex.quote(path)}",
+                            f"the rows were rendered with the chat template in {path}, not "
+                            f"the target's own")
+    if model and Path(model).is_dir() and template_sha256(load_tokenizer(model)) == rendered:
+        path = str(Path(model).resolve())
+        return RowsTemplate(default_template(load_tokenizer(model)), f" --tokenizer "
+                            f"{shlex.quote(path)}", f"the rows were rendered with the chat "
+                            f"template of {path}, not the target's own")
+    return RowsTemplate(note="the rows were rendered with another chat template than the "
+                        f"target's own (sha256 {rendered[:12]}), which is no longer where "
+                        "tokenize read it: serve and evaluate with that template")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def default_template(tokenizer: Any) -> str | None:
+    """A tokenizer's chat template (its default one where it names several)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):
+        source = source.get("default") or next(iter(source.values()), None)
+    return source if isinstance(source, str) and source else None
+
+
+def template_sha256(tokenizer: Any) -> str | None:
+    """The sha256 of a tokenizer's default chat template, as tokenize's probe records it."""
+    source = default_template(tokenizer)
+    return _sha(source) if source else None
+
+
+def serve_notes(run_root: str | Path) -> list[str]:
+    """What to know before serving a run's drafter: the last layer's caveat, and the chat
+    template the rows were rendered with where it is not the target's own."""
+    notes = [caveat] if (caveat := last_layer_caveat(run_root)) else []
+    run = RunDir(Path(run_root))
+    found = run.published(DrafterOutput)
+    if found is not None and (template := rows_template(run, found[1].settings["target"])).note:
+        notes.append(f"note: {template.note}" + (
+            f" ({template.flags.strip()} in the line above makes vLLM render with it)"
+            if template.flags else ""))
+    return notes
 
 
 def last_layer_caveat(run_root: str | Path) -> str:

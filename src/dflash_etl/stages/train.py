@@ -413,11 +413,11 @@ class TrainStage(Stage):
 
     def end(self, ctx: StageContext) -> None:
         if ctx.rank == 0:
-            from dflash_etl.models.serving import last_layer_caveat, vllm_command
+            from dflash_etl.models.serving import serve_notes, vllm_command
 
-            caveat = last_layer_caveat(ctx.run.root)
-            print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}"
-                  + (f"\ntrain: {caveat}" if caveat else ""), file=sys.stderr, flush=True)
+            print(f"train: serve the drafter with:\n  {vllm_command(ctx.run.root)}" + "".join(
+                f"\ntrain: {note}" for note in serve_notes(ctx.run.root)), file=sys.stderr,
+                flush=True)
 
     @classmethod
     def summary(cls, doc: dict[str, Any], record: StageRecord, out: Path) -> list[str]:
