@@ -497,6 +497,33 @@ def test_a_drafter_of_other_layers_is_refused_naming_both_lists(native_run, tmp_
     assert "mask_token_id" not in message  # the lists, not the whole dflash_config
 
 
+def test_a_drafter_declaring_another_attention_is_refused_wherever_it_would_be_served(
+        native_run, tmp_path):
+    """The failure-mode benchmark's k: a drafter directory whose config.json declares a
+    sliding window (or causal attention) that it never trained with — an engine reading those
+    keys serves another attention pattern. export (SpecForge, vLLM's serve line) and eval's
+    load refuse it, naming the keys; the run's own drafter passes."""
+    _specforge()
+    from dflash_etl.models.drafter import DFlashDrafter
+    from dflash_etl.models.serving import vllm_command
+
+    run = tmp_path / "run"
+    shutil.copytree(native_run, run, ignore=shutil.ignore_patterns("docs", ".lock", "export"))
+    assert "--speculative-config" in vllm_command(run)
+    path = run / "train" / "drafter" / "config.json"
+    config = json.loads(path.read_text())
+    config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    config["use_sliding_window"] = True
+    path.write_text(json.dumps(config))
+    for attempt in (lambda: export(run, "specforge", tmp_path / "sf"),
+                    lambda: vllm_command(run), lambda: DFlashDrafter.load(path.parent)):
+        with pytest.raises(StageError) as refused:
+            attempt()
+        message = str(refused.value)
+        assert "layer_types ['sliding_attention'], use_sliding_window = True" in message
+        assert "full_attention" in message and str(path) in message
+
+
 def test_a_rerun_with_other_settings_says_what_differs_and_check_reports_train_stale(
         native_run, tmp_path, capsys):
     """Re-extracting other layers under a trained drafter: the rerun names the settings that

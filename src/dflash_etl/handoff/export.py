@@ -42,6 +42,7 @@ from dflash_etl.core.rundir import (
 from dflash_etl.handoff import specforge, speculators
 from dflash_etl.models.loading import embedding_weight_names
 from dflash_etl.models.serving import (
+    attention_mismatch,
     aux_hidden_state_layer_ids,
     serve_notes,
     vllm_command,
@@ -463,6 +464,9 @@ def _draft_config(inputs: dict[str, Any]) -> dict[str, Any]:
             mask_token_id=mask, block_size=block_size).to_json()
     else:
         config = dict(drafter.config)
+    if drafter is not None and (problem := attention_mismatch(
+            config, drafter.drafter_dir / "config.json")):
+        raise StageError(problem)
     if config["dflash_config"]["target_layer_ids"] != layers:
         raise StageError(f"the trained drafter reads layers "
                          f"{config['dflash_config']['target_layer_ids']} but extract stored "

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_etl.core.errors import StageError
 from dflash_etl.models import dflash_remote as remote
-from dflash_etl.models.serving import aux_hidden_state_layer_ids
+from dflash_etl.models.serving import attention_mismatch, aux_hidden_state_layer_ids
 from dflash_etl.models.target import LAST_LAYER_STATE
 
 WEIGHTS = "model.safetensors"
@@ -246,7 +247,10 @@ class DFlashDrafter(nn.Module):
     def load(cls, directory: Path) -> DFlashDrafter:
         from safetensors.torch import load_file
 
-        config = DrafterConfig.from_json(json.loads((directory / CONFIG).read_text()))
+        written = json.loads((directory / CONFIG).read_text())
+        if problem := attention_mismatch(written, directory / CONFIG):
+            raise StageError(problem)
+        config = DrafterConfig.from_json(written)
         model = cls(config)
         model.load_state_dict(load_file(str(directory / WEIGHTS)))
         return model

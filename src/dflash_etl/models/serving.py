@@ -47,6 +47,25 @@ def vllm_serve_command(target: str | Path, drafter_dir: str | Path, block_size: 
     return line + template_flags
 
 
+def attention_mismatch(config: dict[str, Any], where: str | Path) -> str | None:
+    """What is wrong where a drafter's config.json declares another attention than DFlash's
+    (full attention over the context before each anchor, bidirectional within the block, as
+    our trainer trains and z-lab's model computes): an engine that reads `layer_types` or
+    `use_sliding_window` would serve a pattern the drafter never trained on."""
+    types = config.get("layer_types") or []
+    other = sorted({str(t) for t in types if t != "full_attention"})
+    if not other and not config.get("use_sliding_window") and not config.get("is_causal"):
+        return None
+    said = [f"layer_types {other}"] if other else []
+    said += [f"{key} = {config[key]!r}" for key in ("use_sliding_window", "is_causal")
+             if config.get(key)]
+    return (f"{where}: the drafter's config.json declares {', '.join(said)}, but a DFlash drafter "
+            "attends to all of the context before its anchor and to its whole block (no "
+            "sliding window, not causal), as it was trained: an engine reading these keys "
+            "would serve another attention pattern and accept less. Set layer_types to "
+            "\"full_attention\" for every layer and drop use_sliding_window / is_causal")
+
+
 def vllm_command(run_root: str | Path) -> str:
     """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
     drafter (the target it was trained against, num_speculative_tokens = block_size - 1, and
@@ -57,6 +76,8 @@ def vllm_command(run_root: str | Path) -> str:
         raise StageError(f"no trained drafter in {run.root}: run `dflash-etl train --run "
                          f"{run.root}` first")
     trained, record = found
+    if problem := attention_mismatch(trained.config, trained.drafter_dir / "config.json"):
+        raise StageError(problem)
     target = record.settings["target"]
     return vllm_serve_command(target, trained.drafter_dir, trained.block_size,
                               tokenized[0].template_kwargs, rows_template(run, target).flags)
