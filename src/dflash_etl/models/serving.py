@@ -97,6 +97,7 @@ class RowsTemplate:
 def rows_template(run: RunDir, target: str | Path) -> RowsTemplate:
     """Compares the template sha256 tokenize recorded with the target directory's own."""
     from dflash_etl.models.tokenizer import load_tokenizer, read_template
+    from dflash_etl.templates.probe import default_template
 
     tokenized = run.published(TokenizedOutput)
     if tokenized is None or not Path(target).is_dir():
@@ -104,7 +105,11 @@ def rows_template(run: RunDir, target: str | Path) -> RowsTemplate:
     output, record = tokenized
     probe = output.stage_dir / "probe.json"
     rendered = json.loads(probe.read_text()).get("template_sha256") if probe.is_file() else None
-    if rendered is None or template_sha256(load_tokenizer(str(target))) == rendered:
+    try:
+        served = template_sha256(load_tokenizer(str(target)))
+    except StageError:  # no tokenizer beside the weights: the server is given one anyway
+        return RowsTemplate()
+    if rendered is None or served == rendered:
         return RowsTemplate()
     given, model = record.settings.get("chat_template"), record.settings.get("model")
     if given and _sha(read_template(given) or "") == rendered:
@@ -126,16 +131,10 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def default_template(tokenizer: Any) -> str | None:
-    """A tokenizer's chat template (its default one where it names several)."""
-    source = getattr(tokenizer, "chat_template", None)
-    if isinstance(source, dict):
-        source = source.get("default") or next(iter(source.values()), None)
-    return source if isinstance(source, str) and source else None
-
-
 def template_sha256(tokenizer: Any) -> str | None:
     """The sha256 of a tokenizer's default chat template, as tokenize's probe records it."""
+    from dflash_etl.templates.probe import default_template
+
     source = default_template(tokenizer)
     return _sha(source) if source else None
 

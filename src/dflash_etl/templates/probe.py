@@ -162,13 +162,17 @@ def _clock_notes(source: str) -> list[str]:
 
 
 
+def default_template(tokenizer: Any) -> str | None:
+    """A tokenizer's chat template (its default one where it names several)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):
+        source = source.get("default") or next(iter(source.values()), None)
+    return source if isinstance(source, str) and source else None
+
+
 def _template_text(tokenizer: Any, chat_template: str | None) -> str:
     """The template to probe: the one given, else the tokenizer's (its default when named)."""
-    source = (
-        chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    )
-    if isinstance(source, dict):  # named templates: use the default one
-        source = source.get("default") or next(iter(source.values()), None)
+    source = chat_template if chat_template is not None else default_template(tokenizer)
     if not source or not isinstance(source, str):
         raise TemplateUnusable("no chat template: the tokenizer has none and none was given")
     return source
