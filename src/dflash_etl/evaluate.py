@@ -71,7 +71,23 @@ def summarize(name: str, per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
         # pooled over steps, as a server's counters pool them: the figure to set beside its tau
         "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 1.0,
         "accepted_per_step": {str(k): v for k, v in sorted(Counter(steps).items())},
+        **({"tree": _tree_summary(per_prompt)} if per_prompt and "tree" in per_prompt[0] else {}),
     }
+
+
+def _tree_summary(per_prompt: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tree budget, as the chain is counted: tau (the mean over turns of each turn's mean),
+    tokens per step pooled, and the nodes one verify pass reads per step (the cost side)."""
+    out = {}
+    for budget in per_prompt[0]["tree"]:
+        runs = [p["tree"][budget] for p in per_prompt]
+        turns = [t for r in runs for t in r["turn_taus"] if t is not None]
+        steps = [n for r in runs for n in r["accepted"]]
+        nodes = [n for r in runs for n in r["nodes"]]
+        out[budget] = {"tau": _mean(turns), "verify_steps": len(steps),
+                       "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 1.0,
+                       "nodes_per_step": round(sum(nodes) / len(nodes), 2) if nodes else 1.0}
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,10 +104,15 @@ class Evaluator:
 
     def __init__(self, drafter_dir: Path, target_dir: str, template_kwargs: dict[str, Any],
                  decoding: Decoding, baseline: bool = False, propose: Any = None,
-                 shared: Evaluator | None = None, chat_template: str | None = None) -> None:
+                 shared: Evaluator | None = None, chat_template: str | None = None,
+                 tree_budgets: tuple[int, ...] = ()) -> None:
         import torch
 
-        from dflash_etl.models.acceptance import drafter_proposer, eos_token_ids
+        from dflash_etl.models.acceptance import (
+            drafter_logits,
+            drafter_proposer,
+            eos_token_ids,
+        )
         from dflash_etl.models.drafter import DFlashDrafter
         from dflash_etl.models.target import Target, TargetSpec
         from dflash_etl.models.tokenizer import load_tokenizer
@@ -111,6 +132,8 @@ class Evaluator:
         self.decoding = decoding
         self.eos = eos_token_ids(self.target.model)
         self.propose = propose or drafter_proposer(self.target, self.drafter)
+        self.tree_budgets = tree_budgets  # DDTree verification of the same drafter's blocks
+        self.block_logits = drafter_logits(self.target, self.drafter)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         from dflash_etl.templates.limits import RenderError
@@ -132,6 +155,7 @@ class Evaluator:
         import torch
 
         from dflash_etl.models.acceptance import speculative_decode
+        from dflash_etl.models.tree_verify import tree_decode
 
         d = self.decoding
         # per item, so an item's draws do not depend on which others were drawn with it
@@ -140,11 +164,21 @@ class Evaluator:
         messages: list[dict[str, str]] = []
         accepted: list[int] = []
         turn_taus: list[float | None] = []
+        trees: dict[str, dict[str, list[Any]]] = {
+            str(b): {"turn_taus": [], "accepted": [], "nodes": []} for b in self.tree_budgets}
         for turn in item.turns:
             messages.append({"role": "user", "content": turn})
-            decoded = speculative_decode(self.target, self.propose, self.prompt_ids(messages),
+            prompt = self.prompt_ids(messages)
+            decoded = speculative_decode(self.target, self.propose, prompt,
                                          d.max_new_tokens, self.eos, temperature=d.temperature,
                                          generator=generator)
+            for budget, tree in trees.items():  # the same text (lossless): only steps differ
+                verified = tree_decode(self.target, self.block_logits, prompt,
+                                       d.max_new_tokens, self.eos, int(budget))
+                tree["turn_taus"].append(None if verified.tau is None
+                                         else round(verified.tau, 4))
+                tree["accepted"] += verified.accepted
+                tree["nodes"] += verified.nodes
             accepted += decoded.accepted
             turn_taus.append(round(sum(decoded.accepted) / len(decoded.accepted), 4)
                              if decoded.accepted else None)
@@ -152,7 +186,8 @@ class Evaluator:
             messages.append({"role": "assistant", "content": reply})
         return {"item": item.item, "category": item.category, "turns": len(item.turns),
                 "tau": round(sum(accepted) / len(accepted), 4) if accepted else None,
-                "turn_taus": turn_taus, "accepted": accepted}
+                "turn_taus": turn_taus, "accepted": accepted,
+                **({"tree": trees} if trees else {})}
 
 
 class ServedEvaluator:
@@ -213,10 +248,17 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
              decoding: Decoding = Decoding(), thinking: str = "run", baseline: bool = False,
              propose: Any = None, server: str | None = None,
              served_model: str | None = None, concurrency: int = 8,
-             request_deadline_s: float = 600.0) -> dict[str, dict[str, Any]]:
+             request_deadline_s: float = 600.0,
+             tree_budgets: tuple[int, ...] = ()) -> dict[str, dict[str, Any]]:
     """tau per benchmark file, by the simulator (given a drafter: --run or --drafter) and on a
     serving deployment (given --server); writes <out>/<benchmark>.json, returns them by name."""
     local = server is None or run is not None or drafter is not None
+    if tree_budgets and decoding.temperature > 0:
+        raise StageError("--tree-budget is measured greedy only: DDTree's rule for verifying a "
+                         "tree at a temperature is not implemented here; give --temperature 0")
+    if tree_budgets and not local:
+        raise StageError("--tree-budget measures the drafter offline: give --run or --drafter "
+                         "(a server reports only its own chain's counters)")
     if local:
         drafter_dir, target_dir, kwargs = _resolve(run, drafter, target, thinking)
     else:
@@ -230,7 +272,7 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
     items = _benchmark_items(files, limit, decoding.seed)
     template = _rows_template(run, target_dir)
     evaluator = (Evaluator(drafter_dir, target_dir, kwargs, decoding, propose=propose,
-                           chat_template=template)
+                           chat_template=template, tree_budgets=tuple(tree_budgets))
                  if drafter_dir is not None and target_dir is not None else None)
     base = (Evaluator(drafter_dir, target_dir, kwargs, decoding, True, shared=evaluator,
                       chat_template=template)
@@ -250,6 +292,7 @@ def evaluate(benches: list[str], *, run: str | Path | None = None, drafter: str 
             "file": str(f.resolve()),
             "settings": {**asdict(decoding), "limit": limit,
                          "chat_template": "the rows'" if template else "the target's",
+                         "tree_budgets": list(tree_budgets),
                          "block_size": evaluator.drafter.config.block_size
                          if evaluator else None, "template_kwargs": kwargs},
             "created_at": now()})
@@ -338,7 +381,10 @@ def _offline(evaluator: Evaluator, base: Evaluator | None, name: str,
                          "prompt ended before its first step (raise --max-new-tokens?)")
     if base is not None:
         doc["baseline"] = summarize("", [base.item(i) for i in items])["tau"]
-    doc["per_prompt"] = [{k: v for k, v in p.items() if k != "accepted"} for p in per_prompt]
+    doc["per_prompt"] = [{**{k: v for k, v in p.items() if k not in ("accepted", "tree")},
+                          **({"tree": {b: {"turn_taus": t["turn_taus"]}
+                                       for b, t in p["tree"].items()}} if "tree" in p else {})}
+                         for p in per_prompt]
     doc["drafter"] = {"dir": str(evaluator.drafter_dir.resolve()),
                       "identity": model_identity(evaluator.drafter_dir)}
     doc["target"] = {"dir": str(Path(evaluator.target_dir).resolve()),
@@ -422,6 +468,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --server: requests in flight")
     p.add_argument("--request-deadline-s", type=float, default=600.0,
                    help="with --server: seconds one request (or one /metrics read) may take")
+    p.add_argument("--tree-budget", default="", metavar="B[,B...]",
+                   type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="also measure DDTree verification of the same drafter with at most B "
+                        "draft nodes per step (greedy): tau and nodes per step, per budget")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
 
@@ -433,6 +483,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise StageError(f"--max-new-tokens {args.max_new_tokens}: give 1 or more")
     if args.temperature < 0:
         raise StageError(f"--temperature {args.temperature}: give 0 (greedy) or more")
+    if any(b < 1 for b in args.tree_budget or ()):
+        raise StageError(f"--tree-budget {args.tree_budget}: each budget is 1 node or more")
     if args.concurrency < 1 or args.request_deadline_s <= 0:
         raise StageError("--concurrency must be 1 or more and --request-deadline-s above 0")
     results = evaluate(args.bench, run=args.run, drafter=args.drafter, target=args.target,
@@ -441,7 +493,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                        baseline=args.baseline,
                        server=args.server, served_model=args.served_model,
                        concurrency=args.concurrency,
-                       request_deadline_s=args.request_deadline_s)
+                       request_deadline_s=args.request_deadline_s,
+                       tree_budgets=tuple(args.tree_budget or ()))
     for name, doc in results.items():
         print(f"eval {name}: " + "; ".join(_summary_parts(doc)), flush=True)
     return 0
@@ -460,6 +513,10 @@ def _summary_parts(doc: dict[str, Any]) -> list[str]:
                      f"turns of {doc['prompts']} prompts, as z-lab's benchmark{per_item}); "
                      f"pooled over its {doc['verify_steps']} verify steps "
                      f"{doc['tokens_per_step']:.3f} tokens per step")
+    for budget, tree in (doc.get("tree") or {}).items():
+        parts.append(f"DDTree of {budget} nodes: tau {tree['tau']:.3f}, "
+                     f"{tree['tokens_per_step']:.3f} tokens per step for "
+                     f"{tree['nodes_per_step']:.1f} nodes verified per step")
     if "served" in doc:
         served = doc["served"]
         parts.append(f"served: {served['tau']:.3f} tokens per step pooled over "

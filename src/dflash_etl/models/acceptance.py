@@ -46,26 +46,36 @@ class Decoded:
 Proposer = Callable[[Any, list[int], int], list[int]]
 
 
-def drafter_proposer(target: Any, drafter: Any) -> Proposer:
-    """The drafter's block proposal: given the target's states before the anchor (the last
-    token of `seq`), block_size-1 tokens from one forward pass (fewer where `room` is
-    smaller: the block is then the anchor and `room` mask tokens, as z-lab's loop makes it)."""
+def drafter_logits(target: Any, drafter: Any) -> Callable[[Any, list[int], int], Any]:
+    """The drafter's block: given the target's states before the anchor (the last token of
+    `seq`), its logits [drafts, vocab] at the block_size-1 positions after the anchor from one
+    forward pass (fewer where `room` is smaller: the block is then the anchor and `room` mask
+    tokens, as z-lab's loop makes it)."""
     c = drafter.config
     embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     device = next(drafter.parameters()).device
     head_device = execution_device(lm_head)  # another one than the drafter's under a device map
 
-    def propose(context: Any, seq: list[int], room: int) -> list[int]:
+    def logits(context: Any, seq: list[int], room: int) -> Any:
         drafts = max(0, min(c.block_size - 1, room))
         if not drafts:
-            return []
+            return torch.empty(0, lm_head.weight.shape[0])
         block = torch.tensor([[seq[-1]] + [c.mask_token_id] * drafts], device=device)
         flat = context.reshape(1, context.shape[0], -1).to(device, torch.float32)
         hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
                          embed(block).float()[:, None],
                          torch.tensor([[len(seq) - 1]], device=device))
-        return lm_head(hidden[0, 0, 1:].to(head_device, lm_head.weight.dtype)
-                       ).argmax(-1).tolist()
+        return lm_head(hidden[0, 0, 1:].to(head_device, lm_head.weight.dtype))
+
+    return logits
+
+
+def drafter_proposer(target: Any, drafter: Any) -> Proposer:
+    """The drafter's chain: the argmax at each position of its block (`drafter_logits`)."""
+    block_logits = drafter_logits(target, drafter)
+
+    def propose(context: Any, seq: list[int], room: int) -> list[int]:
+        return block_logits(context, seq, room).argmax(-1).tolist()
 
     return propose
 
