@@ -53,7 +53,11 @@ def build_tree(log_probs: np.ndarray, budget: int) -> DraftTree:
     if budget <= 0 or depth_limit == 0:
         return tree
     top_k = min(budget, log_probs.shape[1])
-    ranked = np.argsort(-log_probs, axis=1, kind="stable")[:, :top_k]
+    # the top_k of each depth without sorting a whole vocabulary, then those in rank order
+    candidates = np.argpartition(-log_probs, top_k - 1, axis=1)[:, :top_k]
+    order = np.argsort(-np.take_along_axis(log_probs, candidates, axis=1), axis=1,
+                       kind="stable")
+    ranked = np.take_along_axis(candidates, order, axis=1)
     ranked_lp = np.take_along_axis(log_probs, ranked, axis=1).astype(np.float64)
     first = float(ranked_lp[0, 0])
     # (-path log-prob, tie order, parent node, depth, rank, path log-prob)
