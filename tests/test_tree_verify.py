@@ -168,6 +168,16 @@ def test_eval_measures_the_tree_beside_the_chain_per_benchmark(default_run_dir, 
     assert all(set(p["tree"]) == {"4", "16"} for p in doc["per_prompt"])
     line = "; ".join(evaluate._summary_parts(doc))
     assert f"DDTree of 16 nodes: tau {doc['tree']['16']['tau']:.3f}" in line
+    # the report: the chain beside each budget, and the budget curve per benchmark
+    from dflash_etl.report.pages import evaluation_section
+
+    (tmp_path / "run" / "eval").mkdir(parents=True)
+    (tmp_path / "run" / "eval" / "prompts.json").write_text((tmp_path / "prompts.json"
+                                                              ).read_text())
+    html = evaluation_section(tmp_path / "run")
+    assert "Tree verification (DDTree)" in html and "<th>tree 16</th>" in html
+    assert "prompts: tau by tree budget" in html
+    assert f"{doc['tree']['4']['tau']} ({doc['tree']['4']['nodes_per_step']} nodes)" in html
     with pytest.raises(StageError, match="greedy only"):
         evaluate.evaluate([bench], run=default_run_dir, out=tmp_path, limit=1,
                           decoding=evaluate.Decoding(16, temperature=0.7), tree_budgets=(4,))

@@ -423,6 +423,7 @@ def evaluation_section(run_root: Path) -> str:
           d.get("verify_steps"), ", ".join(f"{c} {t}" for c, t in
                                            (d.get("tau_by_category") or {}).items()))
          for d in docs]))
+    html += tree_section(docs)
     for d in docs:
         steps = {int(k): v for k, v in (d.get("accepted_per_step") or {}).items()}
         if steps:
@@ -433,6 +434,31 @@ def evaluation_section(run_root: Path) -> str:
                 f"{d.get('benchmark')}: tokens added per verify step")
                 + "</figure>")
     return html + "</section>"
+
+
+def tree_section(docs: list[dict[str, Any]]) -> str:
+    """`eval --tree-budget`: per benchmark the chain's tau beside each DDTree budget's (tau,
+    nodes verified per step), and per benchmark the budget curve (tau against the budget)."""
+    trees = [d for d in docs if d.get("tree")]
+    if not trees:
+        return ""
+    budgets = sorted({int(b) for d in trees for b in d["tree"]})
+    rows = [(d.get("benchmark"), d.get("tau", ""), *(
+        f"{t['tau']} ({t['nodes_per_step']} nodes)" if (t := d["tree"].get(str(b))) else ""
+        for b in budgets)) for d in trees]
+    html = ("<h3>Tree verification (DDTree)</h3><p>The same drafter verified as a tree of at "
+            "most B drafts (best-first on the path's probability, greedy): tau per budget, and "
+            "the nodes one verify pass reads per step (the cost; the chain reads the block)."
+            "</p>" + table(["benchmark", "chain tau", *(f"tree {b}" for b in budgets)], rows))
+    for d in trees:
+        points = [(int(b), t["tau"]) for b, t in sorted(d["tree"].items(),
+                                                         key=lambda kv: int(kv[0]))]
+        top = max(t for _, t in points) or 1
+        html += ("<figure>" + curve_svg([(b, t / top) for b, t in points],
+                                        f"{d.get('benchmark')}: tau by tree budget",
+                                        "tree budget (nodes)", top=f"tau {top:.3f}")
+                 + "</figure>")
+    return html
 
 
 def _short(value: Any) -> Any:
