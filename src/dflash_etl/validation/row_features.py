@@ -92,13 +92,15 @@ def marker_features(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
 MIN_CAPPED_REPLY = 16  # tokens: shorter replies at one length are an answer format, not a cap
 MIN_CAPPED_ROWS = 3
 MID_TEXT = 0.5  # of the rows at the longest length, ending mid-text: cut, not a fixed format
+MAX_DECODED = 1000  # of a pile's last tokens decoded: the share is read from these
 
 
 def capped_replies(rows: pl.DataFrame, ends_mid_text: Callable[[list[int]], list[bool]]
                    ) -> dict[str, dict[str, Any]]:
     """Per source: its longest complete reply (tokens, end of turn aside), how many rows'
     longest reply is exactly that long, how many of those end mid-text (`ends_mid_text` of
-    their last tokens: a word or a comma, not a full stop, a bracket or a code fence), and the
+    their last tokens, the first MAX_DECODED: a word or a comma, not a full stop, a bracket or
+    a code fence), and the
     share of its rows they are where that is a cut (>= MIN_CAPPED_ROWS rows of >=
     MIN_CAPPED_REPLY tokens, most of them mid-text), else 0. Natural replies thin out towards
     the longest; a generator stopped at max_new_tokens leaves them all there, cut; templated
@@ -114,8 +116,9 @@ def capped_replies(rows: pl.DataFrame, ends_mid_text: Callable[[list[int]], list
     out = {}
     for source, n, longest, at, last_tokens in grouped.iter_rows():
         piled = at >= MIN_CAPPED_ROWS and longest >= MIN_CAPPED_REPLY
-        mid_text = sum(ends_mid_text(last_tokens)) if piled else 0
-        cut = piled and mid_text >= MID_TEXT * at
+        looked = last_tokens[:MAX_DECODED] if piled else []
+        mid_text = sum(ends_mid_text(looked)) if looked else 0
+        cut = piled and mid_text >= MID_TEXT * len(looked)
         out[source] = {"longest_reply": int(longest), "rows_at_longest_reply": int(at),
                        "ending_mid_text": int(mid_text), "capped_reply_share": at / n if cut
                        else 0.0}
