@@ -399,3 +399,24 @@ def frame_rows(stage: Path) -> list:
     path = next((stage / "dataset").glob("*.arrow"))
     return pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all().column(
         "id").to_pylist()
+
+
+def test_replies_bunched_near_the_longest_by_a_length_penalty_are_not_a_cut():
+    """A length penalty (the tiny Qwen3.6 target's) bunches natural replies near the longest
+    length without a spike at it: 3 of 24 rows at 28 tokens, 6 over the 4 lengths below, all
+    ending mid-text on random tokens, is a tail, not a cap (it failed the gate before). A cap
+    at 28 moving every longer reply there is a spike and fails."""
+    tail = [10, 12, 15, 17, 18, 19, 19, 20, 21, 21, 22, 22, 23, 24, 24, 25, 26, 26, 27, 28,
+            28, 28, 16, 14]
+    capped = [min(n, 20) for n in [*tail, 30, 33, 35, 40, 41]]
+
+    def frame(lengths: list[int]) -> pl.DataFrame:
+        return pl.DataFrame({"source": ["s"] * len(lengths), "longest_complete_reply": lengths,
+                             "longest_reply_last_token": list(range(len(lengths)))})
+
+    every_token_mid_text = lambda ids: [True] * len(ids)  # noqa: E731
+    assert row_features.capped_replies(frame(tail), every_token_mid_text)["s"][
+        "capped_reply_share"] == 0
+    cut = row_features.capped_replies(frame(capped), every_token_mid_text)["s"]
+    assert cut["longest_reply"] == 20 and cut["rows_at_longest_reply"] == capped.count(20) == 20
+    assert cut["capped_reply_share"] == 20 / len(capped)

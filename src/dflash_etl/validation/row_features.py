@@ -92,6 +92,7 @@ def marker_features(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
 MIN_CAPPED_REPLY = 16  # tokens: shorter replies at one length are an answer format, not a cap
 MIN_CAPPED_ROWS = 3
 MID_TEXT = 0.5  # of the rows at the longest length, ending mid-text: cut, not a fixed format
+SPIKE = 4  # rows at the longest length / rows per length just below it: a pile, not a tail
 MAX_DECODED = 1000  # of a pile's last tokens decoded: the share is read from these
 
 
@@ -102,20 +103,27 @@ def capped_replies(rows: pl.DataFrame, ends_mid_text: Callable[[list[int]], list
     their last tokens, the first MAX_DECODED: a word or a comma, not a full stop, a bracket or
     a code fence), and the
     share of its rows they are where that is a cut (>= MIN_CAPPED_ROWS rows of >=
-    MIN_CAPPED_REPLY tokens, most of them mid-text), else 0. Natural replies thin out towards
-    the longest; a generator stopped at max_new_tokens leaves them all there, cut; templated
-    replies of one length end as sentences do."""
+    MIN_CAPPED_REPLY tokens, SPIKE times the rows per length of the few lengths just below,
+    most of them mid-text), else 0. Natural replies thin out towards the longest (a length
+    penalty bunches them near it, without a spike at one length); a generator stopped at
+    max_new_tokens leaves every longer reply there, cut; templated replies of one length end
+    as sentences do."""
     needed = {"source", "longest_complete_reply", "longest_reply_last_token"}
     if not needed <= set(rows.columns) or not rows.height:
         return {}
-    at_longest = pl.col("longest_complete_reply") == pl.col("longest_complete_reply").max()
+    length = pl.col("longest_complete_reply")
+    at_longest = length == length.max()
+    window = pl.max_horizontal(pl.lit(4), length.max() // 10)  # the lengths just below
     grouped = rows.group_by("source").agg(
-        pl.len().alias("rows"), pl.col("longest_complete_reply").max().alias("longest"),
+        pl.len().alias("rows"), length.max().alias("longest"),
         at_longest.sum().alias("at_longest"),
+        ((length < length.max()) & (length >= length.max() - window)).sum().alias("below"),
+        window.first().alias("window"),
         pl.col("longest_reply_last_token").filter(at_longest).alias("last_tokens"))
     out = {}
-    for source, n, longest, at, last_tokens in grouped.iter_rows():
-        piled = at >= MIN_CAPPED_ROWS and longest >= MIN_CAPPED_REPLY
+    for source, n, longest, at, below, window_, last_tokens in grouped.iter_rows():
+        piled = (at >= MIN_CAPPED_ROWS and longest >= MIN_CAPPED_REPLY
+                 and at * window_ >= SPIKE * below)
         looked = last_tokens[:MAX_DECODED] if piled else []
         mid_text = sum(ends_mid_text(looked)) if looked else 0
         cut = piled and mid_text >= MID_TEXT * len(looked)
