@@ -14,8 +14,12 @@ learns: tau 1.0 -> ~6), per seed, our trainer (`Trainer`, the run's settings, `-
 * e. the end-of-turn token not supervised;
 * f. replies cut at a generation limit (MAX_NEW_TOKENS = 24 of the target's 20-45) kept as if
   complete (the end-of-turn token after the cut, as a template closes a truncated message);
-* (g, thinking mode at serving, is not measured: the embedded default's template has no
-  thinking switch, and the tiny Qwen3.6 target writes no think markup to learn);
+* g. (serving) thinking on at serving, the rows rendered without it: the run's template with
+  the generation prompt Qwen3's template opens in thinking mode (`<think>\n` after the
+  assistant header, `thinking_on`), on h's conversations (the embedded template has no
+  switch; a drafter on the tiny Qwen3.6 target learns too slowly on 2 cores to measure it
+  there: ~4 s a step for its 248k-token head); its catch is run on a tiny Qwen3.6 run
+  tokenized with thinking off (`qwen36_run`): the serve line carries the rows' mode;
 * h. (serving) the correct drafter's prompts rendered with another chat template than the
   rows were: the run's ChatML with the default system message Qwen2.5's template inserts when
   a conversation has none (`OTHER_TEMPLATE_PREFIX`), against the run's own template, on the
@@ -60,6 +64,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -110,6 +115,12 @@ MISTAKES: dict[str, tuple[str, str]] = {
         "cut before this tool saw them: tokenize's gate, `capped_reply_share` (a source's "
         "rows pile up at its longest reply) fails the tokenized suite (tests/test_suites.py::"
         "test_replies_cut_at_a_generation_limit_fail_the_suite_naming_the_source)"),
+    "g_thinking_on": (
+        "g. served with thinking on, the rows rendered without it",
+        "export/train: the serve line carries the thinking mode tokenize rendered the rows in "
+        "(`--default-chat-template-kwargs`; tests/test_qwen3_5.py), tokenize refuses rows "
+        "rendered in another mode than regenerate used, and eval --run renders in the rows' "
+        "mode; served, tau far below offline is warned naming the thinking mode"),
     "h_other_template": (
         "h. served with another chat template (a default system message added)",
         "export/train/eval: where the target directory's template is not the one tokenize "
@@ -143,6 +154,7 @@ MISTAKES: dict[str, tuple[str, str]] = {
         "per benchmark (tests/test_decontamination.py)"),
 }
 EVALSETS = REPO.parent / "shared" / "fixtures" / "evalsets"
+QWEN36 = REPO.parent / "shared" / "fixtures" / "qwen36-tokenizer"
 BENCHMARKS = ("gsm8k_test.jsonl", "mt_bench_question.jsonl", "humaneval.jsonl")
 
 
@@ -274,10 +286,21 @@ OTHER_TEMPLATE_PREFIX = ('{%- if messages[0].role != "system" %}<|im_start|>syst
                          'helpful assistant.<|im_end|>\n{%- endif %}')
 
 
+def thinking_on(template: str) -> str:
+    """g: `template` with the generation prompt Qwen3's template renders in thinking mode."""
+    header = "{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    if header not in template:
+        raise SystemExit("the run's template has no ChatML generation prompt to open a think "
+                         "block after")
+    return template.replace(header, "{{- '<|im_start|>assistant\\n<think>\\n' -}}"
+                            "{%- endif -%}")
+
+
 def template_prompts(run: Path, held: list[dict[str, Any]], prompts: int
-                     ) -> tuple[list[list[int]], list[list[int]]]:
-    """h: the first `prompts` held-out conversations without tools (seeded order), the messages
-    before their first reply rendered with the run's template and with the other one."""
+                     ) -> dict[str, list[list[int]]]:
+    """h and g: the first `prompts` held-out conversations without tools (seeded order), the
+    messages before their first reply rendered with the run's template ("own"), the other one
+    ("h") and thinking opened ("g")."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -307,7 +330,8 @@ def template_prompts(run: Path, held: list[dict[str, Any]], prompts: int
     SERVED_PROMPTS.parent.mkdir(parents=True, exist_ok=True)
     SERVED_PROMPTS.write_text("".join(json.dumps({"id": f"held-{k}", "messages": plain[k]})
                                       + "\n" for k in chosen))
-    return rendered(own), rendered(OTHER_TEMPLATE_PREFIX + own)
+    return {"own": rendered(own), "h": rendered(OTHER_TEMPLATE_PREFIX + own),
+            "g": rendered(thinking_on(own))}
 
 
 WINDOW = 16  # k's sliding window, context tokens
@@ -376,8 +400,12 @@ def served_mistakes(run: Path, drafter: Any, seed: int, new_tokens: int
     patched = Path(shutil.copytree(run / "target", work / "patched-target"))
     own = (patched / "chat_template.jinja").read_text()
     (patched / "chat_template.jinja").write_text(OTHER_TEMPLATE_PREFIX + own)
+    thinking = Path(shutil.copytree(run / "target", work / "thinking-target"))
+    (thinking / "chat_template.jinja").write_text(thinking_on(own))
     target = run / "target"
     served = {"correct": served_tau(target, work / "drafter", new_tokens, work / "eval-c"),
+              "g_thinking_on": served_tau(thinking, work / "drafter", new_tokens,
+                                          work / "eval-g"),
               "h_other_template": served_tau(patched, work / "drafter", new_tokens,
                                              work / "eval-h"),
               "j_other_layers": served_tau(target, work / "other-layers", new_tokens,
@@ -614,6 +642,42 @@ def caught_template(run: Path) -> str:
         else "NOT caught"
 
 
+def qwen36_run() -> Path:
+    """g's catch: the embedded default's sources on the tiny Qwen3.6-layout target (the Qwen3.6
+    tokenizer and template), regenerated and tokenized with thinking off, through train (one
+    step: only the serve line is read)."""
+    from dflash_etl.cli.main import main
+    from dflash_etl.models.tiny_model import build_tiny_qwen3_5
+
+    work = WORK / "qwen36"
+    target = build_tiny_qwen3_5(work / "target", tokenizer_dir=QWEN36, hidden_size=64, layers=4)
+    generation = json.loads((target / "generation_config.json").read_text())
+    generation["exponential_decay_length_penalty"] = [8, 1.1]  # replies end, as the default's
+    (target / "generation_config.json").write_text(json.dumps(generation))
+    config = (REPO / "data" / "pipeline.toml").read_text()
+    config = config.replace('path = "sources/', f'path = "{REPO / "data" / "sources"}/')
+    start = config.index("[target]")
+    config = (config[:start] + f'[target]\nmodel = "{target}"\n'
+              + config[config.index("\n", config.index("tiny = ", start)) + 1:])
+    config = config.replace('model = "tokenizer"', f'model = "{target}"\n'
+                            "template_kwargs = { enable_thinking = false }")
+    config = config.replace("steps = 300", "steps = 1").replace("eval_prompts = 8",
+                                                                "eval_prompts = 1")
+    (work / "pipeline.toml").write_text(config)
+    if main(["run", "--config", str(work / "pipeline.toml"), "--run", str(work / "run")]):
+        raise SystemExit("the tiny Qwen3.6 run failed: see above")
+    return work / "run"
+
+
+def caught_thinking() -> str:
+    """g: the serve line of a run tokenized with thinking off."""
+    from dflash_etl.models.serving import vllm_command
+
+    argv, flag = shlex.split(vllm_command(qwen36_run())), "--default-chat-template-kwargs"
+    return (f"the serve line of a tiny Qwen3.6 run tokenized with thinking off carries `{flag} "
+            f"{argv[argv.index(flag) + 1]}`" if flag in argv else "NOT caught")
+
+
 def caught_attention(run: Path, declared: dict[str, Any]) -> str:
     """k: the run's drafter directory declaring `declared`, through `export --to specforge`
     and eval's load."""
@@ -698,7 +762,7 @@ def main() -> None:
     rows, held, extracted, index = split_rows(run, int(rows_in * TRAIN_RATIO))
     bench = TauBench(run, run / "train" / "drafter", "held-out", args.prompts,
                      args.new_tokens, held, [])
-    own_prompts, other_prompts = template_prompts(run, held, args.prompts)
+    rendered = template_prompts(run, held, args.prompts)
     items = benchmark_items(args.bench_items)
     on_benchmarks = TauBench(run, run / "train" / "drafter", "held-out", 0, args.new_tokens,
                              [], [])
@@ -728,6 +792,7 @@ def main() -> None:
                   run, lambda r: rewrite_replies(r, cut_at_limit)),
               "i_other_target": caught_other_target(other_rows, other_record, str(base.target)),
               "j_other_layers": caught_layers(run),
+              "g_thinking_on": caught_thinking(),
               "h_other_template": caught_template(run),
               "k_causal_block": caught_attention(run, {"is_causal": True}),
               "k_sliding_window": caught_attention(run, {"use_sliding_window": True,
@@ -750,12 +815,15 @@ def main() -> None:
                 tau_j = other_layers_tau(bench, drafter, layers)
                 results["j_other_layers"]["seeds"][seed] = {"tau": tau_j, "layers": layers}
                 print(f"seed {seed} j_other_layers: tau {tau_j:.3f}", flush=True)
-                own, other = (prompts_tau(bench, drafter, p) for p in (own_prompts,
-                                                                       other_prompts))
+                own, other, opened = (prompts_tau(bench, drafter, rendered[k])
+                                      for k in ("own", "h", "g"))
                 results["h_other_template"]["seeds"][seed] = {
                     "tau": other, "tau_own_template": own}
-                print(f"seed {seed} h_other_template: tau {other:.3f} (the run's template on "
-                      f"the same prompts {own:.3f})", flush=True)
+                results["g_thinking_on"]["seeds"][seed] = {
+                    "tau": opened, "tau_own_template": own}
+                print(f"seed {seed} h_other_template: tau {other:.3f}, g_thinking_on: tau "
+                      f"{opened:.3f} (the run's template on the same prompts {own:.3f})",
+                      flush=True)
                 for pattern in ("causal_block", "sliding_window"):
                     tau_k = attention_tau(bench, drafter, pattern)
                     results[f"k_{pattern}"]["seeds"][seed] = {"tau": tau_k}
@@ -803,7 +871,7 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
         for key in keys:
             taus = [doc["seeds"][s].get(key) for s in seeds]
             versus = correct[key]
-            if name == "h_other_template" and key == "tau":  # against its own template's
+            if name in ("g_thinking_on", "h_other_template") and key == "tau":  # same prompts
                 versus = [doc["seeds"][s]["tau_own_template"] for s in seeds]
             doc[key] = (_summary(taus, versus) if None not in taus else None)
         doc.update(what=MISTAKES[name][0], caught_by=MISTAKES[name][1])
@@ -825,7 +893,7 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
              f"rows; tau on {args.prompts} held-out prompts and on {items} benchmark prompts "
              f"(GSM8K, MT-Bench, HumanEval, {args.bench_items} each, first turn), "
              f"{args.new_tokens} tokens each. \"vs correct\": the mistake's tau against the "
-             "correct run's on every seed (h: the correct drafter on the same conversations "
+             "correct run's on every seed (g, h: the correct drafter on the same conversations "
              "rendered with the run's own template). Served: tokens per step pooled from "
              "the dev server's own spec-decode counters (`eval --server`), the correct "
              "drafter served right and with each serving-side mistake, on h's "
