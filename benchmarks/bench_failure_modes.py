@@ -52,8 +52,8 @@ the test that shows it.
     python benchmarks/bench_failure_modes.py [--run runs/default] [--steps N]
         [--seeds 0,1,2] [--quick] [--bench-items 6] [--out benchmarks/results/failure_modes]
 
-Steps default to the run's own (300 on the embedded default: ~30 min on 2 cores for 3 seeds);
-`--quick`: one seed (0), ~10 min. Results: OUT.md and OUT.json (the md's hand-written
+Steps default to the run's own (300 on the embedded default: 20 min on 2 cores for 3 seeds,
+~6 of them per seed); `--quick`: one seed (0), ~8 min. Results: OUT.md and OUT.json (the md's hand-written
 `## Findings` kept). Needs a run complete through train (`make run`).
 """
 
