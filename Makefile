@@ -18,12 +18,11 @@ TORCH_WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 
 setup: $(VENV)/.installed
 
-# Every dependency at the version in pylock.toml, the PEP 751 lock (torch exactly 2.13.0+cpu,
-# the CPU build on local disk: any other version pulls CUDA wheels), then the package itself: a
-# fresh machine installs what CI tested, whatever PyPI released since (`make lock` moves the
-# lock; it names torch's wheel by its path, so `make lock TORCH_WHEELS=DIR` where it is
-# elsewhere).
-$(VENV)/.installed: pyproject.toml pylock.toml
+# Every dependency at the version in the lock (torch exactly 2.13.0+cpu, the CPU build on local
+# disk: any other version pulls CUDA wheels), then the package itself: a fresh machine installs
+# what CI tested, whatever PyPI released since (`make lock` moves the lock). uv.lock is the lock;
+# pylock.toml (PEP 751) is its export of the dev set, which `uv pip` installs into this venv.
+$(VENV)/.installed: pyproject.toml uv.lock pylock.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python \
@@ -32,12 +31,14 @@ $(VENV)/.installed: pyproject.toml pylock.toml
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(CONSUMERS)
 	touch $@
 
-# pylock.toml from pyproject.toml's dependencies (the dev extras) and
-# requirements/pins.in (torch's CPU build, and each upper bound a release that broke us forced,
-# with its reason): run it to take newer releases, then `make test`.
+# uv.lock from pyproject.toml (its dependencies, the dev extra, the cpu group: torch's CPU build;
+# [tool.uv] names the one machine kind locked), then pylock.toml, its export of the dev set: run
+# it to take newer releases, then `make test`; a release that breaks us gets an upper bound in
+# pyproject.toml, with its reason. It names torch's wheel by its path: `make lock
+# TORCH_WHEELS=DIR` where it is elsewhere.
 lock: $(VENV)/.installed
-	$(BIN)/uv pip compile pyproject.toml requirements/pins.in --extra dev --python-version 3.11 \
-		$(foreach dir,$(TORCH_WHEELS),--find-links $(dir)) --format pylock.toml \
+	$(BIN)/uv lock --upgrade --quiet $(foreach dir,$(TORCH_WHEELS),--find-links $(dir))
+	$(BIN)/uv export --frozen --format pylock.toml --extra dev --group cpu --no-emit-project \
 		--quiet -o pylock.toml
 
 # The trainers the hand-off tests run (tests/test_handoff.py; yunchang is SpecForge's trainer's,

@@ -1,9 +1,11 @@
-"""The lock (pylock.toml, PEP 751) is what installs read: it covers every dependency
-pyproject.toml declares at a version the declaration allows, the environment the tests run in
-holds those versions, and tools/lock_pins.py turns it into the constraints uv and pip take."""
+"""The lock: uv.lock is current with pyproject.toml, pylock.toml (PEP 751, what installs read)
+is exactly its export of the dev set, it covers every dependency pyproject.toml declares at a
+version the declaration allows, the environment the tests run in holds those versions, and
+tools/lock_pins.py turns it into the constraints uv and pip take."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -59,6 +61,23 @@ def test_the_tests_run_on_the_locked_versions():
         except PackageNotFoundError:
             installed = None
         assert installed == pins[name], (name, installed, pins[name])
+
+
+UV = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+
+
+def test_uv_lock_is_current_and_pylock_is_its_export(tmp_path):
+    """`make lock` writes both; an edit to pyproject.toml without it, or a hand edit of either
+    file, fails here (offline: the lock's own metadata suffices)."""
+    assert UV, "uv is not installed: `make setup` installs it"
+    check = subprocess.run([UV, "lock", "--check", "--offline"], cwd=REPO, capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stderr[-2000:]
+    subprocess.run([UV, "export", "--frozen", "--format", "pylock.toml", "--extra", "dev",
+                    "--group", "cpu", "--no-emit-project", "--quiet", "-o",
+                    str(tmp_path / "pylock.toml")], cwd=REPO, check=True, capture_output=True)
+    exported = tomllib.loads((tmp_path / "pylock.toml").read_text())
+    assert exported == tomllib.loads(LOCK.read_text())
 
 
 def test_the_lock_becomes_constraints_uv_takes(tmp_path):
