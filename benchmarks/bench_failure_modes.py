@@ -53,8 +53,8 @@ the test that shows it.
         [--seeds 0,1,2] [--quick] [--bench-items 6] [--out benchmarks/results/failure_modes]
 
 Steps default to the run's own (300 on the embedded default: 20 min on 2 cores for 3 seeds,
-~6 of them per seed); `--quick`: one seed (0), ~8 min. Results: OUT.md and OUT.json (the md's hand-written
-`## Findings` kept). Needs a run complete through train (`make run`).
+~6 of them per seed); `--quick`: one seed (0), ~8 min. Results: OUT.md and OUT.json (the md's
+hand-written `## Findings` kept). Needs a run complete through train (`make run`).
 """
 
 from __future__ import annotations
@@ -286,6 +286,20 @@ OTHER_TEMPLATE_PREFIX = ('{%- if messages[0].role != "system" %}<|im_start|>syst
                          'helpful assistant.<|im_end|>\n{%- endif %}')
 
 
+def other_template(template: str) -> str:
+    """h: `template` adding the default system message Qwen2.5's template adds."""
+    return OTHER_TEMPLATE_PREFIX + template
+
+
+def with_template(run: Path, out: Path, change: Callable[[str], str]) -> Path:
+    """A copy of the run's target directory at `out` whose chat template is `change`d."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(run / "target", out)
+    template = out / "chat_template.jinja"
+    template.write_text(change(template.read_text()))
+    return out
+
+
 def thinking_on(template: str) -> str:
     """g: `template` with the generation prompt Qwen3's template renders in thinking mode."""
     header = "{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
@@ -330,7 +344,7 @@ def template_prompts(run: Path, held: list[dict[str, Any]], prompts: int
     SERVED_PROMPTS.parent.mkdir(parents=True, exist_ok=True)
     SERVED_PROMPTS.write_text("".join(json.dumps({"id": f"held-{k}", "messages": plain[k]})
                                       + "\n" for k in chosen))
-    return {"own": rendered(own), "h": rendered(OTHER_TEMPLATE_PREFIX + own),
+    return {"own": rendered(own), "h": rendered(other_template(own)),
             "g": rendered(thinking_on(own))}
 
 
@@ -397,11 +411,8 @@ def served_mistakes(run: Path, drafter: Any, seed: int, new_tokens: int
         max(0, i - 1) for i in config["dflash_config"]["target_layer_ids"]]
     shutil.copytree(work / "drafter", work / "other-layers")
     (work / "other-layers" / "config.json").write_text(json.dumps(config))
-    patched = Path(shutil.copytree(run / "target", work / "patched-target"))
-    own = (patched / "chat_template.jinja").read_text()
-    (patched / "chat_template.jinja").write_text(OTHER_TEMPLATE_PREFIX + own)
-    thinking = Path(shutil.copytree(run / "target", work / "thinking-target"))
-    (thinking / "chat_template.jinja").write_text(thinking_on(own))
+    patched = with_template(run, work / "patched-target", other_template)
+    thinking = with_template(run, work / "thinking-target", thinking_on)
     target = run / "target"
     served = {"correct": served_tau(target, work / "drafter", new_tokens, work / "eval-c"),
               "g_thinking_on": served_tau(thinking, work / "drafter", new_tokens,
@@ -423,13 +434,10 @@ def served_mistakes(run: Path, drafter: Any, seed: int, new_tokens: int
 
 def prompts_tau(bench: Any, drafter: Any, prompts: list[list[int]]) -> float:
     """tau of `drafter` on `prompts` (token ids), as TauBench counts it."""
-    from dflash_etl.models.acceptance import speculative_decode
+    from dflash_etl.models.acceptance import acceptance_length
 
-    propose = bench.ours(drafter)
-    taus = [speculative_decode(bench.base.target, propose, p, bench.new_tokens,
-                               bench.base.eos).tau for p in prompts]
-    stepped = [t for t in taus if t is not None]
-    return round(sum(stepped) / len(stepped), 4) if stepped else 1.0
+    return round(acceptance_length(bench.base.target, drafter, prompts, bench.new_tokens,
+                                   bench.base.eos)["tau"], 4)
 
 
 def benchmark_items(per_file: int) -> list[Any]:
@@ -493,15 +501,13 @@ def train(settings: Any, rows: list[dict[str, Any]], extracted: Any, index: Any,
 
 def other_layers_tau(bench: Any, drafter: Any, layers: list[int]) -> float:
     """tau of `drafter` fed the target's states at `layers` instead of its own."""
-    from dflash_etl.models.acceptance import drafter_proposer, speculative_decode
+    from dflash_etl.models.acceptance import acceptance_length
     from dflash_etl.models.target import Target, TargetSpec
 
     served = Target(TargetSpec(model=str(bench.target_dir), layers=",".join(map(str, layers)),
                                device="cpu"))
-    taus = [speculative_decode(served, drafter_proposer(served, drafter), p, bench.new_tokens,
-                               bench.base.eos).tau for p in bench.prompts]
-    stepped = [t for t in taus if t is not None]
-    return round(sum(stepped) / len(stepped), 4) if stepped else 1.0
+    return round(acceptance_length(served, drafter, bench.prompts, bench.new_tokens,
+                                   bench.base.eos)["tau"], 4)
 
 
 # ---------------------------------------------------------------- caught by: the checks, run
@@ -632,12 +638,7 @@ def caught_template(run: Path) -> str:
     from dflash_etl.core.rundir import RunDir
     from dflash_etl.models.serving import rows_template
 
-    patched = WORK / "caught-h"
-    shutil.rmtree(patched, ignore_errors=True)
-    shutil.copytree(run / "target", patched)
-    own = (patched / "chat_template.jinja").read_text()
-    (patched / "chat_template.jinja").write_text(OTHER_TEMPLATE_PREFIX + own)
-    found = rows_template(RunDir(run), patched)
+    found = rows_template(RunDir(run), with_template(run, WORK / "caught-h", other_template))
     return f"the serve line adds `{found.flags.strip()}`: {found.note}" if found.flags \
         else "NOT caught"
 
