@@ -75,8 +75,8 @@ def test_a_chunk_holds_a_bounded_number_of_logits_whatever_the_batch():
     assert logit_chunk(32_000) > 2000 and logit_chunk(10) == (1 << 26) // 10
     states = torch.randn(5, 3, requires_grad=True)
     head = torch.randn(7, 3)
-    total, hits = head_cross_entropy(states[:0], head, None, torch.zeros(0, dtype=torch.long),
-                                     torch.zeros(0))
+    total, hits, _ = head_cross_entropy(states[:0], head, None,
+                                        torch.zeros(0, dtype=torch.long), torch.zeros(0))
     assert float(total) == 0.0 and hits.shape == (0,)  # no supervised position: no error
 
 

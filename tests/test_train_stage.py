@@ -87,9 +87,10 @@ def test_training_lifts_tau_clearly_above_an_untrained_drafter(extracted, untied
     assert abs(tau - evaluation["tau_final"]) < 1e-9
 
 
-def zlab_tau(zlab, run_dir: Path, target, prompts: int, new_tokens: int, monkeypatch) -> float:
+def zlab_tau(zlab, run_dir: Path, target, prompts: int, new_tokens: int, monkeypatch,
+             model_class: str = "DFlashDraftModel") -> float:
     """tau as z-lab's own decode loop counts it (`dflash.model.dflash_generate`, its
-    DFlashDraftModel loaded from the run's drafter directory) on train's held-out prompts."""
+    `model_class` loaded from the run's drafter directory) on train's held-out prompts."""
     import time
 
     from dflash_etl.models.acceptance import eos_token_ids
@@ -97,8 +98,8 @@ def zlab_tau(zlab, run_dir: Path, target, prompts: int, new_tokens: int, monkeyp
     _, held, _ = train._split(tokenize_rows(run_dir),
                               train.TrainSettings(eval_prompts=prompts))
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # CPU only: its timer syncs CUDA
-    drafter = zlab.DFlashDraftModel.from_pretrained(run_dir / "train" / "drafter",
-                                                    dtype=torch.float32).eval()
+    drafter = getattr(zlab, model_class).from_pretrained(run_dir / "train" / "drafter",
+                                                         dtype=torch.float32).eval()
     per_prompt = []
     for prompt in held:
         out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), new_tokens,
@@ -106,6 +107,37 @@ def zlab_tau(zlab, run_dir: Path, target, prompts: int, new_tokens: int, monkeyp
         if out.acceptance_lengths:  # z-lab's benchmark averages the prompts that took a step
             per_prompt.append(np.mean(out.acceptance_lengths))
     return float(np.mean(per_prompt))
+
+
+def test_a_dflash2_drafter_trains_and_zlabs_decode_counts_its_tau(
+        extracted, untied_target, tmp_path, copy_run, monkeypatch):
+    """[train] arch = "dflash2": the selector's loss falls, the convolutions leave the identity,
+    tau rises clearly above the untrained drafter's, and z-lab's own DFlash2DraftModel and
+    dflash_generate (its selector path) on the saved directory count exactly our tau."""
+    zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
+    doc = train.run(None, run_dir, progress=False, target=str(untied_target), arch="dflash2",
+                    selector_rank=32, **{**SMALL, "steps": 120, "eval_prompts": 6,
+                                         "eval_new_tokens": 24, "anchors_per_row": 16})
+    evaluation = json.loads((run_dir / "train" / "eval.json").read_text())
+    assert evaluation["tau_final"] > evaluation["tau_untrained"] + 1.0
+    log = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    assert np.mean([r["selector_loss"] for r in log[-10:]]) < np.mean(
+        [r["selector_loss"] for r in log[:10]]) - 0.5
+    config = json.loads((run_dir / "train" / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["selector_rank"] == 32
+    weights = load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
+    assert float(weights["layers.0.mlp_conv.kernel_projection.weight"].abs().max()) > 0
+    assert weights["candidate_selector.predecessor_codebook"].shape == (1237, 32)
+    assert doc["total"]["tau_final"] == evaluation["tau_final"]
+    target = AutoModelForCausalLM.from_pretrained(untied_target, dtype=torch.float32).eval()
+    tau = zlab_tau(zlab, run_dir, target, prompts=6, new_tokens=24, monkeypatch=monkeypatch,
+                   model_class="DFlash2DraftModel")
+    assert abs(tau - evaluation["tau_final"]) < 1e-9
 
 
 def test_speculative_decoding_is_the_targets_greedy_decoding(extracted, untied_target):

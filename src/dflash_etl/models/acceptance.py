@@ -46,36 +46,49 @@ class Decoded:
 Proposer = Callable[[Any, list[int], int], list[int]]
 
 
-def drafter_logits(target: Any, drafter: Any) -> Callable[[Any, list[int], int], Any]:
+def drafter_block(target: Any, drafter: Any) -> Callable[[Any, list[int], int], Any]:
     """The drafter's block: given the target's states before the anchor (the last token of
-    `seq`), its logits [drafts, vocab] at the block_size-1 positions after the anchor from one
-    forward pass (fewer where `room` is smaller: the block is then the anchor and `room` mask
-    tokens, as z-lab's loop makes it)."""
+    `seq`), (its states [drafts, H], its logits [drafts, vocab]) at the block_size-1 positions
+    after the anchor from one forward pass (fewer where `room` is smaller: the block is then
+    the anchor and `room` mask tokens, as z-lab's loop makes it)."""
     c = drafter.config
     embed, lm_head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
     device = next(drafter.parameters()).device
     head_device = execution_device(lm_head)  # another one than the drafter's under a device map
 
-    def logits(context: Any, seq: list[int], room: int) -> Any:
+    def block(context: Any, seq: list[int], room: int) -> tuple[Any, Any]:
         drafts = max(0, min(c.block_size - 1, room))
         if not drafts:
-            return torch.empty(0, lm_head.weight.shape[0])
-        block = torch.tensor([[seq[-1]] + [c.mask_token_id] * drafts], device=device)
+            return (torch.empty(0, c.hidden_size, device=device),
+                    torch.empty(0, lm_head.weight.shape[0]))
+        ids = torch.tensor([[seq[-1]] + [c.mask_token_id] * drafts], device=device)
         flat = context.reshape(1, context.shape[0], -1).to(device, torch.float32)
         hidden = drafter(flat, torch.ones(flat.shape[:2], dtype=torch.bool, device=device),
-                         embed(block).float()[:, None],
-                         torch.tensor([[len(seq) - 1]], device=device))
-        return lm_head(hidden[0, 0, 1:].to(head_device, lm_head.weight.dtype))
+                         embed(ids).float()[:, None],
+                         torch.tensor([[len(seq) - 1]], device=device))[0, 0, 1:]
+        return hidden, lm_head(hidden.to(head_device, lm_head.weight.dtype))
 
-    return logits
+    return block
+
+
+def drafter_logits(target: Any, drafter: Any) -> Callable[[Any, list[int], int], Any]:
+    """The drafter's logits [drafts, vocab] for a block (`drafter_block`)."""
+    block = drafter_block(target, drafter)
+    return lambda context, seq, room: block(context, seq, room)[1]
 
 
 def drafter_proposer(target: Any, drafter: Any) -> Proposer:
-    """The drafter's chain: the argmax at each position of its block (`drafter_logits`)."""
-    block_logits = drafter_logits(target, drafter)
+    """The drafter's chain: the argmax at each position of its block (`drafter_block`); for
+    DFlash2 its selector's greedy path over the top-k, as z-lab's `dflash_generate` decodes."""
+    block = drafter_block(target, drafter)
+    selector = getattr(drafter, "candidate_selector", None)
 
     def propose(context: Any, seq: list[int], room: int) -> list[int]:
-        return block_logits(context, seq, room).argmax(-1).tolist()
+        hidden, logits = block(context, seq, room)
+        if selector is None or not len(logits):
+            return logits.argmax(-1).tolist()
+        anchor = torch.tensor([seq[-1]], device=hidden.device)
+        return selector.path(hidden[None], logits.to(hidden.device)[None], anchor)[0].tolist()
 
     return propose
 

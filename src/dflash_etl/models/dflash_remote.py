@@ -121,20 +121,125 @@ class DFlashMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _local_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int,
+                group_size: int) -> torch.Tensor:
+    """DFlash2's grouped dynamic causal convolution along the positions of each block of
+    `block_size` (x [B, L, H], blocks laid end to end from position 0): tap t adds the state t
+    positions earlier in the same block times base[t] (per channel) + delta[..., t, g] (per
+    channel group, computed from the position's own state)."""
+    b, length, hidden = x.shape
+    groups = hidden // group_size
+    blocks = x.view(b, length, groups, group_size)
+    delta = delta.reshape(b, length, base.shape[0], groups, 1)
+    within = torch.arange(length, device=x.device) % block_size
+    out = torch.zeros_like(blocks)
+    for tap in range(base.shape[0]):
+        shifted = blocks if tap == 0 else F.pad(blocks[:, :-tap], (0, 0, 0, 0, tap, 0))
+        weight = base[tap].to(x.dtype).view(1, 1, groups, group_size) + delta[:, :, tap]
+        out = out + shifted * weight * (within >= tap).view(1, -1, 1, 1)
+    return out.view_as(x)
+
+
+class DFlashLocalConv(nn.Module):
+    """The two convolutions DFlash2 puts around a sublayer (its input, its output), their
+    per-token kernels from one projection of the input. Parameter names are z-lab's and
+    speculators' (GroupedDynamicCausalConv); it starts as the identity, as theirs does."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int, block_size: int) -> None:
+        super().__init__()
+        if hidden % group_size or kernel_size > block_size:
+            raise ValueError(f"DFlash2 convolution: hidden size {hidden} must be a multiple of "
+                             f"conv_group_size {group_size}, and conv_kernel_size "
+                             f"{kernel_size} at most block_size {block_size}")
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * (hidden // group_size),
+                                           bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved input, and the output side's per-token kernel."""
+        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, -1)
+        return (_local_conv(x, kernels[..., 0, :, :], self.base_kernel[0], self.block_size,
+                            self.group_size), kernels[..., 1, :, :])
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return _local_conv(x, delta, self.base_kernel[1], self.block_size, self.group_size)
+
+
+class DFlashCandidateSelector(nn.Module):
+    """DFlash2's selector: at each block position the unary top-k candidates of the LM head are
+    rescored by unary + (predecessor code * projected state) . successor code, the predecessor
+    being the token chosen one position earlier (the anchor for the first). Parameter names are
+    z-lab's and speculators' (the codebooks are plain parameters, stored without `.weight`)."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        for weight in (self.predecessor_codebook, self.successor_codebook,
+                       self.hidden_projection.weight):
+            nn.init.normal_(weight, std=0.02)
+
+    def transition(self, hidden: torch.Tensor, predecessors: torch.Tensor,
+                   candidates: torch.Tensor) -> torch.Tensor:
+        """The bilinear term: hidden [..., H], predecessors [...], candidates [..., K]: [..., K]."""
+        context = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)
+        return (context.unsqueeze(-2) * self.successor_codebook[candidates]).sum(-1)
+
+    def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+             ) -> torch.Tensor:
+        """The greedy path through a block: hidden [B, D, H], logits [B, D, V], anchors [B]
+        -> the chosen tokens [B, D], each position's predecessor the one chosen before it."""
+        unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        chosen, predecessor = [], anchors
+        for position in range(hidden.shape[1]):
+            scores = unary[:, position].float() + self.transition(
+                hidden[:, position], predecessor, candidates[:, position]).float()
+            predecessor = candidates[:, position].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            chosen.append(predecessor)
+        return torch.stack(chosen, dim=1) if chosen else candidates[..., 0]
+
+
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+    """Attention then MLP, each pre-normed with a residual; DFlash2 (`conv`: kernel size,
+    group size, block size) wraps each sublayer in its local convolutions."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, attention: type = DFlashAttention,
+                 conv: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DFlashAttention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
+        self.attention_conv = DFlashLocalConv(config.hidden_size, *conv) if conv else None
+        self.mlp_conv = DFlashLocalConv(config.hidden_size, *conv) if conv else None
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, past_key_values: Any = None
                 ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, position_ids, attention_mask,
-                               past_key_values)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.around(x, lambda h: self.self_attn(h, context, position_ids, attention_mask,
+                                                       past_key_values))
+
+    def around(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
+        """The layer given its attention as a function of the normed input."""
+        x = x + self._sublayer(self.input_layernorm(x), attend, self.attention_conv)
+        return x + self._sublayer(self.post_attention_layernorm(x), self.mlp, self.mlp_conv)
+
+    @staticmethod
+    def _sublayer(h: torch.Tensor, sublayer: Any, conv: DFlashLocalConv | None) -> torch.Tensor:
+        if conv is None:
+            return sublayer(h)
+        h, after = conv.prepare(h)
+        return conv.finish(sublayer(h), after)
 
 
 def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -166,7 +271,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.target_layer_ids = list(_dflash_value(config, "target_layer_ids"))
         self.block_size = int(_dflash_value(config, "block_size", 16))
         self.mask_token_id = _dflash_value(config, "mask_token_id")
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i)
+        conv = self._conv_shape(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, conv=conv)
                                     for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size,
@@ -192,9 +298,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             x = layer(x, context, position_ids, mask, past_key_values)
         return self.norm(x)
 
+    def _conv_shape(self, config: Qwen3Config) -> tuple[int, int, int] | None:
+        """DFlash has no local convolutions (DFlash2's: kernel size, group size, block)."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         """The target's LM head on the drafter's states (z-lab's method name)."""
         return output_head(hidden)
+
+    def draft_tokens(self, hidden: torch.Tensor, anchors: torch.Tensor, output_head: nn.Module
+                     ) -> torch.Tensor:
+        """The block's drafts from its states after the anchor [B, D, H]: the argmax."""
+        return self.compute_logits(hidden, output_head).argmax(-1)
 
     def target_context(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The drafter's input from a transformers forward's `hidden_states` (index 0 is the
@@ -248,7 +363,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                 hidden = self(position_ids=positions[None], noise_embedding=embed(block),
                               target_hidden=context, past_key_values=draft_cache)
                 crop(draft_cache, start)
-                block[0, 1:] = self.compute_logits(hidden[:, 1:], head).argmax(-1)[0]
+                block[0, 1:] = self.draft_tokens(hidden[:, 1:], block[:, 0], head)[0]
             out = target(block, position_ids=torch.arange(start, start + size,
                                                           device=device)[None],
                          use_cache=True, output_hidden_states=True, **{key: target_cache})
@@ -263,3 +378,26 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             crop(target_cache, start + accepted + 1)
             context = self.target_context(out.hidden_states)[:, :accepted + 1]
         return torch.tensor([tokens[:limit]], device=device)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """z-lab's DFlash2: DFlash with local convolutions around every sublayer and a candidate
+    selector choosing each draft among the LM head's top-k (dflash_config: conv_kernel_size,
+    conv_group_size, selector_rank, selector_top_k)."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        self.candidate_selector = DFlashCandidateSelector(
+            config.vocab_size, config.hidden_size, int(_dflash_value(config, "selector_rank")),
+            int(_dflash_value(config, "selector_top_k")))
+        self.post_init()
+
+    def _conv_shape(self, config: Qwen3Config) -> tuple[int, int, int] | None:
+        return (int(_dflash_value(config, "conv_kernel_size")),
+                int(_dflash_value(config, "conv_group_size")), self.block_size)
+
+    def draft_tokens(self, hidden: torch.Tensor, anchors: torch.Tensor, output_head: nn.Module
+                     ) -> torch.Tensor:
+        """The selector's greedy path (z-lab's `propose` at temperature 0)."""
+        return self.candidate_selector.path(hidden, self.compute_logits(hidden, output_head),
+                                            anchors)

@@ -8,6 +8,11 @@ token followed by block_size-1 mask tokens; its queries see the context before t
 whole block (bidirectional), and each mask position predicts its own token. The target's embedding
 and LM head are shared and frozen, so the drafter stores only its layers, fc and norms.
 
+DFlash2 (`arch = "dflash2"`, z-lab's, as speculators 0.9 trains it) adds a grouped dynamic causal
+convolution before and after each sublayer (within a block, starting as the identity) and a
+candidate selector: each draft is chosen among the LM head's top-k by unary + a low-rank bilinear
+term of the previous draft, the position's state and the candidate.
+
 One source for the architecture: the norms, the MLP and the attention's projections are the
 classes of dflash_remote.py, the standalone remote code every drafter directory carries (as
 `dflash.py`, which config.json's `auto_map` names). This module adds what training needs around
@@ -36,6 +41,9 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 REMOTE_CODE = "dflash.py"  # models/dflash_remote.py, copied beside the weights (auto_map)
 REMOTE_SOURCE = Path(__file__).with_name("dflash_remote.py")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2_FIELDS = ("arch", "conv_kernel_size", "conv_group_size", "selector_rank",
+                  "selector_top_k")
 
 
 @dataclass
@@ -58,6 +66,12 @@ class DrafterConfig:
     loss_decay_gamma: float = 7.0
     # the target's context length: vLLM sizes the drafter's rotary cache by it (32768 if absent)
     max_position_embeddings: int = 32768
+    # "dflash2": z-lab's DFlash2, with these (speculators' defaults); written in dflash_config
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     @classmethod
     def from_target(cls, target_config: Any, *, draft_layers: int, target_layer_ids: list[int],
@@ -88,10 +102,11 @@ class DrafterConfig:
         attention bias, full bidirectional attention, plain rotary), the target's context
         length, and the target layers in both conventions (see `aux_hidden_state_layer_ids`)."""
         doc = {k: v for k, v in asdict(self).items()
-               if k not in ("target_layer_ids", "mask_token_id")}
+               if k not in ("target_layer_ids", "mask_token_id", *DFLASH2_FIELDS)}
+        name = ARCHITECTURES[self.arch]
         doc.update({
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-            "auto_map": {"AutoModel": f"{REMOTE_CODE.removesuffix('.py')}.DFlashDraftModel"},
+            "architectures": [name], "model_type": "qwen3",
+            "auto_map": {"AutoModel": f"{REMOTE_CODE.removesuffix('.py')}.{name}"},
             "num_target_layers": self.target_num_hidden_layers,
             "target_hidden_size": self.hidden_size,
             "hidden_act": "silu", "attention_bias": False,
@@ -107,6 +122,8 @@ class DrafterConfig:
                 self.target_layer_ids),
             # which state of the target's last layer the drafter reads, if it reads that one
             "target_last_layer_state": LAST_LAYER_STATE})
+        if self.arch == "dflash2":
+            doc["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS[1:]})
         return doc
 
     @classmethod
@@ -114,7 +131,18 @@ class DrafterConfig:
         values = {k: v for k, v in doc.items() if k in cls.__dataclass_fields__}
         values["target_layer_ids"] = doc["dflash_config"]["target_layer_ids"]
         values["mask_token_id"] = doc["dflash_config"]["mask_token_id"]
+        names = {v: k for k, v in ARCHITECTURES.items()}
+        values["arch"] = names.get((doc.get("architectures") or ["DFlashDraftModel"])[0],
+                                   "dflash")
+        values.update({k: doc["dflash_config"][k] for k in DFLASH2_FIELDS[1:]
+                       if k in doc["dflash_config"]})
         return cls(**values)
+
+    @property
+    def conv_shape(self) -> tuple[int, int, int] | None:
+        """DFlash2's local convolutions (kernel size, group size, block size); DFlash: None."""
+        return (self.conv_kernel_size, self.conv_group_size, self.block_size) \
+            if self.arch == "dflash2" else None
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -153,22 +181,18 @@ class BlockAttention(remote.DFlashAttention):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class DecoderLayer(nn.Module):
-    """The remote code's decoder layer (its norms and MLP, in its order) with BlockAttention."""
+class DecoderLayer(remote.DFlashDecoderLayer):
+    """The remote code's decoder layer (its norms, MLP and DFlash2 convolutions, in its order)
+    with BlockAttention."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = remote.DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = BlockAttention(config, layer_idx)
-        self.post_attention_layernorm = remote.DFlashRMSNorm(config.hidden_size,
-                                                             config.rms_norm_eps)
-        self.mlp = remote.DFlashMLP(config)
+    def __init__(self, config: Any, layer_idx: int,
+                 conv: tuple[int, int, int] | None = None) -> None:
+        super().__init__(config, layer_idx, attention=BlockAttention, conv=conv)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, positions: torch.Tensor,
                 context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, positions, context_positions,
-                               mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.around(x, lambda h: self.self_attn(h, context, positions, context_positions,
+                                                       mask))
 
 
 def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor,
@@ -200,9 +224,16 @@ class DFlashDrafter(nn.Module):
         written = Qwen3Config(**c.to_json())
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = remote.DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(written, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(written, i, c.conv_shape)
+                                    for i in range(c.num_hidden_layers))
         self.norm = remote.DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.apply(self._init)
+        if c.arch == "dflash2":  # its convolutions start as the identity, as speculators' do
+            for layer in self.layers:
+                layer.attention_conv.reset_parameters()
+                layer.mlp_conv.reset_parameters()
+            self.candidate_selector = remote.DFlashCandidateSelector(
+                c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k)
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -282,16 +313,18 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """sum(w * cross_entropy(states @ W.T + b, labels)) a chunk of positions at a time, with the
     gradient for `states` computed in the same pass (softmax - one-hot, times W): the head is
     frozen, so nothing else needs a gradient and no chunk's logits are recomputed or kept for
-    the backward pass. Also returns per position whether the argmax is the label."""
+    the backward pass. Also returns per position whether the argmax is the label, and the ids
+    of its `top_k` largest logits (DFlash2's candidates; none for 0)."""
 
     @staticmethod
     def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, labels: torch.Tensor, label_weights: torch.Tensor,
-                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, head = states.shape[0], weight.device  # the head may sit on another device
         labels, label_weights = labels.to(head), label_weights.to(head)
         total = torch.zeros((), dtype=torch.float32, device=head)
         hits = torch.zeros(n, dtype=torch.bool, device=head)
+        candidates = torch.zeros((n, top_k), dtype=torch.long, device=head)
         grad = torch.empty_like(states, dtype=torch.float32) \
             if ctx.needs_input_grad[0] else None
         for a in range(0, n, chunk):
@@ -300,6 +333,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             rows = torch.arange(b - a, device=head)
             # few passes over the chunk's logits, in place: they dominate at a large vocabulary
             logits = F.linear(states[a:b].to(head, weight.dtype), weight, bias).float()
+            if top_k:
+                candidates[a:b] = logits.topk(top_k, dim=-1).indices
             picked = logits[rows, y]
             top, best = logits.max(dim=-1)
             hits[a:b] = best == y
@@ -311,24 +346,26 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 exps[rows, y] -= w
                 grad[a:b] = (exps.to(weight.dtype) @ weight).to(grad.device, torch.float32)
             del logits, exps
-        ctx.mark_non_differentiable(hits)
+        ctx.mark_non_differentiable(hits, candidates)
         ctx.save_for_backward(grad if grad is not None else torch.empty(0))
         ctx.states_dtype = states.dtype
-        return total.to(states.device), hits
+        return total.to(states.device), hits, candidates
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor, _grad_hits: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_total: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         (grad,) = ctx.saved_tensors
-        return (grad * grad_total).to(ctx.states_dtype), None, None, None, None, None
+        return (grad * grad_total).to(ctx.states_dtype), None, None, None, None, None, None
 
 
 def head_cross_entropy(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        labels: torch.Tensor, label_weights: torch.Tensor,
-                       chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk: int | None = None, top_k: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of the weighted cross-entropy of a frozen LM head's logits, argmax == label per
-    position) over states [P, H]; at most `chunk` positions' logits exist at one time
-    (default: `logit_chunk` of the head's rows). The head gets no gradient."""
+    position, the ids of each position's `top_k` largest logits [P, top_k]) over states
+    [P, H]; at most `chunk` positions' logits exist at one time (default: `logit_chunk` of the
+    head's rows). The head gets no gradient."""
     chunk = chunk or logit_chunk(weight.shape[0])
     return _HeadCrossEntropy.apply(states, weight.detach(),
                                    None if bias is None else bias.detach(), labels,
-                                   label_weights, chunk)
+                                   label_weights, chunk, top_k)

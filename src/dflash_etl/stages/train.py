@@ -47,6 +47,7 @@ from dflash_etl.validation.contracts import read_arrow
 STAGE = "train"
 F_HELD_OUT = "held_out_for_eval"
 STATE_SERVER = ("states_from", ("server",))  # the settings of --states-from server alone
+DFLASH2 = ("arch", ("dflash2",))  # the settings of a DFlash2 drafter alone
 F_NO_ANCHOR = "no_anchor"  # no position where the loss mask and its successor are both 1
 
 
@@ -131,6 +132,21 @@ class TrainSettings:
                                "(data), or the target's greedy token there (target: the argmax "
                                "of its final norm and LM head over its last layer's state, as "
                                "speculators trains; the anchor stays the row's token)")
+    # runs made before DFlash2 (a DFlash drafter) are not redone
+    arch: str = setting("dflash", choices=("dflash", "dflash2"), fingerprint="unless_default",
+                        help="the drafter: DFlash, or z-lab's DFlash2 (local convolutions around "
+                             "each sublayer and a candidate selector; docs/dflash2.md)")
+    conv_kernel_size: int = setting(2, min=1, applies=DFLASH2, fingerprint="unless_default",
+                                    help="DFlash2: taps of each local convolution")
+    conv_group_size: int = setting(16, min=1, applies=DFLASH2, fingerprint="unless_default",
+                                   help="DFlash2: hidden channels sharing a dynamic kernel")
+    selector_rank: int = setting(256, min=1, applies=DFLASH2, fingerprint="unless_default",
+                                 help="DFlash2: rank of the candidate selector")
+    selector_top_k: int = setting(16, min=1, applies=DFLASH2, fingerprint="unless_default",
+                                  help="DFlash2: the LM head's candidates the selector rescores")
+    selector_loss_alpha: float = setting(1.0, min=0, applies=DFLASH2,
+                                         fingerprint="unless_default",
+                                         help="DFlash2: weight of the selector's loss")
     device: str = setting("auto", fingerprint=False, choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target and the drafter run")
     device_map: str = setting("none", fingerprint=False, choices=("none", "auto"),
@@ -144,6 +160,10 @@ class TrainSettings:
         """The placement, and what a server's states need, checked before any work."""
         object.__setattr__(self, "states_endpoints", endpoint_list(self.states_endpoints))
         placement(self.device_map, self.max_memory)
+        if self.arch == "dflash2" and self.head_vocab == "draft":
+            raise StageError("[train] arch = \"dflash2\" needs the whole LM head (its selector "
+                             "scores token ids of the target's vocabulary, as z-lab's and "
+                             "speculators' DFlash2 require): use head_vocab = \"full\"")
         if self.states_from == "server" and not (
                 self.online and (self.states_endpoint or self.states_endpoints)
                 and self.states_dir):

@@ -127,11 +127,39 @@ class DraftVocab:
         return self._head[1], self._head[2]
 
 
+def selector_loss(selector: Any, states: Any, head_weight: Any, head_bias: Any,
+                  candidates: Any, labels: Any, predecessors: Any, weights: Any
+                  ) -> tuple[Any, Any]:
+    """DFlash2's selector objective, speculators 0.9's (models/dflash2/metrics.py): a
+    cross-entropy over each position's unary top-k candidates, the label injected in place of
+    the k-th when the top-k misses it, scored as at serving (unary logit + the bilinear term of
+    the predecessor, the teacher-forced previous label), weighted as the unary loss. Returns
+    (the weighted sum, per position whether the selector's choice is the label)."""
+    import torch
+    import torch.nn.functional as F
+
+    present = candidates == labels[:, None]
+    found = present.any(-1)
+    candidates = candidates.clone()
+    candidates[:, -1] = torch.where(found, candidates[:, -1], labels)
+    where = torch.where(found, present.long().argmax(-1), candidates.shape[1] - 1)
+    on_head = candidates.to(head_weight.device)  # the head may sit on another device
+    rows = head_weight[on_head].to(states.device, states.dtype)  # [P, k, H], frozen
+    unary = torch.einsum("ph,pkh->pk", states, rows)
+    if head_bias is not None:
+        unary = unary + head_bias[on_head].to(unary.device, unary.dtype)
+    scores = unary.float() + selector.transition(states, predecessors, candidates).float()
+    total = (F.cross_entropy(scores, where, reduction="none") * weights).sum()
+    return total, (scores.argmax(-1) == where) & found
+
+
 def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], weights: Any,
                chunk: int | None = None, normalizer: float | None = None,
-               vocab: DraftVocab | None = None) -> tuple[Any, dict[str, float]]:
+               vocab: DraftVocab | None = None, selector_alpha: float = 1.0
+               ) -> tuple[Any, dict[str, float]]:
     """The decay-weighted cross-entropy of a batch of blocks (divided by `normalizer`, default
-    the batch's own weight total), and its accuracy at offset 1.
+    the batch's own weight total), and its accuracy at offset 1; a DFlash2 drafter adds
+    `selector_alpha` times its selector's loss (`selector_loss`).
 
     Only supervised positions go through the LM head, `chunk` at a time (default: as many as
     keep a chunk's logits within drafter.LOGIT_BUDGET floats), with the head's gradient for
@@ -143,6 +171,7 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
     from dflash_etl.models.drafter import head_cross_entropy
 
     device = weights.device
+    selector = getattr(getattr(drafter, "module", drafter), "candidate_selector", None)
     with torch.no_grad():
         block_embeds = embed(batch["block_ids"].to(device)).float()
     hidden = drafter(batch["hidden"].to(device), batch["valid"].to(device), block_embeds,
@@ -151,6 +180,9 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
     first = torch.zeros_like(ok)
     first[..., 0] = True
     labels = batch["labels"][:, :, 1:].to(device)[ok]
+    # each position's predecessor: the anchor, then the label before it (the accepted path)
+    before = torch.cat([batch["block_ids"][:, :, :1], batch["labels"][:, :, 1:-1]], dim=2)
+    before = before.to(device)[ok]
     w = (weights[1:] * ok)[ok]
     states = hidden[:, :, 1:][ok]  # [supervised positions, hidden]
     first = first[ok]
@@ -162,12 +194,25 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
         outside = int((~inside).sum())
         labels, w, states, first = mapped[inside], w[inside], states[inside], first[inside]
         head_weight, head_bias = vocab.head(lm_head)
-    total, hits = head_cross_entropy(states, head_weight, head_bias, labels, w, chunk)
+    total, hits, candidates = head_cross_entropy(
+        states, head_weight, head_bias, labels, w, chunk,
+        top_k=0 if selector is None else min(selector.top_k, head_weight.shape[0]))
     hits = hits.to(first.device)  # the head's device, under a device-mapped target
-    loss = total / (normalizer if normalizer is not None else w.sum() + 1e-6)
-    metrics = {"loss": float(loss.detach()),
-               "acc_1": float((hits & first).sum() / first.sum().clamp(min=1)),
-               "supervised": len(labels)}
+    divide = normalizer if normalizer is not None else w.sum() + 1e-6
+    metrics: dict[str, float] = {}
+    if selector is not None:
+        picked_total, picked = selector_loss(
+            selector, states, head_weight.detach(),
+            None if head_bias is None else head_bias.detach(), candidates.to(device),
+            labels, before, w)
+        total = total.to(device) + selector_alpha * picked_total.to(device)
+        picked = picked.to(first.device)
+        metrics.update(selector_loss=float(picked_total.detach()) / float(divide),
+                       selector_acc_1=float((picked & first).sum() / first.sum().clamp(min=1)))
+    loss = total / divide
+    metrics.update({"loss": float(loss.detach()),
+                    "acc_1": float((hits & first).sum() / first.sum().clamp(min=1)),
+                    "supervised": len(labels)})
     if vocab is not None:
         metrics.update(outside_draft_vocab=float(outside), inside_draft_vocab=float(len(labels)))
     return loss, metrics

@@ -32,6 +32,12 @@ class TrainingSettings(Protocol):
     device_map: str
     max_memory: str
     labels: str
+    arch: str
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    selector_loss_alpha: float
 
     @property
     def warmup(self) -> int: ...

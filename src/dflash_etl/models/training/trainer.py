@@ -83,6 +83,12 @@ class Trainer:
             target_layer_ids=self.target.layers, mask_token_id=self.mask_token_id,
             block_size=settings.block_size)
         config.loss_decay_gamma = settings.gamma
+        if settings.arch == "dflash2":
+            config.arch = "dflash2"
+            config.conv_kernel_size, config.conv_group_size = (settings.conv_kernel_size,
+                                                               settings.conv_group_size)
+            config.selector_rank, config.selector_top_k = (settings.selector_rank,
+                                                           settings.selector_top_k)
         self.drafter = DFlashDrafter(config).to(self.device)
         self.model = self.drafter
         if world > 1:
@@ -121,7 +127,8 @@ class Trainer:
         states, labels = self._labels(mine, states, picks)
         batch = make_batch(mine, states, picks, s.block_size, self.mask_token_id, labels)
         loss, metrics = block_loss(self.model, self.embed, self.lm_head, batch, self.weights,
-                                   normalizer=max(normalizer, 1e-6), vocab=self.vocab)
+                                   normalizer=max(normalizer, 1e-6), vocab=self.vocab,
+                                   selector_alpha=s.selector_loss_alpha)
         if labels is not None:  # how many of the supervised labels the target changed
             metrics["labels_changed"] = float(batch["labels_changed"] if share else 0)
             metrics["labels_total"] = float(batch["label_ok"].sum() if share else 0)
