@@ -165,7 +165,8 @@ def train_ours(settings: Any, rows: list[dict[str, Any]], extracted: Any, index:
     seconds, cpu = last - start, time.process_time() - cpu
     states.close()
     trainer.drafter.save(out / "drafter")
-    return {**_speed(seconds, cpu, durations),
+    return {**_speed(seconds, cpu, durations), "steps": settings.steps,
+            "parameters": sum(p.numel() for p in trainer.drafter.parameters()),
             "final_loss": round(float(np.mean(losses[-30:])), 4), "drafter": out / "drafter"}
 
 
@@ -262,6 +263,12 @@ def speculators_argv(command: str, save: Path, settings: Any, seq_len: int,
             # CPU: no flex attention, no Triton kernels, no worker processes, no logger
             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
             "--num-workers", "0", "--logger", ""]
+    if settings.arch == "dflash2":  # the run's export printed a DFlash command
+        at = argv.index("--speculator-type")
+        argv[at + 1] = "dflash2"
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                     "selector_loss_alpha"):
+            argv += [f"--{name.replace('_', '-')}", str(getattr(settings, name))]
     if variant == "matched":  # "defaults": its own optimizer, schedule, lr, loss and weighting
         argv += ["--lr", str(settings.lr), "--optimizer", "adamw",
                  "--weight-decay", str(settings.weight_decay), "--scheduler-type", "cosine",
@@ -299,10 +306,16 @@ def load_speculators_drafter(checkpoint: Path) -> Any:
     here, as ours are."""
     from speculators.models.dflash import DFlashSpeculatorConfig
     from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.dflash2 import DFlash2SpeculatorConfig
+    from speculators.models.dflash2.core import DFlash2DraftModel
 
-    config = DFlashSpeculatorConfig.from_pretrained(str(checkpoint))
+    kind = json.loads((checkpoint / "config.json").read_text())["speculators_model_type"]
+    config_class, model_class = ((DFlash2SpeculatorConfig, DFlash2DraftModel)
+                                 if kind == "dflash2" else
+                                 (DFlashSpeculatorConfig, DFlashDraftModel))
+    config = config_class.from_pretrained(str(checkpoint))
     config.transformer_layer_config._attn_implementation = "sdpa"
-    return DFlashDraftModel.from_pretrained(str(checkpoint), config=config).float().eval()
+    return model_class.from_pretrained(str(checkpoint), config=config).float().eval()
 
 
 def speculators_proposer(model: Any) -> Callable[[Any, list[int], int], list[int]]:
@@ -310,11 +323,13 @@ def speculators_proposer(model: Any) -> Callable[[Any, list[int], int], list[int
     before the anchor become every layer's extra keys and values (`fc`, `hidden_norm`), the block
     (anchor, then mask tokens) attends to them and to itself (full attention), its own
     draft-vocabulary head picks each position's token and d2t maps it to a target id
-    (target id = draft id + d2t[draft id])."""
+    (target id = draft id + d2t[draft id]); a DFlash2 drafter's own candidate selector picks
+    the greedy path instead, one position at a time (its `select`, as z-lab decodes)."""
     import torch
 
     block, mask = model.block_size, model.mask_token_id
     d2t = model.d2t
+    selector = getattr(model, "candidate_selector", None)
 
     def propose(context: Any, seq: list[int], room: int) -> list[int]:
         drafts = max(0, min(block - 1, room))
@@ -331,7 +346,16 @@ def speculators_proposer(model: Any) -> Callable[[Any, list[int], int], list[int
             for layer in model.layers:
                 x = layer(hidden_states=x, target_hidden=target_hidden, attention_mask=None,
                           position_ids=positions, position_embeddings=embeddings)
-            picked = model.lm_head(model.norm(x))[0, 1:].argmax(-1)
+            states = model.norm(x)[0, 1:]
+            logits = model.lm_head(states)
+            if selector is not None:
+                chosen, before = [], torch.tensor([seq[-1]])
+                for p in range(drafts):
+                    ids, scores = selector.select(logits[p:p + 1], states[p:p + 1], before)
+                    before = ids[0, scores[0].argmax()][None]
+                    chosen.append(int(before))
+                return chosen
+            picked = logits.argmax(-1)
             if d2t is not None:
                 picked = picked + d2t[picked]
         return picked.tolist()
@@ -439,6 +463,10 @@ def main() -> None:
     parser.add_argument("--ours-target", action="store_true",
                         help="also train ours with labels = target: the target-head pass "
                              "speculators makes every step, for a like-for-like speed")
+    parser.add_argument("--arch", choices=("dflash", "dflash2"),
+                        help="the drafter both trainers train (default: the run's); dflash2 "
+                             "also trains ours as DFlash at equal steps and at DFlash2's wall "
+                             "time (what the extra parameters buy)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="times each trainer is timed per seed, in alternating order, so "
                              "other load falls on both (tau: the first round's drafters)")
@@ -455,6 +483,8 @@ def main() -> None:
         base = replace(base, steps=args.steps)  # the run's warm-up rule (default: 4%)
     if args.labels:
         base = replace(base, labels=args.labels)
+    if args.arch:
+        base = replace(base, arch=args.arch)
     data = WORK / "speculators-data"
     doc = export(run, "speculators", data, progress=False)
     split = int(doc["rows_in"] * TRAIN_RATIO)
@@ -467,7 +497,8 @@ def main() -> None:
     variants = [] if args.ours_only else ["matched",
                                           *(["defaults"] if args.their_defaults else [])]
     # ours again with the target's labels: the head pass theirs makes every step (like for like)
-    ours = ["ours", *(["ours_target"] if args.ours_target and base.labels != "target" else [])]
+    ours = ["ours", *(["ours_target"] if args.ours_target and base.labels != "target" else []),
+            *(["ours_dflash"] if base.arch == "dflash2" else [])]
     contenders = [*ours, *(f"theirs_{v}" for v in variants)]
     print(f"export, rows, target: {time.perf_counter() - clock:.0f} s", flush=True)
     results = []
@@ -479,11 +510,12 @@ def main() -> None:
         # alternating order, so a burst of load falls on both sides of every ratio
         for round_no in range(args.rounds):
             order = contenders if round_no % 2 == 0 else contenders[::-1]
+            if round_no == 0 and "ours_dflash" in contenders:  # after ours and ours_dflash
+                order = [*order, "ours_dflash_time"]
             speeds: dict[str, float] = {}
             for name in order:
                 if name.startswith("ours"):
-                    labels = "target" if name == "ours_target" else settings.labels
-                    got = train_ours(replace(settings, labels=labels), rows, extracted, index,
+                    got = train_ours(_our_variant(settings, name, row), rows, extracted, index,
                                      WORK / f"{name}-{seed}")
                     lap(f"{name} round {round_no}")
                     if round_no == 0:
@@ -508,7 +540,8 @@ def main() -> None:
                 if round_no == 0:
                     row[name] = _public(got)
                     lap(f"tau {name}")
-                speeds[name] = got["median_steps_per_s"]
+                if name != "ours_dflash_time":  # its steps differ: not a speed contender
+                    speeds[name] = got["median_steps_per_s"]
             row["rounds"].append(speeds)
         row["wall_s"] = lap.seconds
         results.append(row)
@@ -519,6 +552,20 @@ def main() -> None:
         return
     write_results(args, run, base, doc, rows, seq_len, results, variants,
                   time.perf_counter() - clock, bench.prompts or bench.items)
+
+
+def _our_variant(settings: Any, name: str, row: dict[str, Any]) -> Any:
+    """Our trainer's settings for a contender: ours; ours with the target's labels; ours as
+    DFlash at equal steps; ours as DFlash for as many steps as DFlash2's wall time buys
+    (from both's round-0 speeds in `row`)."""
+    if name == "ours_target":
+        return replace(settings, labels="target")
+    if name == "ours_dflash":
+        return replace(settings, arch="dflash")
+    if name == "ours_dflash_time":
+        ratio = row["ours_dflash"]["median_steps_per_s"] / row["ours"]["median_steps_per_s"]
+        return replace(settings, arch="dflash", steps=max(1, round(settings.steps * ratio)))
+    return settings
 
 
 class _Lap:
@@ -659,6 +706,30 @@ def speed_table(speeds: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def arch_table(results: list[dict[str, Any]], settings: Any) -> list[str]:
+    """--arch dflash2: ours as DFlash2 against ours as DFlash at equal steps and at DFlash2's
+    wall time (round 0 of each seed)."""
+    if "ours_dflash" not in results[0]:
+        return []
+    lines = ["## DFlash2 against DFlash (ours)", "",
+             f"The same rows, seed and settings; DFlash at {settings.steps} steps (equal steps) "
+             "and at the steps DFlash2's wall time buys it (DFlash2's steps x the speed ratio of "
+             "the seed's first round).", "",
+             "| seed | DFlash2 tau | DFlash tau, equal steps | DFlash tau, equal time (steps) "
+             "| DFlash2 steps/s | DFlash steps/s | DFlash2 parameters / DFlash's |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        two, one, timed = r["ours"], r["ours_dflash"], r["ours_dflash_time"]
+        lines.append(f"| {r['seed']} | {two['tau']:.3f} | {one['tau']:.3f} | "
+                     f"{timed['tau']:.3f} ({timed['steps']}) | "
+                     f"{two['median_steps_per_s']:.2f} | {one['median_steps_per_s']:.2f} | "
+                     f"{two['parameters'] / one['parameters']:.2f} |")
+    mean = {k: _mean([r[k]["tau"] for r in results])
+            for k in ("ours", "ours_dflash", "ours_dflash_time")}
+    return [*lines, f"| **mean** | {mean['ours']:.3f} | {mean['ours_dflash']:.3f} | "
+                    f"{mean['ours_dflash_time']:.3f} | | | |", ""]
+
+
 def write_ours(args: argparse.Namespace, settings: Any, results: list[dict[str, Any]],
                seconds: float) -> None:
     """--ours-only: OUT.json and a short OUT.md, our trainer's tau and speed per seed."""
@@ -726,12 +797,17 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
     summary["goal_speed"] = summary["speed_ratio"] >= 1.5
     if "defaults" in variants:
         summary["theirs_defaults_tau"] = _mean([r["theirs_defaults"]["tau"] for r in results])
+    if "ours_dflash" in results[0]:
+        summary["ours_dflash_tau"] = _mean([r["ours_dflash"]["tau"] for r in results])
+        summary["ours_dflash_time_tau"] = _mean([r["ours_dflash_time"]["tau"] for r in results])
+        summary["ours_dflash_speed_ratio"] = speeds["ratio_to_theirs"]["ours_dflash"]["median"]
     command = (f"python benchmarks/bench_trainer_vs_speculators.py --run {_shown(args.run)} "
                f"--steps {settings.steps} --seeds {args.seeds} --prompts-from "
                f"{args.prompts_from} --prompts {args.prompts} --new-tokens {args.new_tokens}"
                + (" --their-defaults" if args.their_defaults else "")
                + (" --ours-target" if args.ours_target else "")
                + f" --rounds {args.rounds}"
+               + (f" --arch {args.arch}" if args.arch else "")
                + (f" --labels {args.labels}" if args.labels else "")
                + ("" if args.out == DEFAULT_OUT else f" --out {_shown(args.out)}"))
     per_batch = _mean([t["rows_per_batch"] for t in theirs])
@@ -753,7 +829,7 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
     extra = "defaults" in variants
     target = "ours_target" in results[0]
     m = result["machine"]
-    lines = [f"# trainer vs speculators — {date}", "",
+    lines = [f"# trainer vs speculators ({settings.arch}) — {date}", "",
              f"{m['cores']} CPU cores, which other jobs may share (so the steps/s are of the "
              "median step, robust to bursts of their load, with the CPU seconds per step "
              f"beside them), Python {m['python']}, torch {m['torch']}, speculators "
@@ -802,7 +878,8 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
                   "gamma": settings.gamma, "head_vocab": settings.head_vocab,
                   "labels": settings.labels,
                   "draft_vocab": doc["draft_vocab_size"], "clip": settings.grad_clip,
-                  "ratio": TRAIN_RATIO, "train_rows": len(rows)}), ""]
+                  "ratio": TRAIN_RATIO, "train_rows": len(rows)}), "",
+              *arch_table(results, settings)]
     previous = args.out.with_suffix(".md")
     notes = ""
     if previous.exists():

@@ -193,3 +193,12 @@ def test_the_selector_loss_is_speculators_objective(drafter):
     assert abs(float(total.detach()) - float(want.detach())) <= 1e-5 * float(want.detach())
     assert torch.allclose(mine, states.grad, atol=1e-5)
     assert picked.tolist() == ((scores.argmax(-1) == where) & found).tolist()
+
+
+def test_dflash2_with_a_draft_vocabulary_head_is_refused_before_any_work():
+    from dflash_etl.core.errors import StageError
+    from dflash_etl.stages.train import TrainSettings
+
+    with pytest.raises(StageError, match="whole LM head"):
+        TrainSettings(target="/t", arch="dflash2", head_vocab="draft")
+    assert TrainSettings(target="/t", arch="dflash", head_vocab="draft").head_vocab == "draft"

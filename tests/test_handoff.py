@@ -295,6 +295,50 @@ def test_speculators_trains_a_few_steps_from_the_printed_command(speculators_run
     assert layers["use_sliding_window"] is False
 
 
+def test_a_dflash2_run_exports_a_command_speculators_trains_as_dflash2(speculators_run,
+                                                                      tmp_path, monkeypatch):
+    """train arch = "dflash2": the printed command asks speculators 0.9 for its dflash2 with our
+    convolution and selector settings (its CLI resolution), its own trainer trains a few steps
+    from it, and the drafter it saves holds the tensors ours holds, of the same shapes."""
+    pytest.importorskip("speculators.train.cli", reason=SPECULATORS_HINT)
+    import speculators.train.trainer as trainer_module
+    from safetensors.torch import load_file
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    from dflash_etl.stages import train
+
+    run = tmp_path / "run"
+    shutil.copytree(speculators_run, run, ignore=shutil.ignore_patterns("docs", ".lock"))
+    target = json.loads((run / "manifest.json").read_text())["stages"]["extract"]["settings"][
+        "model"]
+    train.run(None, run, progress=False, target=target, layers="1,2", draft_layers=1,
+              block_size=4, steps=2, batch_rows=2, eval_prompts=1, eval_new_tokens=4,
+              save_every=100, arch="dflash2", selector_rank=8, selector_top_k=4)
+    from dflash_etl.models.serving import DFLASH2_SERVING, serve_notes
+
+    assert DFLASH2_SERVING in serve_notes(run)  # the serve line's engines, said
+    doc = export(run, "speculators", tmp_path / "speculators")
+    argv = shlex.split(doc["command"])[3:]
+    flat = TrainConfig.resolve(argv).flatten()
+    assert flat["speculator_type"] == "dflash2"
+    assert (flat["selector_rank"], flat["selector_top_k"], flat["conv_kernel_size"],
+            flat["conv_group_size"]) == (8, 4, 2, 16)
+    saved = tmp_path / "drafter"
+    argv += ["--save-path", str(saved), "--max-steps", "2", "--epochs", "1", "--num-workers",
+             "0", "--logger", "", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    monkeypatch.setattr(trainer_module, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    cli.main(TrainConfig.resolve(argv))
+    config = json.loads((saved / "0" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash2"
+    assert (config["selector_rank"], config["selector_top_k"]) == (8, 4)
+    theirs = load_file(str(saved / "0" / "model.safetensors"))
+    ours = load_file(str(run / "train" / "drafter" / "model.safetensors"))
+    shared = {k: v.shape for k, v in theirs.items() if k in ours}
+    assert shared == {k: v.shape for k, v in ours.items()}  # every tensor of ours, same shape
+
+
 def _size(directory: Path, pattern: str) -> int:
     return sum(p.stat().st_size for p in directory.rglob(pattern))
 

@@ -227,6 +227,20 @@ def _head(inputs: dict[str, Any], draft_vocab_size: int) -> dict[str, Any]:
             "(head_vocab = \"full\"): no --draft-vocab-size"}
 
 
+def _arch(inputs: dict[str, Any]) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """train's drafter (its arch; for DFlash2 its convolution and selector settings), so the
+    printed speculators command trains the same kind of drafter as ours."""
+    from dflash_etl.stages.train import TrainSettings
+
+    declared, defaults = inputs["train_settings"], TrainSettings()
+    arch = declared.get("arch") or defaults.arch
+    if arch != "dflash2":
+        return arch, ()
+    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+             "selector_loss_alpha")
+    return arch, tuple((n, declared.get(n, getattr(defaults, n))) for n in names)
+
+
 def _link(source: Path, dest: Path, how: str) -> str:
     """`dest` as a hard link, symlink or copy of `source`; a hard link across file systems
     falls back to a symlink (said in export.json)."""
@@ -274,13 +288,15 @@ def _speculators(inputs: dict[str, Any], partial: Path, final: Path, link: str,
     drafter: DrafterOutput | None = inputs["drafter"]
     draft_layers, block_size = _drafter_shape(inputs)
     head = _head(inputs, tokenized.draft_vocab_size)
+    arch, dflash2 = _arch(inputs)
     training = speculators.SpeculatorsTraining(
         target=inputs["target"], data_path=str(final.resolve()),
         save_path=str((final.parent / "speculators-drafter").resolve()), layers=states.layers,
         draft_vocab_size=tokenized.draft_vocab_size, draft_layers=draft_layers,
         block_size=block_size, seq_length=tokenized.seq_length,
         mask_token_id=drafter.mask_token_id if drafter else None,
-        rows_without_states=missing, states_dtype=states.dtype, head_vocab=head["vocab"])
+        rows_without_states=missing, states_dtype=states.dtype, head_vocab=head["vocab"],
+        arch=arch, dflash2=dflash2)
     return {
         "rows_in": n_rows, "rows_out": written,
         "rows_quarantined": missing, "quarantine_reasons": _extract_reasons(inputs, missing),

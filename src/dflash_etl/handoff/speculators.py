@@ -31,10 +31,13 @@ class SpeculatorsTraining:
     rows_without_states: int
     states_dtype: str  # extract's: fp32 or bf16
     head_vocab: str = "full"  # ours (train's head_vocab): the whole LM head, or the draft rows
+    # train's arch, and for "dflash2" its conv/selector settings (speculators' flag names)
+    arch: str = "dflash"
+    dflash2: tuple[tuple[str, float], ...] = ()
 
     def argv(self) -> list[str]:
         args = ["python", "-m", "speculators.train",
-                "--speculator-type", "dflash",
+                "--speculator-type", self.arch,
                 "--verifier-name-or-path", self.target,
                 "--data-path", self.data_path,
                 "--save-path", self.save_path,
@@ -48,6 +51,8 @@ class SpeculatorsTraining:
                 # its loader casts the states to this; it defaults to bf16 whatever was stored
                 "--hidden-states-dtype",
                 "bfloat16" if self.states_dtype == "bf16" else "float32"]
+        for name, value in self.dflash2:
+            args += [f"--{name.replace('_', '-')}", str(value)]
         if self.head_vocab == "draft":
             # its head over t2d's rows, as ours; without the flag it predicts over the whole
             # verifier vocabulary, as our default head does (speculators' parse_vocab_mappings)

@@ -66,6 +66,14 @@ def attention_mismatch(config: dict[str, Any], where: str | Path) -> str | None:
             "\"full_attention\" for every layer and drop use_sliding_window / is_causal")
 
 
+# what the field's issue trackers said as of 2026-12 (not checked here: vLLM needs a GPU)
+DFLASH2_SERVING = (
+    "note: the drafter is DFlash2 (config.json architectures = DFlash2DraftModel): vLLM loads it "
+    "from 0.28.0 on (vllm-project/vllm#52816, the same \"method\": \"dflash\"); earlier vLLM "
+    "and SGLang's DFlash load DFlash drafters only (vllm-ascend#14524 and others are open). "
+    "z-lab's dflash_generate decodes it as is")
+
+
 def vllm_command(run_root: str | Path) -> str:
     """The copy-pasteable `vllm serve TARGET --speculative-config ...` line for a run's trained
     drafter (the target it was trained against, num_speculative_tokens = block_size - 1, and
@@ -145,6 +153,8 @@ def serve_notes(run_root: str | Path) -> list[str]:
     notes = [caveat] if (caveat := last_layer_caveat(run_root)) else []
     run = RunDir(Path(run_root))
     found = run.published(DrafterOutput)
+    if found is not None and found[1].settings.get("arch") == "dflash2":
+        notes.append(DFLASH2_SERVING)
     if found is not None and (template := rows_template(run, found[1].settings["target"])).note:
         notes.append(f"note: {template.note}" + (
             f" ({template.flags.strip()} in the line above makes vLLM render with it)"
