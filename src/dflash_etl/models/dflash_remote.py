@@ -193,7 +193,7 @@ class DFlashCandidateSelector(nn.Module):
                    candidates: torch.Tensor) -> torch.Tensor:
         """The bilinear term: hidden [..., H], predecessors [...], candidates [..., K]: [..., K]."""
         context = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)
-        return (context.unsqueeze(-2) * self.successor_codebook[candidates]).sum(-1)
+        return torch.matmul(self.successor_codebook[candidates], context.unsqueeze(-1))[..., 0]
 
     def path(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
              ) -> torch.Tensor:

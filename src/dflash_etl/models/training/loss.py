@@ -145,7 +145,7 @@ def selector_loss(selector: Any, states: Any, head_weight: Any, head_bias: Any,
     where = torch.where(found, present.long().argmax(-1), candidates.shape[1] - 1)
     on_head = candidates.to(head_weight.device)  # the head may sit on another device
     rows = head_weight[on_head].to(states.device, states.dtype)  # [P, k, H], frozen
-    unary = torch.einsum("ph,pkh->pk", states, rows)
+    unary = torch.bmm(rows, states.unsqueeze(-1))[..., 0]
     if head_bias is not None:
         unary = unary + head_bias[on_head].to(unary.device, unary.dtype)
     scores = unary.float() + selector.transition(states, predecessors, candidates).float()
