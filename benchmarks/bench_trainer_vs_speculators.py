@@ -686,6 +686,8 @@ def interleaved(results: list[dict[str, Any]]) -> dict[str, Any]:
     return doc
 
 
+CLASSES = {"dflash": "DFlashDraftModel",
+           "dflash2": "DFlash2DraftModel, its candidate selector choosing the drafts"}
 NAMES = {"ours": "ours", "ours_target": "ours, labels = target",
          "theirs_matched": "speculators, matched", "theirs_defaults": "speculators, its defaults"}
 
@@ -865,7 +867,7 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
               "tau: the same simulator for both (`speculative_decode`, greedy), "
               f"{len(bench_prompts)} seeded prompts ({PROMPTS[args.prompts_from]}), "
               f"{args.new_tokens} new tokens per turn; neither trainer saw them. Theirs "
-              "drafts with its own `DFlashDraftModel` (its checkpoint and the head the "
+              f"drafts with its own `{CLASSES[settings.arch]}` (its checkpoint and the head the "
               "export's command gives it: the full vocabulary, or the draft vocabulary and d2t "
               "back to target ids with `head_vocab = draft`). steps/s: the optimizer steps "
               "only (ours: `Trainer.step` in a loop; theirs: its `train_epoch`s), final losses "

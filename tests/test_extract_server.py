@@ -544,3 +544,54 @@ def test_the_server_backend_refuses_the_last_layer_it_would_give_before_the_norm
     with pytest.raises(StageError, match=r"cannot give layer 3 .*before the final norm.*"
                                          r"below 3"):
         ServerTarget(settings, [1, 3], 4, 64)
+
+
+def test_a_synthetic_width_server_passes_extracts_checks_and_serves_its_table(
+        tiny_target, default_tokenized, copy_run, tmp_path):
+    """The dev server's width mode (`--synthetic-states`): no model, a config's width (here 6
+    layers x 256, bf16). extract --backend server, whose client machine holds the config and
+    tokenizer only, stores every row through the protocol's checks (token ids, shapes, paths
+    under states_dir), each token's states the table row its token id picks."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dflash_etl.models.devserver import DevServer, SyntheticStates
+    from dflash_etl.models.states_server import vllm_layer_ids
+    from dflash_etl.stages import extract
+
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_target, wide, ignore=shutil.ignore_patterns("*.safetensors*"))
+    config = json.loads((wide / "config.json").read_text())
+    config.update(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, head_dim=64,
+                  intermediate_size=512, torch_dtype="bfloat16")
+    (wide / "config.json").write_text(json.dumps(config))
+    run = copy_run(default_tokenized, tmp_path / "run")
+    with DevServer(str(wide), extract_layers=vllm_layer_ids([1, 3], 6),
+                   states_dir=str(tmp_path / "served"), synthetic=True) as srv:
+        assert isinstance(srv.states, SyntheticStates)
+        kw = {"model": str(wide), "layers": "1,3", "backend": "server", "endpoint": srv.url,
+              "states_dir": str(tmp_path / "served"), "concurrency": 2, "retries": 0}
+        # --plan through the same client (before: it loaded the target here, which a client
+        # machine of a 27B server cannot): its projected bytes against what the stage writes
+        planned = extract.run(None, run, progress=False, plan=True, plan_batches=2, **kw)
+        doc = extract.run(None, run, progress=False, **kw)
+        table = srv.states.table
+    total = doc["total"]
+    assert total["rows_out"] == total["rows_in"] > 0 and total["rows_quarantined"] == 0
+    assert total["server_check"]["ran"] is False  # no weights here: skipped, said
+    shards = sorted((run / "extract" / "hidden_states").glob("*.safetensors"))
+    checked = 0
+    for shard in shards:
+        data = load_file(str(shard))
+        ids = data["token_ids"].long()
+        assert data["hidden_states"].shape[1:] == (3, 256)  # the chosen layers and the last
+        expected = table[ids % SyntheticStates.TABLE_ROWS].float()
+        assert torch.equal(data["hidden_states"].float(), expected)
+        checked += len(ids)
+    assert checked == sum(e["length"] for e in pq.read_table(
+        run / "extract" / "index.parquet").to_pylist())
+    assert not list((tmp_path / "served").glob("*.safetensors"))  # the client removed them
+    written = sum(f.stat().st_size for f in shards)
+    assert abs(planned["projected"]["bytes"] - written) <= 0.1 * written

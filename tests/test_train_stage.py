@@ -120,10 +120,18 @@ def test_a_dflash2_drafter_trains_and_zlabs_decode_counts_its_tau(
 
     run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     doc = train.run(None, run_dir, progress=False, target=str(untied_target), arch="dflash2",
-                    selector_rank=32, **{**SMALL, "steps": 120, "eval_prompts": 6,
-                                         "eval_new_tokens": 24, "anchors_per_row": 16})
+                    selector_rank=32, eval_tree_budget=6,
+                    **{**SMALL, "steps": 120, "eval_prompts": 6, "eval_new_tokens": 24,
+                       "anchors_per_row": 16})
     evaluation = json.loads((run_dir / "train" / "eval.json").read_text())
     assert evaluation["tau_final"] > evaluation["tau_untrained"] + 1.0
+    # the tree's tau at one budget, beside the chain's: the same drafter's unary distributions
+    tree = evaluation["tree"]
+    assert tree["budget"] == 6 and 0 < tree["nodes_per_step"] <= 6 and tree["tau"] > 1.0
+    assert doc["total"]["tau_tree"] == tree and doc["total"]["arch"] == "dflash2"
+    record = json.loads((run_dir / "manifest.json").read_text())["stages"]["train"]
+    assert any(f"tau {tree['tau']:.3f}" in line and "<= 6 drafts" in line
+               for line in train.TrainStage.summary(doc, record, run_dir / "train"))
     log = [json.loads(line) for line in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
     assert np.mean([r["selector_loss"] for r in log[-10:]]) < np.mean(
         [r["selector_loss"] for r in log[:10]]) - 0.5
@@ -499,7 +507,7 @@ def test_errors_name_the_cause(extracted, untied_target, tmp_path, copy_run):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
-@pytest.mark.parametrize("mode", ["offline", "launcher",
+@pytest.mark.parametrize("mode", ["offline", "launcher", "dflash2",
                                   pytest.param("online", marks=pytest.mark.slow)])
 def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_path, mode,
                                                   copy_run):
@@ -507,9 +515,11 @@ def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_
     takes half of every batch, rank 0 writes, and the drafter equals one process's on the whole
     batches (the loss is normalised by the whole batch's weight total on every rank). Online,
     each rank holds a target replica and computes its half's states per batch: the drafter
-    still equals one process's trained offline on the extracted states of the same batches."""
+    still equals one process's trained offline on the extracted states of the same batches.
+    A DFlash2 drafter (its selector's loss computed beside DDP's forward) too."""
     run_dir = copy_run(extracted, tmp_path, "*train*", "docs")
     online = ["--online", "--layers", "2"] if mode == "online" else []
+    arch = {"arch": "dflash2", "selector_rank": 16} if mode == "dflash2" else {}
     if online:
         shutil.rmtree(run_dir / "extract")  # nothing but the target gives the states
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -522,7 +532,8 @@ def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_
     result = subprocess.run(
         [*launch, "--run", str(run_dir), "--target", str(untied_target), "--draft-layers", "1",
          "--block-size", "8", "--steps", "4", "--batch-rows", "4", "--anchors-per-row", "8",
-         "--eval-prompts", "2", "--eval-new-tokens", "4", *online],
+         "--eval-prompts", "2", "--eval-new-tokens", "4", *online,
+         *(f"--{k.replace('_', '-')}={v}" for k, v in arch.items())],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     if mode == "launcher":
@@ -536,10 +547,12 @@ def test_torchrun_two_processes_train_one_drafter(extracted, untied_target, tmp_
 
     single = copy_run(extracted, tmp_path / "single", "*train*", "docs")
     train.run(None, single, progress=False, target=str(untied_target), draft_layers=1, block_size=8,
-              steps=4, batch_rows=4, anchors_per_row=8, eval_prompts=2, eval_new_tokens=4)
+              steps=4, batch_rows=4, anchors_per_row=8, eval_prompts=2, eval_new_tokens=4,
+              **arch)
     a = load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
     b = load_file(str(single / "train" / "drafter" / "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert ("candidate_selector.successor_codebook" in a) == (mode == "dflash2")
     log = [json.loads(x) for x in (run_dir / "train" / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2, 3, 4]
     alone = [json.loads(x) for x in (single / "train" / "log.jsonl").read_text().splitlines()]

@@ -15,7 +15,8 @@ failover (on either route). `requests` counts the requests it received. Not for 
 serving.
 
 `--extract-hidden-states IDS --states-dir DIR` speaks vLLM's hidden-states protocol instead
-(`StatesEngine`): what `extract --backend server` and speculators' data generation send.
+(`StatesEngine`): what `extract --backend server` and speculators' data generation send; with
+`--synthetic-states` it loads no model and answers at its config's width (`SyntheticStates`).
 
 `--drafter DIR` serves the target with a DFlash drafter by speculative decoding (`SpecEngine`:
 the eval simulator's decoding) and exports vLLM's spec-decode counters on /metrics under
@@ -74,14 +75,15 @@ class DevServer:
     def __init__(self, model: str | None, host: str = "127.0.0.1", port: int = 0,
                  instant: bool = False, latency_ms: float = 0.0, name: str | None = None,
                  extract_layers: list[int] | None = None, states_dir: str | None = None,
-                 drafter: str | None = None) -> None:
+                 drafter: str | None = None, synthetic: bool = False) -> None:
         self.model_name = name or (Path(model).name if model else "instant")
         self.backend: Any = None
         self.states: StatesEngine | None = None
         self.spec: SpecEngine | None = None
         self.generated = 0  # completion tokens answered: vllm:generation_tokens
         if extract_layers is not None:  # vLLM's extract_hidden_states server, not chat
-            self.states = StatesEngine(str(model), extract_layers, Path(states_dir or "."))
+            engine = SyntheticStates if synthetic else StatesEngine
+            self.states = engine(str(model), extract_layers, Path(states_dir or "."))
         elif drafter is not None:
             self.spec = SpecEngine(str(model), drafter)
         elif not instant:
@@ -275,10 +277,13 @@ class StatesEngine:
     def __init__(self, model: str, layer_ids: list[int], states_dir: Path) -> None:
         from dflash_etl.models.target import Target, TargetSpec
 
-        self.layer_ids = list(layer_ids)
         # vLLM's capture is every layer's own output (the last one's before the final norm):
         # `every_layer`'s, in vLLM's numbering; the chosen layers of `Target` play no part
         self.target = Target(TargetSpec(model=model, layers="0"))
+        self._files(layer_ids, states_dir)
+
+    def _files(self, layer_ids: list[int], states_dir: Path) -> None:
+        self.layer_ids = list(layer_ids)
         self.dir = states_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.count = 0
@@ -290,7 +295,7 @@ class StatesEngine:
         import torch
         from safetensors.torch import save_file
 
-        hidden = self.target.every_layer(ids)[:, self.layer_ids].contiguous()
+        hidden = self.capture(ids)
         if self.fault == "zeros":
             hidden = torch.zeros_like(hidden)
         elif self.fault == "nan":
@@ -314,6 +319,42 @@ class StatesEngine:
                 "choices": [{"index": 0, "text": "", "finish_reason": "length",
                              "prompt_token_ids": list(ids)}],
                 "kv_transfer_params": {"hidden_states_path": path}}
+
+
+    def capture(self, ids: list[int]) -> Any:
+        """[seq, layers, hidden]: the states at the served layer ids."""
+        return self.target.every_layer(ids)[:, self.layer_ids].contiguous()
+
+
+class SyntheticStates(StatesEngine):
+    """The hidden-states protocol with no model, at the width of `model`'s config.json (a
+    directory holding the config alone is enough): each token's states are the row of a seeded
+    pseudo-random table its token id picks, in the config's dtype, written as the connector
+    writes them. For measuring the client and the disk path at a 27B target's width (5 layers x
+    5120, bf16: ~51 KB a token) on a machine that cannot hold the target."""
+
+    TABLE_ROWS = 1024  # distinct states per layer: token id modulo this
+
+    def __init__(self, model: str, layer_ids: list[int], states_dir: Path) -> None:
+        import torch
+
+        config = json.loads((Path(model) / "config.json").read_text())
+        text = config.get("text_config") or config
+        layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+        if not layer_ids or max(layer_ids) > layers or min(layer_ids) < 0:
+            raise ValueError(f"layer ids {layer_ids}: vLLM's ids of a {layers}-layer model run "
+                             f"from 0 (the embedding output) to {layers}")
+        dtype = getattr(torch, str(text.get("torch_dtype") or text.get("dtype")
+                                   or config.get("torch_dtype") or "bfloat16"))
+        generator = torch.Generator().manual_seed(0)
+        self.table = torch.randn(self.TABLE_ROWS, len(layer_ids), hidden,
+                                 generator=generator).to(dtype)
+        self._files(layer_ids, states_dir)
+
+    def capture(self, ids: list[int]) -> Any:
+        import torch
+
+        return self.table[torch.tensor(ids, dtype=torch.long) % self.TABLE_ROWS]
 
 
 def _handler(server: DevServer) -> type[BaseHTTPRequestHandler]:
@@ -415,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                              "and export vLLM's spec-decode counters on /metrics")
     parser.add_argument("--states-dir", default="hidden_states",
                         help="with --extract-hidden-states: where the files go")
+    parser.add_argument("--synthetic-states", action="store_true",
+                        help="with --extract-hidden-states: no model; pseudo-random states "
+                             "keyed by the token ids at --model's config width (its config.json "
+                             "alone is enough), for measuring the client at a real width")
     args = parser.parse_args(argv)
     if not args.instant and not args.model:
         parser.error("--model DIR is required (or --instant)")
@@ -422,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                  if args.extract_hidden_states else None)
     server = DevServer(args.model, args.host, args.port, instant=args.instant,
                        latency_ms=args.latency_ms, name=args.name, extract_layers=layer_ids,
-                       states_dir=args.states_dir, drafter=args.drafter)
+                       states_dir=args.states_dir, drafter=args.drafter,
+                       synthetic=args.synthetic_states)
     print(f"serving {server.model_name} at {server.url}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.start().thread.join()

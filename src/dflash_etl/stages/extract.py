@@ -517,7 +517,7 @@ def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
         padded = [max(lengths[i] for i in b) * len(b) for b in batches]
         free = shutil.disk_usage(run.root).free  # before the sample takes any of it
         loading = time.perf_counter()
-        target = Target(settings)
+        target = _plan_target(settings)
         load_seconds = time.perf_counter() - loading
         stored = stored_layers(target.layers, target.n_layers)
         picks = plan_sample(batches, settings.plan_batches)
@@ -556,6 +556,16 @@ def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
         doc["advice"] = plan_advice(doc)
         write_json_atomic(run.root / PLAN_FILE, doc)
         return doc
+
+
+def _plan_target(settings: ExtractSettings) -> Any:
+    """What `--plan` measures with: the target here, or (--backend server) the servers through
+    the client the stage uses, the target's shape read from its config."""
+    if settings.backend != "server":
+        return Target(settings)
+    return ServerTarget(settings, resolve_layers(settings.layers, settings.model,
+                                                 settings.draft_layers),
+                        *target_shape(settings.model))
 
 
 def _wants_plan(config: PipelineConfig | None, overrides: dict[str, Any]) -> bool:

@@ -113,6 +113,10 @@ class TrainSettings:
     eval_new_tokens: int = setting(48, min=1, help="tokens decoded per prompt")
     eval_every: int = setting(0, min=0, help="steps between evaluations (0: before and after "
                                              "training only)")
+    eval_tree_budget: int = setting(0, min=0, fingerprint="unless_default",
+                                    help="after training, tau also with DDTree verification of "
+                                         "at most this many drafts (as eval --tree-budget; 0: "
+                                         "the chain only)")
     save_every: int = setting(200, fingerprint=False, min=1, help="steps between checkpoints")
     keep_checkpoints: int = setting(2, fingerprint=False, min=1, help="checkpoints kept")
     dtype: str = setting("fp32", choices=("fp32", "bf16"),
@@ -449,6 +453,9 @@ class TrainStage(Stage):
                 f"  acceptance length tau on {total.get('eval_prompts')} held-out prompts: "
                 f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))}"
                 f" trained (block {total.get('block_size')})",
+                *([f"  with DDTree verification of <= {tree['budget']} drafts: tau "
+                   f"{_fmt(tree['tau'])} ({tree['nodes_per_step']} drafts verified per step)"]
+                  if (tree := total.get("tau_tree")) else []),
                 f"  drafter: {out / 'drafter'}",
                 f"  eval:    {out / 'eval.json'}"]
 
@@ -493,6 +500,8 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
         tau(settings.steps)
     trainer.drafter.save(partial / "drafter")
     evaluation = tau.document(settings.block_size)
+    if settings.eval_tree_budget:
+        evaluation["tree"] = tau.tree(settings.eval_tree_budget)
     write_json_atomic(partial / "eval.json", evaluation)
     doc = _stats_document(trainer, settings, per_source, evaluation)
     trained = settings.steps - start
@@ -520,7 +529,10 @@ def _stats_document(trainer: Trainer, settings: TrainSettings, per_source: dict[
         "target_layers_from": trainer.layers_from,
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
         "drafter_parameters": parameter_count(trainer.drafter), "labels": settings.labels,
+        "arch": settings.arch,
     })
+    if "tree" in evaluation:
+        doc["total"]["tau_tree"] = evaluation["tree"]
     if settings.labels == "target":  # the supervised labels the target's tokens changed
         changed = sum(e.get("labels_changed", 0.0) for e in logged)
         total = sum(e.get("labels_total", 0.0) for e in logged)

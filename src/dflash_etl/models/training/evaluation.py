@@ -54,6 +54,27 @@ class TauEvaluator:
               "prompts", file=sys.stderr, flush=True)
         return result["tau"]
 
+    def tree(self, budget: int) -> dict[str, Any]:
+        """tau on the same prompts when the target verifies a DDTree of at most `budget` drafts
+        built from the drafter's per-position distributions (`eval --tree-budget`'s measure),
+        and the drafts verified per step (its cost)."""
+        from dflash_etl.models.acceptance import drafter_logits
+        from dflash_etl.models.tree_verify import tree_decode
+
+        was_training = self.drafter.training
+        self.drafter.eval()
+        block = drafter_logits(self.target, self.drafter)
+        runs = [tree_decode(self.target, block, p, self.max_new_tokens, self.eos, budget)
+                for p in self.prompts]
+        self.drafter.train(was_training)
+        taus = [r.tau for r in runs if r.tau is not None]
+        nodes = [n for r in runs for n in r.nodes]
+        result = {"budget": budget, "tau": sum(taus) / len(taus) if taus else 1.0,
+                  "nodes_per_step": round(sum(nodes) / len(nodes), 3) if nodes else 0.0}
+        print(f"train: tau {result['tau']:.3f} with a tree of {budget} drafts "
+              f"({result['nodes_per_step']} verified per step)", file=sys.stderr, flush=True)
+        return result
+
     def document(self, block_size: int) -> dict[str, Any]:
         """eval.json: tau before and after training, and every evaluation between."""
         history = self.history
