@@ -564,6 +564,7 @@ def test_a_synthetic_width_server_passes_extracts_checks_and_serves_its_table(
     wide = tmp_path / "wide"
     shutil.copytree(tiny_target, wide, ignore=shutil.ignore_patterns("*.safetensors*"))
     config = json.loads((wide / "config.json").read_text())
+    config.pop("layer_types", None)  # the tiny target's 4 layers'
     config.update(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, head_dim=64,
                   intermediate_size=512, torch_dtype="bfloat16")
     (wide / "config.json").write_text(json.dumps(config))

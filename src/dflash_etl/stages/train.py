@@ -454,7 +454,7 @@ class TrainStage(Stage):
                 f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))}"
                 f" trained (block {total.get('block_size')})",
                 *([f"  with DDTree verification of <= {tree['budget']} drafts: tau "
-                   f"{_fmt(tree['tau'])} ({tree['nodes_per_step']} drafts verified per step)"]
+                   f"{_fmt(tree['tau'])} ({tree['nodes_per_step']} tokens verified per step)"]
                   if (tree := total.get("tau_tree")) else []),
                 f"  drafter: {out / 'drafter'}",
                 f"  eval:    {out / 'eval.json'}"]

@@ -57,7 +57,7 @@ class TauEvaluator:
     def tree(self, budget: int) -> dict[str, Any]:
         """tau on the same prompts when the target verifies a DDTree of at most `budget` drafts
         built from the drafter's per-position distributions (`eval --tree-budget`'s measure),
-        and the drafts verified per step (its cost)."""
+        and the tokens a verify pass reads per step (the anchor and the drafts: its cost)."""
         from dflash_etl.models.acceptance import drafter_logits
         from dflash_etl.models.tree_verify import tree_decode
 
@@ -71,8 +71,9 @@ class TauEvaluator:
         nodes = [n for r in runs for n in r.nodes]
         result = {"budget": budget, "tau": sum(taus) / len(taus) if taus else 1.0,
                   "nodes_per_step": round(sum(nodes) / len(nodes), 3) if nodes else 0.0}
-        print(f"train: tau {result['tau']:.3f} with a tree of {budget} drafts "
-              f"({result['nodes_per_step']} verified per step)", file=sys.stderr, flush=True)
+        print(f"train: tau {result['tau']:.3f} with a tree of <= {budget} drafts "
+              f"({result['nodes_per_step']} tokens verified per step)", file=sys.stderr,
+              flush=True)
         return result
 
     def document(self, block_size: int) -> dict[str, Any]:
