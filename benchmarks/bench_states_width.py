@@ -49,7 +49,8 @@ WIDTH = {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24
 def width_model(out: Path) -> Path:
     """A config-only Qwen3 directory at Qwen3.6-27B's text width, with the Qwen3.6 tokenizer."""
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(FIXTURES / "qwen36-tokenizer", out)
+    shutil.copytree(FIXTURES / "qwen36-tokenizer", out, copy_function=shutil.copyfile)
+    out.chmod(0o755)  # the fixtures are read-only
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
               "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
               "tie_word_embeddings": False, **WIDTH}
@@ -71,7 +72,9 @@ def conversations(n: int, tokens: int, out: Path) -> Path:
     chars = 4 * tokens  # ~4 characters a token in English text
     with out.open("w") as f:
         for i in range(n):
-            prompt = f"Question {i}: " + rng.choice(texts)[:600]
+            prompt = f"Question {i}:"  # about a third of the tokens, as chat data has
+            while len(prompt) < chars // 3:
+                prompt += "\n\n" + rng.choice(texts)
             reply, parts = "", 0
             while len(reply) < chars - len(prompt):
                 reply += f"\n\nPart {parts} of answer {i}. " + rng.choice(texts)

@@ -572,8 +572,11 @@ def test_a_synthetic_width_server_passes_extracts_checks_and_serves_its_table(
     with DevServer(str(wide), extract_layers=vllm_layer_ids([1, 3], 6),
                    states_dir=str(tmp_path / "served"), synthetic=True) as srv:
         assert isinstance(srv.states, SyntheticStates)
+        # shards of at most 1 MB of states (bf16, 3 x 256: ~680 tokens): a shard is built in
+        # memory, and 256 rows at a 27B width would not fit it (the benchmark's first run)
         kw = {"model": str(wide), "layers": "1,3", "backend": "server", "endpoint": srv.url,
-              "states_dir": str(tmp_path / "served"), "concurrency": 2, "retries": 0}
+              "states_dir": str(tmp_path / "served"), "concurrency": 2, "retries": 0,
+              "dtype": "bf16", "shard_mb": 1}
         # --plan through the same client (before: it loaded the target here, which a client
         # machine of a 27B server cannot): its projected bytes against what the stage writes
         planned = extract.run(None, run, progress=False, plan=True, plan_batches=2, **kw)
@@ -583,6 +586,12 @@ def test_a_synthetic_width_server_passes_extracts_checks_and_serves_its_table(
     assert total["rows_out"] == total["rows_in"] > 0 and total["rows_quarantined"] == 0
     assert total["server_check"]["ran"] is False  # no weights here: skipped, said
     shards = sorted((run / "extract" / "hidden_states").glob("*.safetensors"))
+    index = pq.read_table(run / "extract" / "index.parquet").to_pylist()
+    per_shard: dict[str, int] = {}
+    for e in index:
+        per_shard[e["shard"]] = per_shard.get(e["shard"], 0) + e["length"]
+    longest = max(e["length"] for e in index)
+    assert len(shards) > 5 and all(t <= max(682, longest) for t in per_shard.values())
     checked = 0
     for shard in shards:
         data = load_file(str(shard))

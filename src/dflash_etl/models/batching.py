@@ -38,12 +38,24 @@ def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
     return 1 - sum(lengths) / padded if padded else 0.0
 
 
-def shard_plan(lengths: list[int], shard_rows: int) -> list[list[int]]:
-    """Row indices per shard: rows sorted by length, `shard_rows` at a time, so each shard's
-    batches pad little. The plan depends on the rows alone, never on the number of ranks: a
-    shard (and its file) is the same whoever extracts it."""
+def shard_plan(lengths: list[int], shard_rows: int, shard_tokens: int | None = None
+               ) -> list[list[int]]:
+    """Row indices per shard: rows sorted by length, at most `shard_rows` at a time and (where
+    given) at most `shard_tokens` tokens (a longer row alone), so each shard's batches pad
+    little and its states fit in memory. The plan depends on the rows alone, never on the
+    number of ranks: a shard (and its file) is the same whoever extracts it."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return [order[k:k + shard_rows] for k in range(0, len(order), shard_rows)]
+    shards: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in order:
+        if current and (len(current) == shard_rows
+                        or (shard_tokens is not None and tokens + lengths[i] > shard_tokens)):
+            shards.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    return [*shards, current] if current else shards
 
 
 def shard_cost(lengths: list[int], batch_tokens: int) -> int:
@@ -62,16 +74,13 @@ def plan_sample(batches: list[list[int]], wanted: int) -> list[int]:
     return sorted({round(k * (n - 1) / (wanted - 1)) for k in range(wanted)})
 
 
-def run_batches(lengths: list[int], shard_rows: int, batch_tokens: int) -> list[list[int]]:
-    """Every forward batch of a run (row indices), in the order execute runs them: rows sorted
-    by length, cut into shards of shard_rows, each shard into length buckets."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches = []
-    for k in range(0, len(order), shard_rows):
-        members = order[k:k + shard_rows]
-        batches += [[members[i] for i in b]
-                    for b in length_batches([lengths[i] for i in members], batch_tokens)]
-    return batches
+def run_batches(lengths: list[int], shard_rows: int, batch_tokens: int,
+                shard_tokens: int | None = None) -> list[list[int]]:
+    """Every forward batch of a run (row indices), in the order execute runs them: the shards
+    of `shard_plan`, each cut into length buckets."""
+    return [[members[i] for i in b]
+            for members in shard_plan(lengths, shard_rows, shard_tokens)
+            for b in length_batches([lengths[i] for i in members], batch_tokens)]
 
 
 # ---------------------------------------------------------------- the dry run (--plan)

@@ -115,6 +115,12 @@ class ExtractSettings:
                          help="the target's dtype, and the stored hidden states'")
     batch_tokens: int = setting(8192, min=1, help="padded tokens per forward pass")
     shard_rows: int = setting(256, min=1, help="rows per hidden-states shard")
+    # shards are built in memory: at a 27B target's width (~60 KB a token) 256 rows of 2k
+    # tokens are 31 GB; runs whose shards stay under the default keep their fingerprints
+    shard_mb: int = setting(1024, min=1, fingerprint="unless_default",
+                            help="the most MB of states a shard holds (tokens x stored layers "
+                                 "x hidden x dtype bytes; a longer row alone): it is built in "
+                                 "memory, about 2-3x this at its peak")
     device: str = setting("auto", choices=("auto", "cpu", "cuda", "cuda:N"),
                           help="where the target runs")
     # where the layers are placed does not change the states (tested): not fingerprinted
@@ -190,6 +196,12 @@ class ExtractSettings:
 
 
 # ---------------------------------------------------------------- pure core
+def shard_tokens(settings: ExtractSettings, stored: int, hidden: int) -> int:
+    """The most tokens a shard may hold: shard_mb of states at this width and dtype."""
+    per_token = stored * hidden * (2 if settings.dtype == "bf16" else 4)
+    return max(1, settings.shard_mb * (1 << 20) // per_token)
+
+
 def stored_layers(layers: list[int], n_layers: int) -> list[int]:
     """The layers a shard holds, in order: the chosen ones, then the last decoder layer, which
     speculators' loader reads as the verifier's final hidden state (ours and SpecForge's read
@@ -353,7 +365,10 @@ class ExtractStage(BatchStage):
         lengths, batch_tokens = self.lengths, self.settings.batch_tokens
         return [WorkItem(n, members, cost=shard_cost([lengths[i] for i in members],
                                                      batch_tokens))
-                for n, members in enumerate(shard_plan(lengths, self.settings.shard_rows))]
+                for n, members in enumerate(shard_plan(
+                    lengths, self.settings.shard_rows,
+                    shard_tokens(self.settings, len(stored_layers(self.layers, self.n_layers)),
+                                 self.hidden)))]
 
     def resources(self) -> Resources:
         """A worker holds one replica of the target: a GPU where it runs on one (with
@@ -513,7 +528,11 @@ def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
         if not rows:
             raise StageError(f"the tokenized dataset of {run.root} has no rows: nothing to plan")
         lengths = [len(r["input_ids"]) for r in rows]
-        batches = run_batches(lengths, settings.shard_rows, settings.batch_tokens)
+        layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
+        n_layers, hidden = target_shape(settings.model)
+        batches = run_batches(lengths, settings.shard_rows, settings.batch_tokens,
+                              shard_tokens(settings, len(stored_layers(layers, n_layers)),
+                                           hidden))
         padded = [max(lengths[i] for i in b) * len(b) for b in batches]
         free = shutil.disk_usage(run.root).free  # before the sample takes any of it
         loading = time.perf_counter()
