@@ -109,3 +109,26 @@ def test_check_finds_zeros_in_published_states(default_tokenized, tiny_target, t
     save_file(data, str(shard))
     _, _, problems = check_states(run / "extract")
     assert any(shard.name in p and "layer 1" in p and "exactly zero" in p for p in problems)
+
+
+def test_a_wide_shards_norms_come_from_a_sample_its_counts_from_every_value(monkeypatch):
+    """At a 27B width the token norms are the check's costliest pass: past NORM_VALUES values
+    they come from a strided sample of the tokens (within a few percent of every token's); the
+    zero share and the non-finite count still see every value, a NaN outside the sample too."""
+    from dflash_etl.validation import health
+
+    monkeypatch.setattr(health, "NORM_VALUES", 4096)
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(2000, 2, 64, generator=g).to(torch.bfloat16)
+    states[1, 0, :32] = 0  # token 1: not in the sample (every 63rd token)
+    states[3, 1, 5] = float("nan")
+    every = torch.linalg.vector_norm(states.float().nan_to_num(0.0), dim=-1)
+    sampled = layer_health(states, [4, 7])
+    assert [s["non_finite"] for s in sampled] == [0, 1]
+    assert sampled[0]["zero_share"] == round(32 / (2000 * 64), 6)
+    for k in range(2):
+        assert abs(sampled[k]["norm_median"] / float(every[:, k].median()) - 1) < 0.05
+    assert health.all_finite(states[:, 0]) and not health.all_finite(states)
+    inf = states.clone()
+    inf[1999, 0, 63] = float("-inf")
+    assert not health.all_finite(inf)

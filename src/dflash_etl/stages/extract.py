@@ -83,6 +83,7 @@ from dflash_etl.runner.settings import stage_settings
 from dflash_etl.validation.contracts import read_arrow
 from dflash_etl.validation.health import (
     HealthLimits,
+    all_finite,
     layer_health,
     reference_diff,
     scale_problems,
@@ -244,7 +245,7 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
     for k, row in enumerate(rows):
         if isinstance(states[k], str):  # the server backend: failed, or another row's states
             quarantine.append({"id": row["id"], "turn": row["turn"], "reason": states[k]})
-        elif not torch.isfinite(states[k].float()).all():
+        elif not all_finite(states[k]):
             quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
         else:
             keep.append(k)

@@ -33,20 +33,42 @@ class HealthLimits:
 BF16_RELATIVE_DIFF = 2e-2
 
 
+# the values whose token norms one shard's health computes: past it, a strided sample of its
+# tokens (norms are the check's costliest pass: ~0.8 CPU s per GB of bf16 at a 27B width)
+NORM_VALUES = 1 << 26
+
+
+def all_finite(x: Any) -> bool:
+    """Every value finite: a NaN or an infinity reaches the min or the max (one fast pass)."""
+    import torch
+
+    if not x.numel() or not x.is_floating_point():
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def layer_health(states: Any, layers: Sequence[int]) -> list[dict[str, Any]]:
     """Per stored layer of `states` [tokens, layers, hidden]: tokens, zero share, non-finite
-    count, mean / max / median per-token L2 norm and the outlier tokens."""
-    x = states.float()
+    count (over every value), and the mean / max / median per-token L2 norm and the outlier
+    tokens (over every token, or a strided sample of them past NORM_VALUES values)."""
+    import torch
+
+    x = states if states.is_floating_point() else states.float()
+    step = max(1, -(-x.numel() // NORM_VALUES))
+    sample = x[::step]
     out = []
     for k, layer in enumerate(layers):
         v = x[:, k]
-        finite = v.isfinite()
-        norms = v.nan_to_num(0.0, 0.0, 0.0).norm(dim=-1)
+        finite = all_finite(v)
+        picked = sample[:, k] if finite else sample[:, k].nan_to_num(0.0, 0.0, 0.0)
+        norms = torch.linalg.vector_norm(picked, dim=-1, dtype=torch.float32)
         median = float(norms.median()) if norms.numel() else 0.0
         out.append({
             "layer": int(layer), "tokens": int(v.shape[0]),
-            "zero_share": round(float((v == 0).float().mean()) if v.numel() else 0.0, 6),
-            "non_finite": int((~finite).sum()),
+            "zero_share": round(1 - int(torch.count_nonzero(v)) / v.numel()
+                                if v.numel() else 0.0, 6),
+            "non_finite": 0 if finite else int((~v.isfinite()).sum()),
             "norm_mean": round(float(norms.mean()) if norms.numel() else 0.0, 4),
             "norm_max": round(float(norms.max()) if norms.numel() else 0.0, 4),
             "norm_median": round(median, 4),

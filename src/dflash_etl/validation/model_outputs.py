@@ -20,7 +20,7 @@ from dflash_etl.core.errors import ContractError, StageError
 from dflash_etl.core.outputs import HiddenStatesOutput
 from dflash_etl.core.rundir import write_json_atomic
 from dflash_etl.validation.contracts import read_arrow
-from dflash_etl.validation.health import HealthLimits, layer_health, shard_problems
+from dflash_etl.validation.health import HealthLimits, all_finite, layer_health, shard_problems
 
 Q_NON_FINITE = "non_finite_hidden_states"  # extract's quarantine reasons
 Q_UNHEALTHY = "unhealthy_hidden_states"
@@ -179,7 +179,7 @@ def _entry_problems(f: Any, entry: dict[str, Any], rows: Mapping[int, list[int]]
     if tuple(states.shape) != (entry["length"], n_layers, hidden):
         problems.append(f"{where}: states {tuple(states.shape)}, expected "
                         f"({entry['length']}, {n_layers}, {hidden})")
-    elif not bool(states.float().isfinite().all()):
+    elif not all_finite(states):
         problems.append(f"{where}: non-finite values")
     if tokens != rows.get(entry["row"]):
         problems.append(f"{where}: token ids differ from the tokenized row")
