@@ -234,7 +234,10 @@ def main() -> None:
         f"**{r['client_cpu_s_per_gb']} s per GB** (goal <= 0.1: 10% of a core per GB/s). "
         f"`--plan` projected {r['plan_projected_bytes']} bytes against {stored} written: "
         f"**{100 * r['plan_error']:+.2f}%** (goal within 10%)."]
-    (out / "states_width.md").write_text("\n".join(lines) + "\n")
+    md = out / "states_width.md"  # its hand-written `## Findings` are kept
+    text = md.read_text() if md.exists() else ""
+    notes = text[text.index("## Findings"):] if "## Findings" in text else ""
+    md.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
     print("\n".join(lines))
 
 
