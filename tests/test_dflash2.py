@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+# the DFlash hand-off tests' shapes and inputs: a block of 4 over target layers 1, 2 of hidden 64
+from test_drafter_handoff import BLOCK, HIDDEN, LAYERS, _inputs, _ours  # noqa: E402
 
-BLOCK = 4
-LAYERS = [1, 2]
-HIDDEN = 64
 VOCAB = 300
 
 
@@ -63,19 +62,6 @@ def drafter(target_dir, tmp_path_factory):
 
 def _zlab():
     return pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
-
-
-def _inputs(seed: int = 2, context: int = 9, blocks: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(1, context, len(LAYERS) * HIDDEN, generator=g)
-    embeds = torch.randn(1, blocks, BLOCK, HIDDEN, generator=g)
-    return hidden, embeds
-
-
-def _ours(model, hidden, embeds, anchors):
-    valid = torch.ones(hidden.shape[:2], dtype=torch.bool)
-    with torch.no_grad():
-        return model(hidden, valid, embeds, torch.tensor([anchors]))[0]
 
 
 def test_config_names_dflash2_and_its_settings(drafter):
