@@ -156,6 +156,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=80)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--format", choices=("native", "speculators"), default="native",
+                        help="extract's layout; speculators: the server's row files are moved "
+                             "into the output (results/states_width_speculators.*)")
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
     import psutil
@@ -177,7 +180,7 @@ def main() -> None:
                                 states)
     kw = {"model": str(model), "draft_layers": 5, "backend": "server", "endpoint": url,
           "states_dir": str(states), "dtype": "bf16", "concurrency": args.concurrency,
-          "request_deadline_s": 600.0}
+          "request_deadline_s": 600.0, "format": args.format}
     try:
         planned = extract.run(None, run, progress=False, plan=True, **kw)
         server, me = psutil.Process(process.pid), psutil.Process()
@@ -201,7 +204,8 @@ def main() -> None:
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                     "disk_free_gb": round(shutil.disk_usage(WORK).free / 1e9, 1)},
         "command": f"python benchmarks/bench_states_width.py --rows {args.rows} --tokens "
-                   f"{args.tokens} --concurrency {args.concurrency}",
+                   f"{args.tokens} --concurrency {args.concurrency} --format {args.format}",
+        "format": args.format,
         "width": WIDTH, "layers": layers, "stored_layers": len(layers) + 1, "dtype": "bf16",
         "rows": total["rows_out"], "rows_in": total["rows_in"], "tokens": tokens,
         "bytes_per_token": round(stored / tokens), "stored_bytes": stored,
@@ -214,14 +218,16 @@ def main() -> None:
         "plan_projected_bytes": planned["projected"]["bytes"],
         "plan_error": round(planned["projected"]["bytes"] / stored - 1, 4)}
     out = HERE / "results"
-    (out / "states_width.json").write_text(json.dumps(result, indent=2) + "\n")
+    stem = "states_width" if args.format == "native" else f"states_width_{args.format}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     r = result
     lines = [
         f"# states at Qwen3.6-27B width through the server path — {r['date']}", "",
         f"{r['machine']['cores']} cores, Python {r['machine']['python']}; command: "
         f"`{r['command']}`. The dev server's width mode (`--synthetic-states`) for a config-only "
         f"Qwen3.6-27B-wide target (64 layers x 5120, bf16), layers {layers} + the last stored "
-        f"({r['bytes_per_token']} bytes a token); {r['rows']} rows, {tokens} tokens, "
+        f"({r['bytes_per_token']} bytes a token), {args.format} layout; {r['rows']} rows, "
+        f"{tokens} tokens, "
         "Qwen3.6 template. The server runs on the same 2 cores (a real one is another machine).",
         "", "| | seconds | MB/s | CPU s | CPU s per GB |", "|---|---:|---:|---:|---:|",
         f"| extract --backend server (the whole stage) | {r['extract_wall_s']} | "
@@ -234,7 +240,7 @@ def main() -> None:
         f"**{r['client_cpu_s_per_gb']} s per GB** (goal <= 0.1: 10% of a core per GB/s). "
         f"`--plan` projected {r['plan_projected_bytes']} bytes against {stored} written: "
         f"**{100 * r['plan_error']:+.2f}%** (goal within 10%)."]
-    md = out / "states_width.md"  # its hand-written `## Findings` are kept
+    md = out / f"{stem}.md"  # its hand-written `## Findings` are kept
     text = md.read_text() if md.exists() else ""
     notes = text[text.index("## Findings"):] if "## Findings" in text else ""
     md.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))

@@ -605,3 +605,54 @@ def test_a_synthetic_width_server_passes_extracts_checks_and_serves_its_table(
     assert not list((tmp_path / "served").glob("*.safetensors"))  # the client removed them
     written = sum(f.stat().st_size for f in shards)
     assert abs(planned["projected"]["bytes"] - written) <= 0.1 * written
+
+
+def test_speculators_layout_moves_the_servers_files_into_place_instead_of_copying(
+        tiny_target, default_tokenized, copy_run, tmp_path, monkeypatch):
+    """--format speculators through a server: the server's file already is the row's file (the
+    same two tensors, checked), so it is renamed into the output, not read and written again:
+    the output's files are the server's inodes, none left behind, and the content digest is the
+    native layout's. With keep_server_files the server's files stay and the output is a copy."""
+    import json
+    import os
+    import shutil
+
+    from dflash_etl.models.devserver import DevServer, SyntheticStates
+    from dflash_etl.models.states_server import vllm_layer_ids
+    from dflash_etl.stages import extract
+
+    written: dict[str, int] = {}
+    complete = SyntheticStates.complete
+
+    def recording(self, ids):
+        reply = complete(self, ids)
+        path = reply["kv_transfer_params"]["hidden_states_path"]
+        written[path] = os.stat(path).st_ino
+        return reply
+
+    monkeypatch.setattr(SyntheticStates, "complete", recording)
+    served = tmp_path / "served"
+    config_only = tmp_path / "config-only"  # the synthetic states are not the target's
+    shutil.copytree(tiny_target, config_only, ignore=shutil.ignore_patterns("*.safetensors*"))
+    docs, runs = {}, {}
+    with DevServer(str(config_only), extract_layers=vllm_layer_ids(LAYERS, 4),
+                   states_dir=str(served), synthetic=True) as srv:
+        srv.states_dir = served
+        for layout, keep in (("native", False), ("speculators", False), ("speculators", True)):
+            written.clear()
+            run = runs[layout, keep] = copy_run(default_tokenized, tmp_path / f"{layout}-{keep}")
+            docs[layout, keep] = extract.run(
+                None, run, progress=False, model=str(config_only), layers="1,2",
+                format=layout, keep_server_files=keep, **_server_kw(srv))
+            files = list((run / "extract" / "hidden_states").glob("*.safetensors"))
+            inodes = {f.stat().st_ino for f in files}
+            if layout == "speculators" and not keep:
+                assert inodes <= set(written.values()) and len(files) == docs[layout, keep][
+                    "total"]["rows_out"]  # every row file is a server file, moved
+                assert not list(served.glob("*.safetensors"))  # the re-run row's dropped too
+            elif keep:
+                assert not inodes & set(written.values())  # copies: the server's stay
+                assert len(list(served.glob("*.safetensors"))) == len(written)
+    content = {k: json.loads((run / "extract" / "stats.json").read_text())["total"][
+        "content_sha256"] for k, run in runs.items()}
+    assert len(set(content.values())) == 1  # the same states whatever the layout or the move

@@ -26,6 +26,29 @@ def content_digest(index: list[dict[str, Any]], shape: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps([shape, rows], sort_keys=True).encode()).hexdigest()
 
 
+def moved(source: Path | None, path: Path) -> bool:
+    """A server's states file that is already this row's file (the speculators layout: the
+    same two tensors, checked by the client) renamed into place: no second copy of its bytes.
+    False (the caller writes the file) where there is none, or it lies on another file system
+    (it is then removed once written)."""
+    if source is None:
+        return False
+    try:
+        os.replace(source, path)
+        return True
+    except OSError:
+        return False
+
+
+def drop_server_files(states: list[Any]) -> None:
+    """Remove the server's files of states not moved into the output (rows quarantined, or
+    written as a copy)."""
+    for s in states:
+        source = getattr(s, "server_file", None)
+        if source is not None:
+            Path(source).unlink(missing_ok=True)
+
+
 def save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]], name: str,
                 directory: Path) -> list[dict[str, Any]]:
     """Write the kept rows' states (speculators: a file per row; native: one per shard),
@@ -33,6 +56,8 @@ def save_states(torch: Any, layout: str, kept: list[tuple[dict[str, Any], Any]],
     from safetensors.torch import save_file
 
     def save(path: Path, states: Any, token_ids: list[int]) -> None:
+        if moved(getattr(states, "server_file", None), path):
+            return
         save_file({"hidden_states": states.contiguous(),
                    "token_ids": torch.tensor(token_ids, dtype=torch.long)},
                   str(path.with_suffix(".tmp")))

@@ -58,6 +58,12 @@ def shard_plan(lengths: list[int], shard_rows: int, shard_tokens: int | None = N
     return [*shards, current] if current else shards
 
 
+def shard_tokens(shard_mb: int, stored_layers: int, hidden: int, dtype: str) -> int:
+    """The most tokens a shard may hold: `shard_mb` of states at this width and dtype."""
+    per_token = stored_layers * hidden * (2 if dtype == "bf16" else 4)
+    return max(1, shard_mb * (1 << 20) // per_token)
+
+
 def shard_cost(lengths: list[int], batch_tokens: int) -> int:
     """The padded tokens a shard's forward passes run: what its extraction costs."""
     return sum(max(lengths[i] for i in b) * len(b) for b in length_batches(lengths, batch_tokens))

@@ -126,7 +126,11 @@ class ServerTarget:
         self.lock = threading.Lock()  # one batch at a time (online training prefetches)
 
     def forward(self, rows: list[list[int]], logits: bool = False,
-                extra_layers: tuple[int, ...] = ()) -> tuple[None, list[Any]]:
+                extra_layers: tuple[int, ...] = (), movable: bool = False
+                ) -> tuple[None, list[Any]]:
+        """The rows' states (or each failed row's reason). `movable`: a server file that is
+        already a speculators row file is kept, named by the states' `server_file`, for the
+        caller to move into its output (io.hidden_states.save_states) or drop."""
         want = [*self.layers, *extra_layers]
         if logits or want != [*self.layers, self.last_layer][:len(want)]:
             raise StageError("the server backend gives the chosen layers and the last one")
@@ -134,7 +138,7 @@ class ServerTarget:
                    "return_token_ids": True} for ids in rows]
         with self.lock:
             replies = self.fleet.send(bodies)
-        states = [self._states(list(ids), reply) if not isinstance(reply, str)
+        states = [self._states(list(ids), reply, movable) if not isinstance(reply, str)
                   else self._failed_row(reply) for ids, reply in zip(rows, replies, strict=True)]
         if not extra_layers:  # the chosen layers alone
             states = [s if isinstance(s, str) else s[:, :len(self.layers)] for s in states]
@@ -150,7 +154,7 @@ class ServerTarget:
         if self.failed <= 5:  # the first few say why; the rest are counted
             print(f"extract: {problem}", file=sys.stderr, flush=True)
 
-    def _states(self, ids: list[int], reply: dict[str, Any]) -> Any:
+    def _states(self, ids: list[int], reply: dict[str, Any], movable: bool = False) -> Any:
         from safetensors.torch import load_file
 
         choice = (reply.get("choices") or [{}])[0]
@@ -194,9 +198,16 @@ class ServerTarget:
                 f"(tokens, layers {vllm_layer_ids(self.layers, self.n_layers)} in vLLM's ids, "
                 "hidden): the server captures other layers; restart it with the printed "
                 "`vllm serve` line")
-        if not self.settings.keep_server_files:
+        states = states.to(self.dtype)
+        if self.settings.keep_server_files:
+            return states
+        if (movable and set(data) == {"hidden_states", "token_ids"}
+                and data["token_ids"].dtype == self.torch.long
+                and states.data_ptr() == data["hidden_states"].data_ptr()):
+            states.server_file = path  # already a speculators row file
+        else:
             path.unlink(missing_ok=True)
-        return states.to(self.dtype)
+        return states
 
 
 MATCH_RELATIVE_DIFF = 0.1  # a served layer against the target's own: bf16 engines, margin

@@ -53,7 +53,7 @@ from dflash_etl.core.stage import (
     counts_line,
     state_word,
 )
-from dflash_etl.io.hidden_states import content_digest, save_states
+from dflash_etl.io.hidden_states import content_digest, drop_server_files, save_states
 from dflash_etl.models.batching import (
     length_batches,
     plan_advice,
@@ -63,6 +63,7 @@ from dflash_etl.models.batching import (
     run_batches,
     shard_cost,
     shard_plan,
+    shard_tokens,
 )
 from dflash_etl.models.fleet import add_use, use_figures
 from dflash_etl.models.identity import model_identity
@@ -197,12 +198,6 @@ class ExtractSettings:
 
 
 # ---------------------------------------------------------------- pure core
-def shard_tokens(settings: ExtractSettings, stored: int, hidden: int) -> int:
-    """The most tokens a shard may hold: shard_mb of states at this width and dtype."""
-    per_token = stored * hidden * (2 if settings.dtype == "bf16" else 4)
-    return max(1, settings.shard_mb * (1 << 20) // per_token)
-
-
 def stored_layers(layers: list[int], n_layers: int) -> list[int]:
     """The layers a shard holds, in order: the chosen ones, then the last decoder layer, which
     speculators' loader reads as the verifier's final hidden state (ours and SpecForge's read
@@ -231,31 +226,37 @@ def _write_shard(target: Target, settings: ExtractSettings, rows: list[dict[str,
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, dict[str, Any]]:
     """Extract one shard's rows; returns (index rows, quarantined rows, padded tokens run, the
     shard's health)."""
-    torch = target.torch
     lengths = [len(r["input_ids"]) for r in rows]
     states: list[Any] = [None] * len(rows)
     batches = length_batches(lengths, settings.batch_tokens)
     extra = (target.last_layer,)
-    for batch in batches:
-        _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra)
-        for k, s in zip(batch, got, strict=True):
-            states[k] = s
-    _stop_on_server_faults(target, states, name)
-    quarantine, keep = [], []
-    for k, row in enumerate(rows):
-        if isinstance(states[k], str):  # the server backend: failed, or another row's states
-            quarantine.append({"id": row["id"], "turn": row["turn"], "reason": states[k]})
-        elif not all_finite(states[k]):
-            quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
-        else:
-            keep.append(k)
-    health = _shard_health(target, settings, rows, batches, states, keep, extra)
-    if health["problems"]:  # the whole shard: its numbers are in the marker and the error
-        quarantine += [{"id": rows[k]["id"], "turn": rows[k]["turn"], "reason": Q_UNHEALTHY}
-                       for k in keep]
-        keep = []
-    kept = [(rows[k], states[k]) for k in keep]
-    index = save_states(torch, settings.format, kept, name, out / "hidden_states")
+    # the server's files already in speculators' layout are moved into the output, not copied
+    move = {"movable": True} if settings.backend == "server" and settings.format == \
+        "speculators" and not settings.keep_server_files else {}
+    try:
+        for batch in batches:
+            _, got = target.forward([rows[k]["input_ids"] for k in batch], extra_layers=extra,
+                                    **move)
+            for k, s in zip(batch, got, strict=True):
+                states[k] = s
+        _stop_on_server_faults(target, states, name)
+        quarantine, keep = [], []
+        for k, row in enumerate(rows):
+            if isinstance(states[k], str):  # the server backend: failed, or another row's
+                quarantine.append({"id": row["id"], "turn": row["turn"], "reason": states[k]})
+            elif not all_finite(states[k]):
+                quarantine.append({"id": row["id"], "turn": row["turn"], "reason": Q_NON_FINITE})
+            else:
+                keep.append(k)
+        health = _shard_health(target, settings, rows, batches, states, keep, extra)
+        if health["problems"]:  # the whole shard: its numbers are in the marker and the error
+            quarantine += [{"id": rows[k]["id"], "turn": rows[k]["turn"], "reason": Q_UNHEALTHY}
+                           for k in keep]
+            keep = []
+        index = save_states(target.torch, settings.format, [(rows[k], states[k]) for k in keep],
+                            name, out / "hidden_states")
+    finally:
+        drop_server_files(states)  # those not moved into the output
     return (index, quarantine, sum(max(lengths[i] for i in b) * len(b) for b in batches),
             health)
 
@@ -363,13 +364,12 @@ class ExtractStage(BatchStage):
     def plan(self, ctx: StageContext) -> list[WorkItem]:
         """One item per shard, its cost the padded tokens of its forward passes."""
         self.partial = ctx.partial
-        lengths, batch_tokens = self.lengths, self.settings.batch_tokens
+        lengths, s = self.lengths, self.settings
+        most = shard_tokens(s.shard_mb, len(stored_layers(self.layers, self.n_layers)),
+                            self.hidden, s.dtype)
         return [WorkItem(n, members, cost=shard_cost([lengths[i] for i in members],
-                                                     batch_tokens))
-                for n, members in enumerate(shard_plan(
-                    lengths, self.settings.shard_rows,
-                    shard_tokens(self.settings, len(stored_layers(self.layers, self.n_layers)),
-                                 self.hidden)))]
+                                                     s.batch_tokens))
+                for n, members in enumerate(shard_plan(lengths, s.shard_rows, most))]
 
     def resources(self) -> Resources:
         """A worker holds one replica of the target: a GPU where it runs on one (with
@@ -532,8 +532,8 @@ def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
         layers = resolve_layers(settings.layers, settings.model, settings.draft_layers)
         n_layers, hidden = target_shape(settings.model)
         batches = run_batches(lengths, settings.shard_rows, settings.batch_tokens,
-                              shard_tokens(settings, len(stored_layers(layers, n_layers)),
-                                           hidden))
+                              shard_tokens(settings.shard_mb, len(stored_layers(layers, n_layers)),
+                                           hidden, settings.dtype))
         padded = [max(lengths[i] for i in b) * len(b) for b in batches]
         free = shutil.disk_usage(run.root).free  # before the sample takes any of it
         loading = time.perf_counter()
