@@ -76,3 +76,18 @@ def test_a_stage_in_a_log_says_how_far_it_is_and_status_reads_it(tmp_path, capsy
             proc.kill()
     assert main(["status", str(run)]) == 0
     assert "no process holds the run: the one running it died" in capsys.readouterr().out
+
+
+def test_a_record_half_written_by_a_killed_stage_is_removed_by_the_next(tmp_path):
+    """A stage killed between writing its progress record's temporary and renaming it left
+    `.extract.progress.json.<pid>.tmp` in the run (CI's kill-and-rerun test found one): the
+    next stage of the run, under the run's lock, removes it."""
+    from dflash_etl.stages import ingest, load_config
+
+    config = load_config(_setup(tmp_path, units=1))
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = run / ".extract.progress.json.6864.tmp"
+    stale.write_text('{"label": "extract"')
+    ingest.run(config, run, progress=False)
+    assert not stale.exists()

@@ -18,6 +18,13 @@ LOG_EVERY_S = 30.0  # a log line at least this often while a stage works
 RECORD_EVERY_S = 1.0  # the status record, rewritten at most this often
 
 
+def drop_stale_records(run_root: str | Path) -> None:
+    """Remove the half-written progress records a killed stage left (`<record>.<pid>.tmp`);
+    called under the run's lock, when no stage of the run can be writing one."""
+    for tmp in Path(run_root).glob(".*.progress.json.*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def progress_record(run_root: str | Path, stage: str) -> Path:
     """Where a stage's progress is recorded while it runs (outside its output)."""
     return Path(run_root) / f".{stage}.progress.json"

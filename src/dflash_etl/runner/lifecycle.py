@@ -25,6 +25,7 @@ from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_world
 from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.lock import RunLocked, free_reserve, run_lock, set_lock_stage
+from dflash_etl.core.progress import drop_stale_records
 from dflash_etl.core.rundir import RunDir, Timer, output_identity, setting_changes
 from dflash_etl.core.settings import dropped_choices
 from dflash_etl.core.stage import BatchStage, ItemResults, RunOptions, Stage, StageContext
@@ -63,6 +64,7 @@ def run_stage(stage: Stage, config: PipelineConfig | None, run_dir: str | Path, 
     with lock as stale:
         if rank == 0:
             set_lock_stage(run.root, stage.name)  # `dflash-etl run` holds it across stages
+            drop_stale_records(run.root)
         if stale:
             mark_interrupted(run, stale)
         attempt = _Attempt()
