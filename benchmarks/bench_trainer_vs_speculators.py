@@ -266,8 +266,9 @@ def speculators_argv(command: str, save: Path, settings: Any, seq_len: int,
     if settings.arch == "dflash2":  # the run's export printed a DFlash command
         at = argv.index("--speculator-type")
         argv[at + 1] = "dflash2"
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                     "selector_loss_alpha"):
+        from dflash_etl.models.drafter import DFLASH2_SETTINGS
+
+        for name in (*DFLASH2_SETTINGS, "selector_loss_alpha"):
             argv += [f"--{name.replace('_', '-')}", str(getattr(settings, name))]
     if variant == "matched":  # "defaults": its own optimizer, schedule, lr, loss and weighting
         argv += ["--lr", str(settings.lr), "--optimizer", "adamw",

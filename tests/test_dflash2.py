@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 # the DFlash hand-off tests' shapes and inputs: a block of 4 over target layers 1, 2 of hidden 64
-from test_drafter_handoff import BLOCK, HIDDEN, LAYERS, _inputs, _ours  # noqa: E402
+from test_drafter_handoff import BLOCK, HIDDEN, LAYERS, _inputs, _ours, randomized  # noqa: E402
 
 VOCAB = 300
 
@@ -48,16 +48,7 @@ def _config(target_dir: Path, **extra):
 @pytest.fixture(scope="module")
 def drafter(target_dir, tmp_path_factory):
     """(our DFlash2 drafter, the directory it saved) with every weight randomised."""
-    from dflash_etl.models.drafter import DFlashDrafter
-
-    torch.manual_seed(1)
-    model = DFlashDrafter(_config(target_dir)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    out = tmp_path_factory.mktemp("dflash2-drafter") / "drafter"
-    model.save(out)
-    return model, out
+    return randomized(_config(target_dir), tmp_path_factory.mktemp("dflash2-drafter") / "drafter")
 
 
 def _zlab():

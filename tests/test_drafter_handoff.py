@@ -45,17 +45,24 @@ def drafter(target_dir, tmp_path_factory):
     """(our DFlashDrafter, the directory it saved) with every weight randomised."""
     from transformers import AutoConfig
 
-    from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig
+    from dflash_etl.models.drafter import DrafterConfig
 
     config = DrafterConfig.from_target(AutoConfig.from_pretrained(target_dir), draft_layers=2,
                                        target_layer_ids=LAYERS, mask_token_id=299,
                                        block_size=BLOCK)
+    return randomized(config, tmp_path_factory.mktemp("handoff-drafter") / "drafter")
+
+
+def randomized(config, out: Path):
+    """(our drafter of `config` with every weight moved by seeded noise, `out` where it is
+    saved)."""
+    from dflash_etl.models.drafter import DFlashDrafter
+
     torch.manual_seed(1)
     model = DFlashDrafter(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    out = tmp_path_factory.mktemp("handoff-drafter") / "drafter"
     model.save(out)
     return model, out
 

@@ -230,14 +230,14 @@ def _head(inputs: dict[str, Any], draft_vocab_size: int) -> dict[str, Any]:
 def _arch(inputs: dict[str, Any]) -> tuple[str, tuple[tuple[str, float], ...]]:
     """train's drafter (its arch; for DFlash2 its convolution and selector settings), so the
     printed speculators command trains the same kind of drafter as ours."""
+    from dflash_etl.models.drafter import DFLASH2_SETTINGS
     from dflash_etl.stages.train import TrainSettings
 
     declared, defaults = inputs["train_settings"], TrainSettings()
     arch = declared.get("arch") or defaults.arch
     if arch != "dflash2":
         return arch, ()
-    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-             "selector_loss_alpha")
+    names = (*DFLASH2_SETTINGS, "selector_loss_alpha")
     return arch, tuple((n, declared.get(n, getattr(defaults, n))) for n in names)
 
 

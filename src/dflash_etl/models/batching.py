@@ -58,10 +58,14 @@ def shard_plan(lengths: list[int], shard_rows: int, shard_tokens: int | None = N
     return [*shards, current] if current else shards
 
 
+def state_bytes(stored_layers: int, hidden: int, dtype: str) -> int:
+    """The bytes of one token's stored states (extract's dtype: bf16 or fp32)."""
+    return stored_layers * hidden * (2 if dtype == "bf16" else 4)
+
+
 def shard_tokens(shard_mb: int, stored_layers: int, hidden: int, dtype: str) -> int:
     """The most tokens a shard may hold: `shard_mb` of states at this width and dtype."""
-    per_token = stored_layers * hidden * (2 if dtype == "bf16" else 4)
-    return max(1, shard_mb * (1 << 20) // per_token)
+    return max(1, shard_mb * (1 << 20) // state_bytes(stored_layers, hidden, dtype))
 
 
 def shard_cost(lengths: list[int], batch_tokens: int) -> int:

@@ -42,8 +42,8 @@ CONFIG = "config.json"
 REMOTE_CODE = "dflash.py"  # models/dflash_remote.py, copied beside the weights (auto_map)
 REMOTE_SOURCE = Path(__file__).with_name("dflash_remote.py")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-DFLASH2_FIELDS = ("arch", "conv_kernel_size", "conv_group_size", "selector_rank",
-                  "selector_top_k")
+# a DFlash2 drafter's own settings (dflash_config's keys; [train]'s and speculators' names)
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -102,7 +102,7 @@ class DrafterConfig:
         attention bias, full bidirectional attention, plain rotary), the target's context
         length, and the target layers in both conventions (see `aux_hidden_state_layer_ids`)."""
         doc = {k: v for k, v in asdict(self).items()
-               if k not in ("target_layer_ids", "mask_token_id", *DFLASH2_FIELDS)}
+               if k not in ("target_layer_ids", "mask_token_id", "arch", *DFLASH2_SETTINGS)}
         name = ARCHITECTURES[self.arch]
         doc.update({
             "architectures": [name], "model_type": "qwen3",
@@ -123,7 +123,7 @@ class DrafterConfig:
             # which state of the target's last layer the drafter reads, if it reads that one
             "target_last_layer_state": LAST_LAYER_STATE})
         if self.arch == "dflash2":
-            doc["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS[1:]})
+            doc["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_SETTINGS})
         return doc
 
     @classmethod
@@ -134,7 +134,7 @@ class DrafterConfig:
         names = {v: k for k, v in ARCHITECTURES.items()}
         values["arch"] = names.get((doc.get("architectures") or ["DFlashDraftModel"])[0],
                                    "dflash")
-        values.update({k: doc["dflash_config"][k] for k in DFLASH2_FIELDS[1:]
+        values.update({k: doc["dflash_config"][k] for k in DFLASH2_SETTINGS
                        if k in doc["dflash_config"]})
         return cls(**values)
 

@@ -64,6 +64,7 @@ from dflash_etl.models.batching import (
     shard_cost,
     shard_plan,
     shard_tokens,
+    state_bytes,
 )
 from dflash_etl.models.fleet import add_use, use_figures
 from dflash_etl.models.identity import model_identity
@@ -209,7 +210,7 @@ def stored_layers(layers: list[int], n_layers: int) -> list[int]:
 def _check_disk(out: Path, tokens: int, layers: int, hidden: int, dtype: str) -> int:
     """The bytes the whole output takes; fails when what is still to write (the shards an
     interrupted run wrote into `out` already count) exceeds the free space."""
-    need = tokens * layers * hidden * (2 if dtype == "bf16" else 4) + tokens * 8
+    need = tokens * (state_bytes(layers, hidden, dtype) + 8)  # and the token ids
     written = sum(f.stat().st_size for f in (out / "hidden_states").glob("*.safetensors")) \
         if (out / "hidden_states").is_dir() else 0
     free = shutil.disk_usage(out).free
@@ -537,7 +538,7 @@ def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
         padded = [max(lengths[i] for i in b) * len(b) for b in batches]
         free = shutil.disk_usage(run.root).free  # before the sample takes any of it
         loading = time.perf_counter()
-        target = _plan_target(settings)
+        target = _plan_target(settings, layers, n_layers, hidden)
         load_seconds = time.perf_counter() - loading
         stored = stored_layers(target.layers, target.n_layers)
         picks = plan_sample(batches, settings.plan_batches)
@@ -578,14 +579,13 @@ def plan(ctx: StageContext, overrides: dict[str, Any]) -> dict[str, Any]:
         return doc
 
 
-def _plan_target(settings: ExtractSettings) -> Any:
+def _plan_target(settings: ExtractSettings, layers: list[int], n_layers: int,
+                 hidden: int) -> Any:
     """What `--plan` measures with: the target here, or (--backend server) the servers through
-    the client the stage uses, the target's shape read from its config."""
+    the client the stage uses, with the target's layers and shape from its config."""
     if settings.backend != "server":
         return Target(settings)
-    return ServerTarget(settings, resolve_layers(settings.layers, settings.model,
-                                                 settings.draft_layers),
-                        *target_shape(settings.model))
+    return ServerTarget(settings, layers, n_layers, hidden)
 
 
 def _wants_plan(config: PipelineConfig | None, overrides: dict[str, Any]) -> bool:

@@ -139,7 +139,7 @@ class TrainSettings:
     # runs made before DFlash2 (a DFlash drafter) are not redone
     arch: str = setting("dflash", choices=("dflash", "dflash2"), fingerprint="unless_default",
                         help="the drafter: DFlash, or z-lab's DFlash2 (local convolutions around "
-                             "each sublayer and a candidate selector; docs/dflash2.md)")
+                             "each sublayer and a candidate selector; docs/stages/train.md)")
     conv_kernel_size: int = setting(2, min=1, applies=DFLASH2, fingerprint="unless_default",
                                     help="DFlash2: taps of each local convolution")
     conv_group_size: int = setting(16, min=1, applies=DFLASH2, fingerprint="unless_default",

@@ -180,9 +180,6 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
     first = torch.zeros_like(ok)
     first[..., 0] = True
     labels = batch["labels"][:, :, 1:].to(device)[ok]
-    # each position's predecessor: the anchor, then the label before it (the accepted path)
-    before = torch.cat([batch["block_ids"][:, :, :1], batch["labels"][:, :, 1:-1]], dim=2)
-    before = before.to(device)[ok]
     w = (weights[1:] * ok)[ok]
     states = hidden[:, :, 1:][ok]  # [supervised positions, hidden]
     first = first[ok]
@@ -201,10 +198,12 @@ def block_loss(drafter: Any, embed: Any, lm_head: Any, batch: dict[str, Any], we
     divide = normalizer if normalizer is not None else w.sum() + 1e-6
     metrics: dict[str, float] = {}
     if selector is not None:
+        # each position's predecessor: the anchor, then the label before it (the accepted path)
+        before = torch.cat([batch["block_ids"][:, :, :1], batch["labels"][:, :, 1:-1]], dim=2)
         picked_total, picked = selector_loss(
             selector, states, head_weight.detach(),
             None if head_bias is None else head_bias.detach(), candidates.to(device),
-            labels, before, w)
+            labels, before.to(device)[ok], w)
         total = total.to(device) + selector_alpha * picked_total.to(device)
         picked = picked.to(first.device)
         metrics.update(selector_loss=float(picked_total.detach()) / float(divide),

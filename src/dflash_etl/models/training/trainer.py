@@ -57,7 +57,12 @@ class Trainer:
                  mask_token: MaskTokenRule) -> None:
         import torch
 
-        from dflash_etl.models.drafter import DFlashDrafter, DrafterConfig, block_loss_weights
+        from dflash_etl.models.drafter import (
+            DFLASH2_SETTINGS,
+            DFlashDrafter,
+            DrafterConfig,
+            block_loss_weights,
+        )
         from dflash_etl.models.target import Target, TargetSpec, resident_head
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
@@ -85,10 +90,8 @@ class Trainer:
         config.loss_decay_gamma = settings.gamma
         if settings.arch == "dflash2":
             config.arch = "dflash2"
-            config.conv_kernel_size, config.conv_group_size = (settings.conv_kernel_size,
-                                                               settings.conv_group_size)
-            config.selector_rank, config.selector_top_k = (settings.selector_rank,
-                                                           settings.selector_top_k)
+            for name in DFLASH2_SETTINGS:
+                setattr(config, name, getattr(settings, name))
         self.drafter = DFlashDrafter(config).to(self.device)
         self.model = self.drafter
         if world > 1:
