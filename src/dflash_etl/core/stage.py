@@ -28,6 +28,42 @@ from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.outputs import Output
 from dflash_etl.core.rundir import RunDir, StageRecord, remove_tree, write_json_atomic
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def usable_cores(cgroup: Path | None = None) -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a cpuset), capped by a
+    cgroup CPU quota (a container's --cpus, a Slurm or Kubernetes limit). os.cpu_count() sees
+    the host's cores: 64 workers on a 2-CPU quota each get 1/32 of a core and thrash."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    cgroup = cgroup or CGROUP
+    quota = cpu_quota(_read(cgroup / "cpu.max"), _read(cgroup / "cpu" / "cpu.cfs_quota_us"),
+                      _read(cgroup / "cpu" / "cpu.cfs_period_us"))
+    return max(1, min(cores, quota) if quota else cores)
+
+
+def cpu_quota(v2: str, v1_quota: str = "", v1_period: str = "") -> int | None:
+    """The quota in whole cores (rounded up) from cgroup v2's cpu.max (`200000 100000`, `max
+    100000`) or v1's cfs_quota_us and cfs_period_us (-1: none); None where there is none."""
+    try:
+        if v2:
+            quota, period = v2.split()[:2]
+            return None if quota == "max" else -(-int(quota) // int(period))
+        if v1_quota and int(v1_quota) > 0 and v1_period:
+            return -(-int(v1_quota) // int(v1_period))
+    except ValueError:
+        return None
+    return None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 OutputT = TypeVar("OutputT", bound=Output)
 
 
@@ -86,8 +122,8 @@ class StageContext:
     call_totals: dict[str, Any] = field(default_factory=dict)
 
     def n_workers(self) -> int:
-        """--workers, else [run] workers (RunOptions), else one per core."""
-        return max(1, self.workers or os.cpu_count() or 1)
+        """--workers, else [run] workers (RunOptions), else one per core it may use."""
+        return max(1, self.workers or usable_cores())
 
     def writers(self, kind: type[Output]) -> list[str]:
         """The stages before this one that write `kind`, in pipeline order."""
