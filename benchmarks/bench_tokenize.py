@@ -266,6 +266,9 @@ def main() -> None:
                         "see bench_tokenize_peer.py")
     parser.add_argument("--peer-tokenizer", choices=("chatml-generation-tags", "chatml-plain"),
                         help="with --peer: only this tokenizer")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="with --peer: N processes spinning in Python during every timed "
+                        "run of either tool (a busy machine; default 0: quiet)")
     parser.add_argument("--tokenizer", choices=("bpe8k-chatml", "qwen3.6"),
                         help="only this tokenizer (results go to tokenize_N.{json,md})")
     args = parser.parse_args()
@@ -273,7 +276,7 @@ def main() -> None:
         import bench_tokenize_peer
 
         bench_tokenize_peer.main(args.peer.resolve(), args.conversations, args.repeats or 3,
-                                 args.peer_tokenizer)
+                                 args.peer_tokenizer, args.load)
         return
     args.repeats = args.repeats or 2
     base_src = None

@@ -21,6 +21,7 @@ tokenizer, >= 3x with the plain one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +39,7 @@ REPO = HERE.parent
 HARNESS = REPO.parent / "shared" / "peer"
 WORK = HERE / "work" / "tokenize_peer"
 sys.path[:0] = [str(HERE), str(REPO / "src")]
+from bench_threads import busy  # noqa: E402
 from bench_tokenize import stage_env, timed, warm_up  # noqa: E402
 
 TOKENIZERS = {"chatml-generation-tags": ["--generation-tags"], "chatml-plain": []}
@@ -137,7 +140,20 @@ def compare_masks(run_dir: Path, peer_out: Path) -> dict:
             "our_supervised_tokens": sum(map(sum, our_masks))}
 
 
-def main(peer: Path, conversations: int, repeats: int, only: str | None = None) -> None:
+@contextlib.contextmanager
+def loaded(n: int) -> Iterator[None]:
+    """N spinning processes for the length of one timed run: the same load for both tools."""
+    spinners = busy(n)
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def main(peer: Path, conversations: int, repeats: int, only: str | None = None,
+         load: int = 0) -> None:
     if not (peer / "venv" / "bin" / "python").exists() or not (peer / "spec0702").is_dir():
         raise SystemExit(f"{peer}: no peer environment (venv/ and spec0702/): set it up as "
                          f"{HARNESS / 'README.md'} says")
@@ -147,7 +163,8 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
     results = {"date": dt.date.today().isoformat(), "machine": {
         "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(), "load_avg_at_start": os.getloadavg()[0]},
-        "conversations": conversations, "peer": "speculators 0.7.0.2 prepare_data, 2 workers",
+        "conversations": conversations, "load": load,
+        "peer": "speculators 0.7.0.2 prepare_data, 2 workers",
         "runs": {}}
     for name, tokenizer in tokenizers.items():
         if only and name != only:
@@ -158,10 +175,11 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
         for k in range(repeats):  # alternate, the first one each way round
             order = ("peer", "ours") if k % 2 == 0 else ("ours", "peer")
             for who in order:
-                if who == "peer":
-                    peers.append(run_peer(peer, tokenizer, data, peer_out))
-                else:
-                    ours.append(run_ours(run_dir, tokenizer))
+                with loaded(load):
+                    if who == "peer":
+                        peers.append(run_peer(peer, tokenizer, data, peer_out))
+                    else:
+                        ours.append(run_ours(run_dir, tokenizer))
         p_median = statistics.median(r["seconds"] for r in peers)
         o_median = statistics.median(r["seconds"] for r in ours)
         results["runs"][name] = {
@@ -174,7 +192,7 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
     results["machine"]["load_avg_at_end"] = os.getloadavg()[0]
     out = HERE / "results"
     stem = "tokenize_peer" + (f"_{conversations}" if conversations != 20000 else "") + (
-        f"_{only}" if only else "")
+        f"_{only}" if only else "") + (f"_load{load}" if load else "")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     m = results["machine"]
     lines = [f"# tokenize vs speculators 0.7.0.2 ({results['date']}, {m['cores']} cores, 1-min "
@@ -184,7 +202,10 @@ def main(peer: Path, conversations: int, repeats: int, only: str | None = None) 
              "from its make_tokenizer.py; "
              f"whole process, {repeats} alternating runs each, median; nothing resident before "
              "either (each dflash-etl run imports its gates' engines itself). Command: "
-             f"`python benchmarks/bench_tokenize.py --peer PEER --conversations {conversations}`.",
+             f"`python benchmarks/bench_tokenize.py --peer PEER --conversations {conversations}"
+             f"{f' --load {load}' if load else ''}`.",
+             *(["", f"**Loaded:** {load} processes spinning in Python ran beside every timed "
+                "run of either tool (started before it, killed after it)."] if load else []),
              "",
              "| tokenizer | speculators mask path | speculators s (runs) | dflash-etl s (runs) | "
              "speedup (medians) | CPU s peer / ours (median run) | peak RSS peer / ours | "
