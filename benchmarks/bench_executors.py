@@ -247,6 +247,7 @@ def cli_with_timers(out: str, argv: list[str]) -> int:
     from dflash_etl.executors import ray as ray_ex
 
     cli = importlib.import_module("dflash_etl.cli.main")
+    pipeline = importlib.import_module("dflash_etl.runner.pipeline")
     stage_mod = importlib.import_module(f"dflash_etl.stages.{argv[0]}")
     stage_cls = getattr(stage_mod, STAGE_CLASSES[argv[0]])
 
@@ -262,7 +263,7 @@ def cli_with_timers(out: str, argv: list[str]) -> int:
 
         setattr(owner, name, wrapper)
 
-    timed(stage_mod, "run_stage", "stage")
+    timed(pipeline, "run_stage", "stage")
     timed(stage_cls, "prepare", "prepare")
     timed(stage_cls, "plan", "plan")
     timed(stage_cls, "finish", "finish")
@@ -271,9 +272,9 @@ def cli_with_timers(out: str, argv: list[str]) -> int:
         orig_map = executor.map
 
         def counting_map(self: Any, stage: Any, ctx: Any, items: list, work_dir: Path,
-                         _orig: Any = orig_map) -> list:
+                         *args: Any, _orig: Any = orig_map, **kwargs: Any) -> list:
             start = time.time()
-            results = _orig(self, stage, ctx, items, work_dir)
+            results = _orig(self, stage, ctx, items, work_dir, *args, **kwargs)
             spans.setdefault("map", []).append([start, time.time()])
             extra.update(items=len(items), item_bytes=sum(len(pickle.dumps(i)) for i in items),
                          result_bytes=sum(len(json.dumps(r)) for r in results))
