@@ -185,8 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-rows", type=int, default=100_000)
     ap.add_argument("--executors", default="local,ray")
     ap.add_argument("--note", default="")
+    ap.add_argument("--report-only", action="store_true",
+                    help="the digests and the tables again from results/scale.json and the runs")
     args = ap.parse_args(argv)
     executors = args.executors.split(",")
+    if args.report_only:
+        return report(json.loads((RESULTS / "scale.json").read_text()), args.small_rows,
+                      args.rows, executors)
     res: dict[str, Any] = {
         "command": "python benchmarks/bench_scale.py" + "".join(
             f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
@@ -194,7 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (args.small_rows, args.rows):
         res["sizes"][str(rows)] = one_size(rows, executors, limits=rows == args.small_rows)
         (RESULTS / "scale.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
-    res["goals"] = goals(res, args.small_rows, args.rows, executors)
+    return report(res, args.small_rows, args.rows, executors)
+
+
+def report(res: dict[str, Any], small: int, rows: int, executors: list[str]) -> int:
+    """Whether the executors wrote the same bytes (bench_executors.output_digest: the data
+    files, not the timings), the goals, the tables."""
+    for size, entry in res["sizes"].items():
+        for executor, run in entry["runs"].items():
+            for stage, r in run.items():
+                r["output_sha256"] = bx.output_digest(
+                    sd.WORK / "runs" / f"{executor}_{size}" / stage)
+        digests = {r["output_sha256"] for run in entry["runs"].values() for r in
+                   run.values()}
+        entry["outputs_identical_across_executors"] = (
+            len(digests) == 2 if len(entry["runs"]) > 1 else None)  # one per stage
+    res["goals"] = goals(res, small, rows, executors)
     (RESULTS / "scale.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     md = markdown(res)
     (RESULTS / "scale.md").write_text(md)
@@ -289,7 +309,11 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {int(rows):,} | {executor} | " + " | ".join(
                 f"{p[k]['found']:,} of {p[k]['planted']:,}" for k in
                 ("exact_duplicates", "near_copies", "benchmark_items")) + " |")
-    lines += ["", "Rows not written, by reason (quarantined: q, filtered: f):", ""]
+    lines += ["", "Outputs of the two executors byte-identical (sha256 of every data file, per "
+              "stage): " + ", ".join(
+                  f"{int(rows):,}: " + ("yes" if size.get("outputs_identical_across_executors")
+                                        else "no") for rows, size in res["sizes"].items()) + ".",
+              "", "Rows not written, by reason (quarantined: q, filtered: f):", ""]
     for rows, size in res["sizes"].items():
         for executor, run in size["runs"].items():
             for stage, r in run.items():
