@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import signal
+import time
 
 from dflash_etl.cli.main import main
 from dflash_etl.core import progress
@@ -91,3 +92,50 @@ def test_a_record_half_written_by_a_killed_stage_is_removed_by_the_next(tmp_path
     stale.write_text('{"label": "extract"')
     ingest.run(config, run, progress=False)
     assert not stale.exists()
+
+
+def test_the_steps_after_the_work_keep_the_log_and_the_record_going(tmp_path, monkeypatch):
+    """A million rows' contract and suite take a minute after the last item: the log and
+    `status` say which check runs, not nothing."""
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 1e9)
+    record = tmp_path / ".tokenize.progress.json"
+    with progress.working("tokenize", record=record) as steps:
+        steps.now("checking the tokenized contract")
+        doc = json.loads(record.read_text())
+        assert doc["step"] == "checking the tokenized contract"
+        assert progress.record_text(doc, "tokenize").startswith(
+            "tokenize: checking the tokenized contract, 0 s so far")
+    assert log.getvalue() == ""  # not due: a short check stays quiet
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.5)
+    progress._last_line[0] = 0.0  # the last line long ago: one is due
+    with progress.working("tokenize", record=record) as steps:
+        steps.now("running the tokenized expectation suite")
+        time.sleep(1.3)  # the ticker's next line, half a second after the first
+    lines = log.getvalue().splitlines()
+    assert len(lines) >= 2, lines
+    assert all(x.startswith("tokenize: running the tokenized expectation suite, ") for x in lines)
+    with progress.working("tokenize", enabled=False) as steps:
+        steps.now("publishing")
+    assert len(log.getvalue().splitlines()) == len(lines)  # progress=False: silent
+
+
+# a whole `dflash-etl ingest` in a log, every interval due at once
+EVERY_STEP = ("from dflash_etl.core import progress\nprogress.LOG_EVERY_S = 0.0\n"
+              "import sys\nfrom dflash_etl.cli.main import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
+def test_a_stage_in_a_log_names_each_step_after_its_items(tmp_path):
+    config = _setup(tmp_path, units=2)
+    proc, lines = _start(EVERY_STEP, "ingest", "--config", config, "--run", tmp_path / "run")
+    try:
+        said = [_wait_for(lines, proc, f"ingest: {step}")[0] for step in (
+            "merging the work items' results", "checking the accounting",
+            "checking the conversations contract", "running the conversations expectation "
+            "suite", "publishing")]
+        assert all(", 0 s so far" in x or " s so far" in x for x in said)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

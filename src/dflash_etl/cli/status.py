@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash_etl.core.errors import StageError
 from dflash_etl.core.lock import live_holder
-from dflash_etl.core.progress import progress_record, progress_text
+from dflash_etl.core.progress import progress_record, record_text
 from dflash_etl.core.rundir import RunDir
 from dflash_etl.stages import PIPELINE
 
@@ -63,7 +63,7 @@ def _running(run_dir: Path, stage: str, holder: dict[str, Any] | None) -> str:
     if doc.get("pid") != holder.get("pid"):  # none yet, or an earlier run's
         return f"{who}: no progress recorded yet (loading, or planning its work)"
     ago = time.time() - float(doc.get("updated", 0))
-    return f"{who}: {progress_text(doc.get('label', stage), doc.get('unit', 'items'), doc)} " \
+    return f"{who}: {record_text(doc, stage)} " \
            f"(updated {ago:.0f} s ago)"
 
 

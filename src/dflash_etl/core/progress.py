@@ -14,8 +14,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-LOG_EVERY_S = 30.0  # a log line at least this often while a stage works
+# a log line at most this long after the last one (or the process's start) while a stage works:
+# the promise is 30 s, and a ticker wakes once a second
+LOG_EVERY_S = 28.0
 RECORD_EVERY_S = 1.0  # the status record, rewritten at most this often
+_last_line = [time.monotonic()]  # when this process last logged a progress line (or started)
+
+
+def _due(now: float) -> bool:
+    """Whether a log line is due: LOG_EVERY_S since the last one any reporter printed."""
+    return now - _last_line[0] >= LOG_EVERY_S
+
+
+def _log_line(text: str) -> None:
+    _last_line[0] = time.monotonic()
+    print(text, file=sys.stderr, flush=True)
 
 
 def drop_stale_records(run_root: str | Path) -> None:
@@ -58,7 +71,7 @@ class _Bar:
         self._progress, self._task = progress, task
         self.label, self.total, self.unit, self.done = label, total, unit, 0
         self._log, self._record = log, record
-        self._start = self._last_log = self._last_record = time.monotonic()
+        self._start = self._last_record = time.monotonic()
         self._logged = False
         self._writing = threading.Lock()  # the ticker and the work both write
         self._write_record()
@@ -86,8 +99,7 @@ class _Bar:
     def _report(self) -> None:
         """The log line and the record, each when its interval has passed."""
         now = time.monotonic()
-        if self._log and now - self._last_log >= LOG_EVERY_S:
-            self._last_log = now
+        if self._log and _due(now):
             self._say()
         if self._record is not None and now - self._last_record >= RECORD_EVERY_S:
             self._last_record = now
@@ -115,21 +127,24 @@ class _Bar:
     def _say(self) -> None:
         with self._writing:
             self._logged = True
-            print(progress_text(self.label, self.unit, self._figures()), file=sys.stderr,
-                  flush=True)
+            _log_line(progress_text(self.label, self.unit, self._figures()))
 
     def _write_record(self) -> None:
         if self._record is None:
             return
-        doc = {"label": self.label, "unit": self.unit, "pid": os.getpid(),
-               "updated": time.time(), **self._figures()}
-        tmp = self._record.with_name(self._record.name + f".{os.getpid()}.tmp")
         with self._writing:
-            try:
-                tmp.write_text(json.dumps(doc))
-                os.replace(tmp, self._record)
-            except OSError:  # a full or read-only disk: progress is not worth failing the work
-                pass
+            _write_record(self._record, {"label": self.label, "unit": self.unit,
+                                         **self._figures()})
+
+
+def _write_record(record: Path, doc: dict[str, Any]) -> None:
+    """The status record, replaced whole (a reader never sees half of it)."""
+    tmp = record.with_name(record.name + f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({**doc, "pid": os.getpid(), "updated": time.time()}))
+        os.replace(tmp, record)
+    except OSError:  # a full or read-only disk: progress is not worth failing the work
+        pass
 
 
 @contextmanager
@@ -159,6 +174,66 @@ def progress_bar(label: str, total: int, enabled: bool | None = None, *,
             yield bar
         finally:
             bar.close()
+
+
+class _Steps:
+    """What a stage does after its work items or its work (merging their results, the
+    accounting, the contract, the suite, publishing: a minute at a million rows): in a log a
+    line when one is due, and the step in the status record, so neither goes quiet."""
+
+    def __init__(self, label: str, log: bool, record: Path | None) -> None:
+        self.label, self._log, self._record = label, log, record
+        self.step, self._since = "", time.monotonic()
+        self._stop, self._ticker = threading.Event(), None
+
+    def now(self, step: str) -> None:
+        self.step, self._since = step, time.monotonic()
+        self._report()
+        if self._ticker is None and (self._log or self._record is not None):
+            self._ticker = threading.Thread(target=self._tick, name=f"steps {self.label}",
+                                            daemon=True)
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            self._report()
+
+    def _report(self) -> None:
+        if self._log and _due(time.monotonic()):
+            _log_line(step_text(self.label, self.step, time.monotonic() - self._since))
+        if self._record is not None:
+            _write_record(self._record, {"label": self.label, "step": self.step, "elapsed_s":
+                                         round(time.monotonic() - self._since, 1)})
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+
+
+def step_text(label: str, step: str, elapsed: float) -> str:
+    """`tokenize: checking the contract, 35 s so far` (the log line and `status`'s)."""
+    return f"{label}: {step}, {_seconds(elapsed)} so far"
+
+
+def record_text(doc: dict[str, Any], stage: str) -> str:
+    """A status record as `status` shows it: the work's figures, or the step after it."""
+    if "step" in doc:
+        return step_text(doc.get("label", stage), doc["step"], float(doc.get("elapsed_s", 0)))
+    return progress_text(doc.get("label", stage), doc.get("unit", "items"), doc)
+
+
+@contextmanager
+def working(label: str, enabled: bool | None = None, *,
+            record: Path | None = None) -> Iterator[_Steps]:
+    """The steps after the work (`steps.now("checking the contract")`): a line when one is due
+    (on a terminal too: the bar is gone by then) unless `enabled` is False, and the step in
+    `record` for `status`; silent until the first step."""
+    steps = _Steps(label, enabled is not False, record)  # a terminal gets the lines too
+    try:
+        yield steps
+    finally:
+        steps.close()
 
 
 def size_text(n: float) -> str:

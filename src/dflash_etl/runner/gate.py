@@ -16,20 +16,24 @@ from dflash_etl.validation.contracts import validate_output
 from dflash_etl.validation.model_outputs import validate_model_output
 
 
-def gate(stage: Stage, ctx: StageContext, doc: dict[str, Any]) -> None:
+def gate(stage: Stage, ctx: StageContext, doc: dict[str, Any],
+         step: Callable[[str], None] = lambda _: None) -> None:
     """stats.json, then the contract and (where the kind has one) the suite; the suite reads
-    only an output that kept its contract. Raises the failing check's error."""
+    only an output that kept its contract. Raises the failing check's error. `step` names
+    each check as it starts (the progress a log and `status` show)."""
     write_json_atomic(ctx.partial / "stats.json", doc)
     output = stage.writes
     if output is None:  # a stage outside a pipeline (tests' stand-ins): nothing to check
         return
     params = stage.contract_params(ctx)
+    step(f"checking the {output.kind} contract")
     if output.suite is None:
         validate_model_output(output.contract, ctx.partial, params)
         return
     validate_output(output.contract, ctx.partial, params)
     thresholds = (suites.Thresholds.from_config(ctx.config) if ctx.config
                   else suites.Thresholds.from_manifest(ctx.run.root))
+    step(f"running the {output.kind} expectation suite")
     suites.gate(stage.name, output.suite, ctx.partial, ctx.run.root, thresholds)
 
 

@@ -16,6 +16,7 @@ import errno
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from dflash_etl.core.config import PipelineConfig
 from dflash_etl.core.distributed import DEFAULT_TIMEOUT_S, barrier, join, rank_world
 from dflash_etl.core.errors import StageError, Terminated, describe_error
 from dflash_etl.core.lock import RunLocked, free_reserve, run_lock, set_lock_stage
-from dflash_etl.core.progress import drop_stale_records
+from dflash_etl.core.progress import drop_stale_records, progress_record, working
 from dflash_etl.core.rundir import RunDir, Timer, output_identity, setting_changes
 from dflash_etl.core.settings import dropped_choices
 from dflash_etl.core.stage import BatchStage, ItemResults, RunOptions, Stage, StageContext
@@ -123,24 +124,33 @@ def _attempt(stage: Stage, ctx: StageContext, overrides: dict[str, Any], force: 
         run.update_stage(stage.name, resolved=json.loads(json.dumps(resolved, default=str)))
         stage.begin(ctx)
     barrier(ctx.world)  # rank 0 has made (or kept, to resume) the partial directory
-    doc = _execute(stage, ctx)
-    if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
-        check_accounting(doc, stage.name)
-        gate(stage, ctx, doc)
-        stage.cleanup(ctx)
-        doc["total"].update(ctx.call_totals)
-        # a resumed stage's seconds include the earlier calls' work it resumed from
-        seconds = attempt.timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
-        attempt.publishing = True
-        records = run.records()
-        built_on = {up: identity for up in ctx.read_from
-                    if (identity := output_identity(records[up].entry if up in records
-                                                    else None))}
-        run.commit(stage.name, doc["total"], seconds, built_on=built_on, **ctx.timings)
+    with working(stage.name, ctx.progress if rank == 0 else False,
+                 record=progress_record(run.root, stage.name) if rank == 0 else None) as steps:
+        doc = _execute(stage, ctx, steps.now)
+        if rank == 0:  # publishing can fail too (a rename, a full disk): the same path
+            steps.now("checking the accounting")
+            check_accounting(doc, stage.name)
+            gate(stage, ctx, doc, steps.now)
+            steps.now("publishing")
+            _publish(stage, ctx, doc, attempt)
     return doc
 
 
-def _execute(stage: Stage, ctx: StageContext) -> dict[str, Any]:
+def _publish(stage: Stage, ctx: StageContext, doc: dict[str, Any], attempt: _Attempt) -> None:
+    run = ctx.run
+    stage.cleanup(ctx)
+    doc["total"].update(ctx.call_totals)
+    # a resumed stage's seconds include the earlier calls' work it resumed from
+    seconds = attempt.timer.seconds + ctx.timings.pop("earlier_seconds", 0.0)
+    attempt.publishing = True
+    records = run.records()
+    built_on = {up: identity for up in ctx.read_from
+                if (identity := output_identity(records[up].entry if up in records
+                                                else None))}
+    run.commit(stage.name, doc["total"], seconds, built_on=built_on, **ctx.timings)
+
+
+def _execute(stage: Stage, ctx: StageContext, step: Callable[[str], None]) -> dict[str, Any]:
     """The stage's work; a batch stage's items on its executor, then its `finish` (on rank 0:
     under torchrun the others return nothing), the gate's imports on a thread meanwhile."""
     if not isinstance(stage, BatchStage):
@@ -152,6 +162,7 @@ def _execute(stage: Stage, ctx: StageContext) -> dict[str, Any]:
         results = get_executor(ctx).map(stage, ctx, items, work_dir, workers_started)
         if ctx.rank != 0:
             return {}
+        step("merging the work items' results")
         return stage.finish(ctx, ItemResults(results, work_dir))
 
 
