@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_states_width import _strings
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parents[1] / "shared" / "fixtures"
@@ -163,14 +164,6 @@ def _contaminated(row: dict[str, Any]) -> bool:
         _MATCHER = ContaminationIndex.build(
             i for name in BENCHMARK_FILES for i in read_benchmark(EVALSETS / name))
     return _MATCHER.match(s for s in _strings(row) if s.strip()) is not None
-
-
-def _strings(node: Any) -> list[str]:
-    if isinstance(node, dict):
-        return [s for v in node.values() for s in _strings(v)]
-    if isinstance(node, list):
-        return [s for v in node for s in _strings(v)]
-    return [node] if isinstance(node, str) else []
 
 
 def _chunk(args: tuple[str, int, int, int]) -> bytes:

@@ -109,7 +109,7 @@ def test_the_steps_after_the_work_keep_the_log_and_the_record_going(tmp_path, mo
             "tokenize: checking the tokenized contract, 0 s so far")
     assert log.getvalue() == ""  # not due: a short check stays quiet
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.5)
-    progress._last_line[0] = 0.0  # the last line long ago: one is due
+    monkeypatch.setattr(progress, "_last_line", [0.0])  # the last line long ago: one is due
     with progress.working("tokenize", record=record) as steps:
         steps.now("running the tokenized expectation suite")
         time.sleep(1.3)  # the ticker's next line, half a second after the first
@@ -134,7 +134,7 @@ def test_a_stage_in_a_log_names_each_step_after_its_items(tmp_path):
             "merging the work items' results", "checking the accounting",
             "checking the conversations contract", "running the conversations expectation "
             "suite", "publishing")]
-        assert all(", 0 s so far" in x or " s so far" in x for x in said)
+        assert all(x.endswith(" s so far") for x in said)
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:

@@ -185,6 +185,7 @@ class _Steps:
         self.label, self._log, self._record = label, log, record
         self.step, self._since = "", time.monotonic()
         self._stop, self._ticker = threading.Event(), None
+        self._writing = threading.Lock()  # the ticker and the stage both report
 
     def now(self, step: str) -> None:
         self.step, self._since = step, time.monotonic()
@@ -199,11 +200,13 @@ class _Steps:
             self._report()
 
     def _report(self) -> None:
-        if self._log and _due(time.monotonic()):
-            _log_line(step_text(self.label, self.step, time.monotonic() - self._since))
-        if self._record is not None:
-            _write_record(self._record, {"label": self.label, "step": self.step, "elapsed_s":
-                                         round(time.monotonic() - self._since, 1)})
+        with self._writing:
+            elapsed = time.monotonic() - self._since
+            if self._log and _due(time.monotonic()):
+                _log_line(step_text(self.label, self.step, elapsed))
+            if self._record is not None:
+                _write_record(self._record, {"label": self.label, "step": self.step,
+                                             "elapsed_s": round(elapsed, 1)})
 
     def close(self) -> None:
         self._stop.set()
