@@ -413,6 +413,7 @@ def test_online_training_with_states_from_a_server_trains_the_offline_drafter(
                         states_dir=str(states), **settings)
         asked = server.requests
     assert doc["total"]["online"] is True and asked >= 3 * SMALL["batch_rows"]
+    assert doc["total"]["target_loaded"] == "whole"  # tau is measured here: the decoder runs
     (load,) = doc["total"]["states_server"].pop("servers").values()  # the one server's
     assert load["served"] == load["requests"] == 3 * SMALL["batch_rows"] and load["failed"] == 0
     assert 0 < load["busy_share"] <= 1 and load["mean_in_flight"] > 0
@@ -445,6 +446,50 @@ def test_online_training_with_states_from_a_server_trains_the_offline_drafter(
         train.run(None, dead, progress=False, target=str(untied_target), online=True,
                   layers="2", states_from="server", states_endpoint=server.url,
                   states_dir=str(states), **settings)
+
+
+def test_training_from_a_server_without_tau_reads_only_the_embedding_and_head_of_the_target(
+        extracted, untied_target, tmp_path, copy_run, capsys):
+    """A 27B target's decoder does not fit beside the drafter on a training node. With the
+    states from a server and no tau measured here (eval_prompts = 0), train reads the target's
+    embedding and LM head alone: a checkpoint holding nothing else trains the drafter the whole
+    target trains offline. Before, train loaded the whole target and refused eval_prompts 0
+    (the whole target with eval_prompts > 0: test_online_training_with_states_from_a_server)."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_etl.models.devserver import DevServer
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    settings = {**SMALL, "steps": 3, "eval_prompts": 0}
+    offline = copy_run(extracted, tmp_path / "offline", "*train*", "docs")
+    train.run(None, offline, progress=False, target=str(untied_target), **settings)
+    head = tmp_path / "head-only-target"
+    shutil.copytree(untied_target, head)
+    weights = load_file(str(head / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if k.endswith(("embed_tokens.weight",
+                                                              "lm_head.weight"))}
+    assert len(kept) == 2 and len(weights) > 20
+    save_file(kept, str(head / "model.safetensors"), metadata={"format": "pt"})
+    config = load_config(REPO / "data" / "pipeline.toml")
+    # the spot check would load the target (random decoder weights here): off, loudly
+    config.raw["extract"] = {**config.raw.get("extract", {}), "spot_check": "off"}
+    served = copy_run(extracted, tmp_path / "served", "*train*", "docs")
+    shutil.rmtree(served / "extract")
+    states = tmp_path / "server-states"
+    with DevServer(str(untied_target), extract_layers=vllm_layer_ids([2], 4),
+                   states_dir=str(states)) as server:
+        doc = train.run(config, served, progress=False, target=str(head), online=True,
+                        layers="2", states_from="server", states_endpoint=server.url,
+                        states_dir=str(states), **settings)
+    assert doc["total"]["target_loaded"] == "embedding and head"
+    assert doc["total"]["tau_final"] is None and doc["total"]["eval_prompts"] == 0
+    err = capsys.readouterr().err
+    assert "not checked against the target" in err and "tau: not measured here" in err
+    a = load_file(str(offline / "train" / "drafter" / "model.safetensors"))
+    b = load_file(str(served / "train" / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert json.loads((served / "train" / "contract.json").read_text())["passed"]
+    assert json.loads((served / "train" / "eval.json").read_text())["tau_final"] is None
 
 
 def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
@@ -500,9 +545,9 @@ def test_errors_name_the_cause(extracted, untied_target, tmp_path, copy_run):
         train.run(None, run_dir, progress=False, target=str(untied_target), **SMALL)
     with pytest.raises(StageError, match="needs the target model"):
         train.run(None, run_dir, progress=False, **SMALL)
-    with pytest.raises(StageError, match="no evaluation prompts"):
+    with pytest.raises(StageError, match="eval_tree_budget needs held-out prompts"):
         train.run(None, run_dir, progress=False, target=str(untied_target), online=True,
-                  **{**SMALL, "eval_prompts": 0})
+                  **{**SMALL, "eval_prompts": 0, "eval_tree_budget": 4})
     with pytest.raises(StageError, match="a block needs the anchor"):
         train.run(None, run_dir, progress=False, target=str(untied_target), block_size=1)
 

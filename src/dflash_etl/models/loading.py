@@ -194,20 +194,26 @@ def load_auto_tokenizer(model_dir: str | Path) -> Any:
                                          trust_remote_code=False)
 
 
-def weight_names(model_dir: str | Path) -> list[str]:
-    """The tensor names of a safetensors checkpoint (its index's weight map, else each file's
+def weight_files(model_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (the index's weight map, else each file's
     header), without loading a tensor."""
     directory = Path(model_dir)
     index = sorted(directory.glob("*.safetensors.index.json"))
     if index:
-        return sorted(_read_json(index[0]).get("weight_map", {}))
+        weight_map = _read_json(index[0]).get("weight_map", {})
+        return {name: directory / file for name, file in weight_map.items()}
     from safetensors import safe_open
 
-    names: list[str] = []
+    files: dict[str, Path] = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            names += list(f.keys())
-    return sorted(names)
+            files.update(dict.fromkeys(f.keys(), path))
+    return files
+
+
+def weight_names(model_dir: str | Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint, without loading a tensor."""
+    return sorted(weight_files(model_dir))
 
 
 def embedding_weight_names(model_dir: str | Path) -> tuple[str, str | None]:

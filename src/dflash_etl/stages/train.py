@@ -176,6 +176,10 @@ class TrainSettings:
                              "several) and --states-dir DIR (its "
                              "shared_storage_path); train prints the `vllm serve` line that "
                              "starts such a server")
+        if self.eval_tree_budget and not self.eval_prompts:
+            raise StageError("[train] eval_tree_budget needs held-out prompts to decode: set "
+                             "eval_prompts > 0, or measure the tree with `dflash-etl eval "
+                             "--tree-budget` after training")
 
     @property
     def warmup(self) -> int:
@@ -256,12 +260,21 @@ def _require_last_layer(extracted: HiddenStatesOutput) -> None:
             "--online, or use labels = \"data\"")
 
 
+def _head_only(settings: TrainSettings) -> bool:
+    """Whether the trainer needs only the target's embedding and LM head: its states come from
+    a server, no tau is measured here and the labels are the data's. A 27B target's decoder then
+    stays on the serving node."""
+    return (settings.online and settings.states_from == "server"
+            and not settings.eval_prompts and settings.labels == "data")
+
+
 def _server_states(settings: TrainSettings, target: Any, extract: Any, probe: list[int],
-                   last: bool = False) -> Any:
+                   last: bool = False, reference: bool = True) -> Any:
     """train --online --states-from server: the batches' states from hidden-states servers,
     through extract's server client (its checks, the fleet client's failover, retries and
     deadlines), with [extract]'s limits and served model (`extract`: its settings); each
-    server spot-checked on `probe` against the loaded target first."""
+    server spot-checked on `probe` against the loaded target first (`reference` False: the
+    target here is its head only; the check loads the target where it fits, as extract's)."""
     from dflash_etl.models.states_server import (
         PROBE_TOKENS,
         ServerTarget,
@@ -279,7 +292,7 @@ def _server_states(settings: TrainSettings, target: Any, extract: Any, probe: li
                                              settings.states_dir),
           file=sys.stderr, flush=True)
     spot_check(client, target.layers, target.n_layers, target.hidden, probe[:PROBE_TOKENS],
-               reference=target, stage="train")
+               reference=target if reference else None, stage="train")
     return ServerStates(ServerTarget(client, target.layers, target.n_layers, target.hidden),
                         last=last)
 
@@ -395,28 +408,32 @@ class TrainStage(Stage):
                              "held out for evaluation and the rest have no two consecutive "
                              "supervised tokens to anchor a block; check the tokenize stage's "
                              "masks or lower --eval-prompts")
-        if not prompts:
+        if not prompts and settings.eval_prompts:
             raise StageError("train has no evaluation prompts: no held-out row has a prompt "
                              "before its first supervised token; raise --eval-prompts (now "
                              f"{settings.eval_prompts}) or check the tokenize stage's masks")
         states = (ExtractedStates(extracted.stage_dir, len(extracted.layers), self.index,
                                   hidden_size=extracted.hidden_size,
                                   last=settings.labels == "target") if extracted else None)
+        head_only = _head_only(settings)
         trainer = Trainer(settings, train_rows, states, self.layers, ctx.partial,
                           ctx.rank, ctx.world, draft_vocab=self.t2d,
-                          mask_token=resolve_mask_token)
+                          mask_token=resolve_mask_token, head_only=head_only)
         trainer.layers_from = self.layers_from
         replies = None  # online, nothing before read the replies (extract does, offline)
         if settings.online and ctx.rank == 0 and settings.reply_check != "off":
             from dflash_etl.models.reply_check import check_replies, replies_origin, sample
 
             origin = replies_origin(self.generated_with, model_identity(settings.target))
-            picked = [train_rows[k] for k in sample([len(r["input_ids"]) for r in train_rows])]
+            # head only: no decoder here to measure them (as extract --backend server)
+            picked = [] if head_only else [
+                train_rows[k] for k in sample([len(r["input_ids"]) for r in train_rows])]
             replies = check_replies(picked, origin, target=trainer.target)
         if settings.online and settings.states_from == "server":
             trainer.states = _server_states(settings, trainer.target, stage_settings(
                 ExtractStage, ctx.config, ctx.run.root, {"model": settings.target}),
-                train_rows[0]["input_ids"], last=settings.labels == "target")
+                train_rows[0]["input_ids"], last=settings.labels == "target",
+                reference=not head_only)
         try:
             doc, timing = _train(trainer, ctx.run, settings, prompts, per_source, ctx.partial,
                                  ctx.rank, ctx.progress, call)
@@ -452,7 +469,9 @@ class TrainStage(Stage):
                 f"{total.get('drafter_parameters')} drafter parameters",
                 f"  acceptance length tau on {total.get('eval_prompts')} held-out prompts: "
                 f"{_fmt(total.get('tau_untrained'))} untrained -> {_fmt(total.get('tau_final'))}"
-                f" trained (block {total.get('block_size')})",
+                f" trained (block {total.get('block_size')})" if total.get('eval_prompts') else
+                "  acceptance length tau: not measured here ([train] eval_prompts = 0); "
+                f"measure it with `dflash-etl eval --run {out.parent}`",
                 *([f"  with DDTree verification of <= {tree['budget']} drafts: tau "
                    f"{_fmt(tree['tau'])} ({tree['nodes_per_step']} tokens verified per step)"]
                   if (tree := total.get("tau_tree")) else []),
@@ -499,6 +518,9 @@ def _train(trainer: Trainer, run: RunDir, settings: TrainSettings, prompts: list
     if not tau.history or tau.history[-1]["step"] != settings.steps:
         tau(settings.steps)
     trainer.drafter.save(partial / "drafter")
+    if not prompts:
+        print(f"train: tau: not measured here ([train] eval_prompts = 0); measure the drafter "
+              f"with `dflash-etl eval --run {run.root}`", file=sys.stderr, flush=True)
     evaluation = tau.document(settings.block_size)
     if settings.eval_tree_budget:
         evaluation["tree"] = tau.tree(settings.eval_tree_budget)
@@ -528,6 +550,7 @@ def _stats_document(trainer: Trainer, settings: TrainSettings, per_source: dict[
         "block_size": settings.block_size, "target_layers": trainer.target.layers,
         "target_layers_from": trainer.layers_from,
         "mask_token_id": trainer.mask_token_id, "online": settings.online,
+        "target_loaded": "embedding and head" if _head_only(settings) else "whole",
         "drafter_parameters": parameter_count(trainer.drafter), "labels": settings.labels,
         "arch": settings.arch,
     })

@@ -201,6 +201,8 @@ def verify_drafter(out: Path, block_size: int) -> list[str]:
     except Exception as exc:  # a broken file raises many types
         problems.append(f"drafter/: cannot load the drafter: {exc}")
     evaluation = json.loads((out / "eval.json").read_text())
+    if evaluation.get("prompts") == 0 and not evaluation.get("history"):
+        return problems  # [train] eval_prompts = 0: tau is `dflash-etl eval`'s
     for key in ("tau_untrained", "tau_final"):
         value = evaluation.get(key)
         if not isinstance(value, int | float) or not 1.0 <= value <= block_size:

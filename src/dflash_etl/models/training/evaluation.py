@@ -32,7 +32,8 @@ def eval_prompt(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
 
 class TauEvaluator:
     """tau on the held-out prompts at a given step, and every evaluation so far (eval.json's
-    history; checkpoints keep it, so a resumed run continues it)."""
+    history; checkpoints keep it, so a resumed run continues it). Without prompts (`[train]
+    eval_prompts = 0`) it measures nothing: tau is then `dflash-etl eval`'s, after training."""
 
     def __init__(self, target: Any, drafter: Any, prompts: list[list[int]], max_new_tokens: int,
                  history: list[dict[str, Any]]) -> None:
@@ -40,11 +41,14 @@ class TauEvaluator:
 
         self.target, self.drafter, self.prompts = target, drafter, prompts
         self.max_new_tokens = max_new_tokens
-        self.eos = eos_token_ids(target.model)
+        self.eos = eos_token_ids(target.model) if prompts else set()
         self.history = history
 
-    def __call__(self, step: int) -> float:
+    def __call__(self, step: int) -> float | None:
         from dflash_etl.models.acceptance import acceptance_length
+
+        if not self.prompts:
+            return None
 
         result = acceptance_length(self.target, self.drafter, self.prompts, self.max_new_tokens,
                                    self.eos)

@@ -54,7 +54,7 @@ class Trainer:
     def __init__(self, settings: TrainingSettings, rows: list[dict[str, Any]],
                  extracted: ExtractedStates | None, extract_layers: list[int] | None, out: Path,
                  rank: int = 0, world: int = 1, draft_vocab: np.ndarray | None = None, *,
-                 mask_token: MaskTokenRule) -> None:
+                 mask_token: MaskTokenRule, head_only: bool = False) -> None:
         import torch
 
         from dflash_etl.models.drafter import (
@@ -64,15 +64,16 @@ class Trainer:
             block_loss_weights,
         )
         from dflash_etl.models.target import Target, TargetSpec, resident_head
+        from dflash_etl.models.target_head import HeadTarget
 
         self.torch, self.settings, self.rank, self.world = torch, settings, rank, world
         layers = ",".join(map(str, extract_layers)) if extract_layers else settings.layers
         device = device_for_rank(settings.device)
-        self.target = Target(TargetSpec(model=settings.target, layers=layers,
-                                             draft_layers=settings.draft_layers,
-                                             dtype=settings.dtype, device=device,
-                                             device_map=settings.device_map,
-                                             max_memory=settings.max_memory))
+        # head_only: the states come from a server and nothing here runs the target's decoder
+        self.target = (HeadTarget if head_only else Target)(TargetSpec(
+            model=settings.target, layers=layers, draft_layers=settings.draft_layers,
+            dtype=settings.dtype, device=device, device_map=settings.device_map,
+            max_memory=settings.max_memory))
         for p in self.target.model.parameters():
             p.requires_grad_(False)
         self.device = self.target.device
