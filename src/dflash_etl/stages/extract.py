@@ -286,7 +286,7 @@ def _shard_health(target: Target, settings: ExtractSettings, rows: list[dict[str
     layers = [*target.layers, *extra]
     if not keep:
         return {"layers": [], "reference": None, "problems": []}
-    layer_stats = layer_health(target.torch.cat([states[k] for k in keep]), layers)
+    layer_stats = layer_health([states[k] for k in keep], layers)
     kept = set(keep)
     padded = [b for b in batches if len(b) > 1 and all(k in kept for k in b)]
     reference = None
