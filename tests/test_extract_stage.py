@@ -362,3 +362,29 @@ def test_the_final_norm_stays_callable_after_a_pass_that_stopped_at_it(tiny_targ
     states = target.states([[5, 6, 7, 8]])
     assert states[0].shape == (4, 2, 64)
     assert final_norm(target.model)(torch.ones(1, 64)).shape == (1, 64)
+
+
+def test_a_shard_is_streamed_row_by_row_into_the_bytes_safetensors_writes(tmp_path):
+    """A native shard was joined (torch.cat) and serialized by safetensors before its write:
+    two copies of up to a GB each (~1 CPU s per GB at a 27B width). Now the rows are written
+    one after another behind the header; the file is byte for byte safetensors' own for the
+    joined tensors, so its readers (ours, speculators', SpecForge's) see the same file."""
+    import filecmp
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_etl.io.hidden_states import write_states_file
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for lengths in ((5, 1, 7), (3,)):
+            rows = [torch.randn(n, 3, 8, generator=g).to(dtype) for n in lengths]
+            ids = list(range(100, 100 + sum(lengths)))
+            theirs, ours = tmp_path / "theirs.safetensors", tmp_path / "ours.safetensors"
+            save_file({"hidden_states": torch.cat(rows), "token_ids": torch.tensor(ids)},
+                      str(theirs))
+            write_states_file(ours, rows, ids)
+            assert filecmp.cmp(theirs, ours, shallow=False), (dtype, lengths)
+            assert load_file(str(ours))["token_ids"].tolist() == ids
+            assert not ours.with_suffix(".tmp").exists()
