@@ -492,6 +492,33 @@ def test_training_from_a_server_without_tau_reads_only_the_embedding_and_head_of
     assert json.loads((served / "train" / "eval.json").read_text())["tau_final"] is None
 
 
+def test_the_target_head_alone_refuses_a_checkpoint_that_is_not_its_configs(untied_target,
+                                                                          tmp_path):
+    """Reading two tensors by name must not pair a config with another model's embedding, nor
+    tie a head the config unties: each is refused naming the file and what differs."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_etl.models.target import TargetSpec
+    from dflash_etl.models.target_head import HeadTarget
+
+    weights = load_file(str(untied_target / "model.safetensors"))
+    embed = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    head = HeadTarget(TargetSpec(model=str(untied_target), layers="2", device="cpu"))
+    assert torch.equal(head.model.get_input_embeddings().weight, weights[embed])
+    assert torch.equal(head.model.get_output_embeddings().weight, weights["lm_head.weight"])
+    assert head.model.model.layers[0].mlp.up_proj.weight.device.type == "meta"
+    no_head = tmp_path / "no-head"
+    shutil.copytree(untied_target, no_head)
+    save_file({embed: weights[embed]}, str(no_head / "model.safetensors"))
+    with pytest.raises(StageError, match=r"unties the LM head.*no `lm_head\.weight`"):
+        HeadTarget(TargetSpec(model=str(no_head), layers="2", device="cpu"))
+    save_file({embed: weights[embed][:, :32].contiguous(),
+               "lm_head.weight": weights["lm_head.weight"]}, str(no_head / "model.safetensors"))
+    with pytest.raises(StageError, match=r"is \[1237, 32\], but the config's vocabulary x hidden "
+                                         r"is \[1237, 64\]"):
+        HeadTarget(TargetSpec(model=str(no_head), layers="2", device="cpu"))
+
+
 def test_the_published_drafter_describes_itself_and_train_prints_its_serve_line(
         extracted, untied_target, tmp_path, capsys, copy_run):
     """Before: no model code and no auto_map (AutoModel with remote code gave a plain

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflash_etl.core.errors import StageError
 from dflash_etl.models.target import TargetSpec, parse_layers, text_config
 
 
@@ -41,13 +42,21 @@ class HeadTarget:
         self.n_layers, self.hidden = config.num_hidden_layers, config.hidden_size
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
         embed_key, head_key = embedding_weight_names(model_dir)  # head None: tied
+        if head_key is None and not getattr(config, "tie_word_embeddings", False):
+            raise StageError(f"{model_dir}: its config unties the LM head from the embedding, but "
+                             "no `lm_head.weight` is among its safetensors tensors: give the "
+                             "target's whole checkpoint directory")
         files = weight_files(model_dir)
+        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         loaded = {}
         for key in filter(None, (embed_key, head_key)):
             with safe_open(str(files[key]), framework="pt") as f:
-                loaded[key] = torch.nn.Parameter(f.get_tensor(key).to(self.device, dtype),
-                                                 requires_grad=False)
-        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+                tensor = f.get_tensor(key)
+            if tuple(tensor.shape) != tuple(embed.weight.shape):
+                raise StageError(f"{files[key]}: `{key}` is {list(tensor.shape)}, but the "
+                                 f"config's vocabulary x hidden is {list(embed.weight.shape)}: "
+                                 "the checkpoint is not this config's model")
+            loaded[key] = torch.nn.Parameter(tensor.to(self.device, dtype), requires_grad=False)
         embed.weight = loaded[embed_key]
         head.weight = loaded[head_key] if head_key else embed.weight
         fit_threads(sum(t.numel() for t in loaded.values()))
