@@ -126,6 +126,27 @@ def start_server(model: Path, layer_ids: list[int], states: Path) -> tuple[subpr
     return process, url
 
 
+TARGET_LAYERS = 5  # Qwen3.6-27B's DFlash drafters read 5 target layers
+
+
+def served_run(model: Path, rows: int, tokens: int, run: Path, states: Path,
+               without: tuple[str, ...]) -> tuple[list[int], subprocess.Popen, str]:
+    """A copy of the tokenized run at `run` (less the outputs of the stages `without` names)
+    and a width-mode server for its layers writing into `states`: (the layers extract's rule
+    picks, the server process, its /v1 URL)."""
+    from dflash_etl.models.layers import resolve_layers
+    from dflash_etl.models.states_server import vllm_layer_ids
+
+    base = tokenized_run(rows, tokens, model)
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(base, run, ignore=shutil.ignore_patterns(*(f"{s}*" for s in without)))
+    layers = resolve_layers("auto", str(model), TARGET_LAYERS)
+    shutil.rmtree(states, ignore_errors=True)
+    process, url = start_server(model, vllm_layer_ids(layers, WIDTH["num_hidden_layers"]),
+                                states)
+    return layers, process, url
+
+
 def plain_copy(files: list[Path], into: Path) -> tuple[float, float]:
     """Seconds to copy `files` into `into` (then removed), and the CPU seconds (user + system)
     the copying took: the kernel's work of reading and writing the bytes, which any writer on
@@ -171,22 +192,14 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import psutil
 
-    from dflash_etl.models.layers import resolve_layers
-    from dflash_etl.models.states_server import vllm_layer_ids
     from dflash_etl.stages import extract
 
     WORK.mkdir(parents=True, exist_ok=True)
     model = width_model(WORK / "qwen36-27b-width")
-    base = tokenized_run(args.rows, args.tokens, model)
-    run = WORK / "run"
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(base, run, ignore=shutil.ignore_patterns("extract*"))
-    layers = resolve_layers("auto", str(model), 5)
-    states = WORK / "served"
-    shutil.rmtree(states, ignore_errors=True)
-    process, url = start_server(model, vllm_layer_ids(layers, WIDTH["num_hidden_layers"]),
-                                states)
-    kw = {"model": str(model), "draft_layers": 5, "backend": "server", "endpoint": url,
+    run, states = WORK / "run", WORK / "served"
+    layers, process, url = served_run(model, args.rows, args.tokens, run, states, ("extract",))
+    kw = {"model": str(model), "draft_layers": TARGET_LAYERS, "backend": "server",
+          "endpoint": url,
           "states_dir": str(states), "dtype": "bf16", "concurrency": args.concurrency,
           "request_deadline_s": 600.0, "format": args.format}
     try:

@@ -84,15 +84,18 @@ def _sample(process: Any, log: Path, until: subprocess.Popen, every: float = 0.2
     return samples
 
 
-def _train(config: Path, run: Path, steps: int, extra: list[str]) -> dict[str, Any]:
-    """One `dflash-etl train` in its own process, its RSS sampled."""
+def _train(config: Path, run: Path, steps: int, extra: list[str],
+           train: dict[str, Any] | None = None, save_every: int = 0) -> dict[str, Any]:
+    """One `dflash-etl train` in its own process, its RSS sampled (`train`: its settings,
+    default TRAIN; `save_every`: default a checkpoint at the last step)."""
     import psutil
 
     shutil.rmtree(run / "train", ignore_errors=True)
     shutil.rmtree(run / ".train.partial", ignore_errors=True)
     argv = [sys.executable, "-m", "dflash_etl", "train", "--config", str(config), "--run",
-            str(run), "--steps", str(steps), "--save-every", str(steps), "--device", "cpu",
-            *[f"--{k.replace('_', '-')}={v}" for k, v in TRAIN.items()], *extra]
+            str(run), "--steps", str(steps), "--save-every", str(save_every or steps),
+            "--device", "cpu",
+            *[f"--{k.replace('_', '-')}={v}" for k, v in (train or TRAIN).items()], *extra]
     start = time.perf_counter()
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples = _sample(psutil.Process(child.pid), run / ".train.partial" / "log.jsonl", child)

@@ -28,19 +28,23 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_states_width import WIDTH, WORK, start_server, tokenized_run, width_model  # noqa: E402
-from bench_train_server_memory import _sample  # noqa: E402
+from bench_states_width import (  # noqa: E402
+    TARGET_LAYERS,
+    WIDTH,
+    WORK,
+    served_run,
+    width_model,
+)
+from bench_train_server_memory import _train  # noqa: E402
 
 TRAIN = {"draft_layers": 1, "block_size": 16, "batch_rows": 2, "anchors_per_row": 8,
          "dtype": "bf16", "lr": 5e-5}
-EXTRACT_LAYERS = 5  # Qwen3.6-27B's DFlash drafters read 5 target layers
 
 
 def head_checkpoint(out: Path) -> Path:
@@ -67,7 +71,7 @@ def held_bytes(rows: list[int], stored_layers: int) -> dict[str, int]:
     q, kv = WIDTH["num_attention_heads"] * WIDTH["head_dim"], \
         WIDTH["num_key_value_heads"] * WIDTH["head_dim"]
     layer = h * q * 2 + h * kv * 2 + 3 * h * i + 2 * WIDTH["head_dim"] + 2 * h
-    drafter = TRAIN["draft_layers"] * layer + EXTRACT_LAYERS * h * h + 2 * h
+    drafter = TRAIN["draft_layers"] * layer + TARGET_LAYERS * h * h + 2 * h
     longest = sorted(rows)[-2 * TRAIN["batch_rows"]:]
     return {"embedding_and_head": 2 * WIDTH["vocab_size"] * h * 2,
             "drafter_parameters": drafter,
@@ -76,35 +80,18 @@ def held_bytes(rows: list[int], stored_layers: int) -> dict[str, int]:
 
 
 def train_run(model: Path, run: Path, url: str, states: Path, steps: int) -> dict[str, Any]:
-    """One `dflash-etl train --online --states-from server` in its own process, sampled."""
-    import subprocess
-    import time
-
-    import psutil
-
+    """One `dflash-etl train --online --states-from server` in its own process, sampled
+    (bench_train_server_memory's runner), with its stats and losses."""
     config = run / "train-width.toml"
     # tokenized_run's config (its source, its tokenizer) with the server client's [extract]
     config.write_text((WORK / "pipeline.toml").read_text() + f'\n[extract]\ndraft_layers = '
-                      f'{EXTRACT_LAYERS}\nspot_check = "off"\nrequest_deadline_s = 600.0\n')
-    for stale in ("train", ".train.partial"):
-        shutil.rmtree(run / stale, ignore_errors=True)
-    argv = [sys.executable, "-m", "dflash_etl", "train", "--config", str(config), "--run",
-            str(run), "--target", str(model), "--online", "--states-from", "server",
-            "--states-endpoint", url, "--states-dir", str(states), "--eval-prompts", "0",
-            "--steps", str(steps), "--save-every", str(10 * steps), "--device", "cpu",
-            *[f"--{k.replace('_', '-')}={v}" for k, v in TRAIN.items()]]
-    start = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    samples = _sample(psutil.Process(child.pid), run / ".train.partial" / "log.jsonl", child)
-    err = child.communicate()[1]
-    if child.returncode:
-        raise SystemExit(f"train failed ({child.returncode}): {err[-3000:]}")
-    stats = json.loads((run / "train" / "stats.json").read_text())["total"]
+                      f'{TARGET_LAYERS}\nspot_check = "off"\nrequest_deadline_s = 600.0\n')
+    result = _train(config, run, steps, [
+        "--target", str(model), "--online", "--states-from", "server", "--states-endpoint",
+        url, "--states-dir", str(states), "--eval-prompts", "0"], TRAIN, save_every=10 * steps)
     log = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
-    counts = json.loads((run / "manifest.json").read_text())["stages"]["train"]["counts"]
-    return {"wall_s": round(time.perf_counter() - start, 1), "samples": samples,
-            "stats": stats, "losses": [round(e["loss"], 4) for e in log],
-            "states_server": counts.get("states_server")}
+    return {**result, "losses": [round(e["loss"], 4) for e in log],
+            "stats": json.loads((run / "train" / "stats.json").read_text())["total"]}
 
 
 def summarise(result: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -147,20 +134,11 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import psutil
 
-    from dflash_etl.models.layers import resolve_layers
-    from dflash_etl.models.states_server import vllm_layer_ids
-
     WORK.mkdir(parents=True, exist_ok=True)
     model = head_checkpoint(WORK / "qwen36-27b-head")
-    base = tokenized_run(args.rows, args.tokens, model)
-    run = WORK / "train-run"
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(base, run, ignore=shutil.ignore_patterns("extract*", "train*"))
-    layers = resolve_layers("auto", str(model), EXTRACT_LAYERS)
-    states = WORK / "served-train"
-    shutil.rmtree(states, ignore_errors=True)
-    process, url = start_server(model, vllm_layer_ids(layers, WIDTH["num_hidden_layers"]),
-                                states)
+    run, states = WORK / "train-run", WORK / "served-train"
+    layers, process, url = served_run(model, args.rows, args.tokens, run, states,
+                                      ("extract", "train"))
     try:
         result = train_run(model, run, url, states, args.steps)
         server_cpu = sum(psutil.Process(process.pid).cpu_times()[:2])

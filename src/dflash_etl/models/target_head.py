@@ -37,7 +37,6 @@ class HeadTarget:
             "cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
         self.model = _skeleton(load_config(model_dir))
-        self.placement = {"": self.device}
         config = text_config(self.model.config)
         self.n_layers, self.hidden = config.num_hidden_layers, config.hidden_size
         self.layers = parse_layers(settings.layers, self.n_layers, settings.draft_layers)
