@@ -38,13 +38,15 @@ learns: tau 1.0 -> ~6), per seed, our trainer (`Trainer`, the run's settings, `-
   they inflate; decontamination (ingest's `decontaminate`) then takes out exactly that count;
 
 each made inside this script only (rows edited in memory; no product setting turns a guard
-off). tau: `speculative_decode` with greedy verification by the run's target on the seeded
-held-out prompts (the conversations speculators' split does not train on), as
-bench_trainer_vs_speculators.py measures it, and on the benchmark prompts (`--bench-items`
-seeded items of each of ../shared/fixtures/evalsets' three files, first turn), as `dflash-etl
-eval` measures them. The serving-side mistakes (h, j, k) are also measured served: the dev
-server (`DevServer --drafter`, real speculative decoding in-process) serving the correct drafter
-right and with each mistake, tau read from its own spec-decode counters by `eval --server`.
+off). tau: `speculative_decode` with greedy verification by the run's target, as it generated
+the rows (`AsGenerated`: its length penalty, so every reply ends within `--new-tokens`), on the
+held-out prompts (every held-out conversation by default: those speculators' split does not
+train on), as bench_trainer_vs_speculators.py measures it, and on the benchmark prompts
+(`--bench-items` seeded items of each of ../shared/fixtures/evalsets' three files, first turn),
+as `dflash-etl eval` measures them. The serving-side mistakes (h, j, k) are also measured
+served: the dev server (`DevServer --drafter`, real speculative decoding in-process) serving the
+correct drafter right and with each mistake, tau read from its own spec-decode counters by
+`eval --server`.
 States: the run's extract output where the token ids are the run's (c, d, e), else computed
 online from the target. "caught by" is the check that stops the mistake in this pipeline, and
 the test that shows it.
@@ -52,8 +54,9 @@ the test that shows it.
     python benchmarks/bench_failure_modes.py [--run runs/default] [--steps N]
         [--seeds 0,1,2] [--quick] [--bench-items 6] [--out benchmarks/results/failure_modes]
 
-Steps default to the run's own (300 on the embedded default: 20 min on 2 cores for 3 seeds,
-~6 of them per seed); `--quick`: one seed (0), ~8 min. Results: OUT.md and OUT.json (the md's
+Steps default to the run's own (300 on the embedded default: ~22 min on 2 cores for 3 seeds,
+~7 of them per seed); `--quick`: one seed (0) at QUICK_STEPS, ~5 min, a smoke run (the mask
+mistakes show from ~300 steps). Results: OUT.md and OUT.json (the md's
 hand-written `## Findings` kept). Needs a run complete through train (`make run`).
 """
 
@@ -78,6 +81,7 @@ REPO = HERE.parent
 WORK = HERE / "work" / "failure_modes"
 DEFAULT_OUT = HERE / "results" / "failure_modes"
 TRAIN_RATIO = 0.9
+QUICK_STEPS = 150
 sys.path.insert(0, str(HERE))
 
 # mistake -> (what it is, caught by: the check, and the test that shows it)
@@ -440,6 +444,64 @@ def prompts_tau(bench: Any, drafter: Any, prompts: list[list[int]]) -> float:
                                    bench.base.eos)["tau"], 4)
 
 
+class AsGenerated:
+    """The run's target verifying as it generated the rows: the length penalty of its
+    generation config (`exponential_decay_length_penalty`, transformers' processor, which ends
+    the tiny target's replies at 20-45 tokens in regenerate) added to its end-of-turn logit.
+    Without it the verifier never ends a reply (greedy argmax on raw logits: 0 of 26 held-out
+    replies ended within 64 tokens), so nothing a mask does at the end of a turn could show.
+    The first `extend` of a decode (an empty cache) is the prompt; turns after the first are
+    not counted apart (every prompt here is one turn)."""
+
+    def __init__(self, target: Any, start: int, factor: float, eos: list[int]) -> None:
+        self._target, self._start, self._factor, self._eos = target, start, factor, eos
+        self._prompt = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+    def extend(self, tokens: list[int], cache: Any) -> tuple[Any, Any]:
+        before = cache.get_seq_length()
+        if not before:
+            self._prompt = len(tokens)
+        logits, states = self._target.extend(tokens, cache)
+        logits = logits.clone()
+        for row in range(logits.shape[0]):
+            past = before + row + 1 - (self._prompt + self._start)  # as the processor counts
+            if past > 0:
+                eos = logits[row, self._eos]
+                logits[row, self._eos] = eos + eos.abs() * (self._factor ** past - 1)
+        return logits, states
+
+
+def as_generated(target: Any, target_dir: Path) -> Any:
+    """`target` wrapped in AsGenerated when its generation config sets a length penalty
+    (the embedded default's tiny target), else itself (a real target ends its turns alone)."""
+    path = Path(target_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    penalty = config.get("exponential_decay_length_penalty")
+    if not penalty:
+        return target
+    eos = config.get("eos_token_id")
+    return AsGenerated(target, int(penalty[0]), float(penalty[1]),
+                       eos if isinstance(eos, list) else [eos])
+
+
+def never_drafting(bench: Any, drafter: Any, token: int) -> float:
+    """tau of `drafter` with `token` never drafted (its logit removed before the argmax):
+    e's direct cost, on the correct drafter, free of what training without it changes."""
+    from dflash_etl.models.acceptance import drafter_logits
+
+    logits_of = drafter_logits(bench.base.target, drafter.eval())
+
+    def propose(context: Any, seq: list[int], room: int) -> list[int]:
+        logits = logits_of(context, seq, room).clone()
+        if len(logits):
+            logits[:, token] = -float("inf")
+        return logits.argmax(-1).tolist()
+    return bench.tau(propose)
+
+
 def benchmark_items(per_file: int) -> list[Any]:
     """The benchmark items tau is measured on: `per_file` seeded items of each file (as `eval
     --limit` draws them), their first turn (a planted row is one turn)."""
@@ -504,8 +566,8 @@ def other_layers_tau(bench: Any, drafter: Any, layers: list[int]) -> float:
     from dflash_etl.models.acceptance import acceptance_length
     from dflash_etl.models.target import Target, TargetSpec
 
-    served = Target(TargetSpec(model=str(bench.target_dir), layers=",".join(map(str, layers)),
-                               device="cpu"))
+    served = as_generated(Target(TargetSpec(model=str(bench.target_dir), layers=",".join(
+        map(str, layers)), device="cpu")), bench.target_dir)
     return round(acceptance_length(served, drafter, bench.prompts, bench.new_tokens,
                                    bench.base.eos)["tau"], 4)
 
@@ -727,9 +789,14 @@ def main() -> None:
                         help="optimizer steps per drafter (default 0: the run's own, 300 on "
                              "the embedded default; at 100 the mask mistakes do not show yet)")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--quick", action="store_true", help="one seed (0)")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"one seed (0) at {QUICK_STEPS} steps unless --steps: a smoke "
+                             "run in ~5 min (the mask mistakes show from ~300 steps)")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="held-out conversations tau is measured on (default 0: all)")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens decoded per prompt (default 64: past the end of every "
+                             "reply of the tiny target, 20-45 tokens)")
     parser.add_argument("--bench-items", type=int, default=6,
                         help="items of each benchmark file (first turn) tau is measured on, "
                              "and planted for l")
@@ -740,8 +807,10 @@ def main() -> None:
     if args.from_json:
         recorded = json.loads(args.out.with_suffix(".json").read_text())
         results = {name: {"seeds": {int(k): v for k, v in doc["seeds"].items()},
-                          **({"caught_here": doc["caught_here"]} if "caught_here" in doc
-                             else {})} for name, doc in recorded["mistakes"].items()}
+                          **{key: doc[key] for key in ("caught_here", "direct") if key in doc}}
+                   for name, doc in recorded["mistakes"].items()}
+        args.counted = recorded.get("prompts") or {"held_out": args.prompts,
+                                                   "served": args.prompts}
         seeds = sorted(results["correct"]["seeds"])
         args.seeds = ",".join(map(str, seeds))
         steps = argparse.Namespace(steps=recorded["steps"])
@@ -757,17 +826,20 @@ def main() -> None:
     run = args.run.resolve()
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",") if s.strip()]
     base = run_settings(run)
-    base = replace(base, steps=args.steps or base.steps)
+    base = replace(base, steps=args.steps or (QUICK_STEPS if args.quick else base.steps))
     manifest = json.loads((run / "manifest.json").read_text())
     rows_in = manifest["stages"]["tokenize"]["counts"]["rows_written"]
     rows, held, extracted, index = split_rows(run, int(rows_in * TRAIN_RATIO))
-    bench = TauBench(run, run / "train" / "drafter", "held-out", args.prompts,
+    bench = TauBench(run, run / "train" / "drafter", "held-out", args.prompts or len(held),
                      args.new_tokens, held, [])
-    rendered = template_prompts(run, held, args.prompts)
+    rendered = template_prompts(run, held, args.prompts or len(held))
     items = benchmark_items(args.bench_items)
     on_benchmarks = TauBench(run, run / "train" / "drafter", "held-out", 0, args.new_tokens,
                              [], [])
     on_benchmarks.items = items
+    for measured in (bench, on_benchmarks):
+        measured.base.target = as_generated(measured.base.target, measured.target_dir)
+    args.counted = {"held_out": len(bench.prompts), "served": len(rendered["own"])}
     tokenizer = AutoTokenizer.from_pretrained(
         manifest["stages"]["tokenize"]["settings"]["model"])
     ok = tokenizer.encode("OK.", add_special_tokens=False)
@@ -816,6 +888,12 @@ def main() -> None:
                 tau_j = other_layers_tau(bench, drafter, layers)
                 results["j_other_layers"]["seeds"][seed] = {"tau": tau_j, "layers": layers}
                 print(f"seed {seed} j_other_layers: tau {tau_j:.3f}", flush=True)
+                eot = int(bench.base.eos and min(bench.base.eos))
+                never = never_drafting(bench, drafter, eot)
+                results["e_no_end_of_turn"].setdefault("direct", {})[seed] = {
+                    "tau": tau, "tau_never_drafting_the_end_of_turn": never}
+                print(f"seed {seed} the correct drafter never drafting the end of turn: tau "
+                      f"{never:.4f} (drafting it {tau:.4f})", flush=True)
                 own, other, opened = (prompts_tau(bench, drafter, rendered[k])
                                       for k in ("own", "h", "g"))
                 results["h_other_template"]["seeds"][seed] = {
@@ -886,19 +964,24 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
          "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                      "torch": torch.__version__},
          "steps": settings.steps, "train_rows": rows, "benchmark_items": items,
+         "prompts": args.counted,
          "mistakes": results}, indent=2) + "\n")
     lines = [f"# failure modes — {date}", "",
              f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, torch "
              f"{torch.__version__}. Command: `{command}` ({seconds / 60:.1f} min). Our trainer, "
              f"{settings.steps} steps, seeds {', '.join(map(str, seeds))}, {rows} training "
-             f"rows; tau on {args.prompts} held-out prompts and on {items} benchmark prompts "
+             f"rows; tau on {args.counted['held_out']} held-out prompts and on {items} "
+             "benchmark prompts "
              f"(GSM8K, MT-Bench, HumanEval, {args.bench_items} each, first turn), "
              f"{args.new_tokens} tokens each. \"vs correct\": the mistake's tau against the "
              "correct run's on every seed (g, h: the correct drafter on the same conversations "
              "rendered with the run's own template). Served: tokens per step pooled from "
              "the dev server's own spec-decode counters (`eval --server`), the correct "
              "drafter served right and with each serving-side mistake, on h's "
-             f"{args.prompts} held-out conversations (their user turns).", "",
+             f"{args.counted['served']} held-out conversations (their user turns). Offline, "
+             "the target verifies as it generated the rows (its generation config's length "
+             "penalty on the end of turn: `AsGenerated`), so every reply ends within the "
+             "tokens decoded.", "",
              "| mistake | held-out tau (mean) | min-max | x correct | vs correct | "
              "served on the dev server (mean) | min-max | x correct | vs correct | "
              "benchmark tau (mean) | min-max | x correct | vs correct | caught by | "
@@ -909,6 +992,13 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
                      f"{_cells(name, 'served_tau', doc['served_tau'])} | "
                      f"{_cells(name, 'bench_tau', doc['bench_tau'])} | {doc['caught_by']} | "
                      f"{doc.get('caught_here', '-')} |")
+    direct = results["e_no_end_of_turn"].get("direct")
+    if direct:
+        pairs = [direct.get(s, direct.get(str(s))) for s in seeds]
+        lines += ["", "e's direct cost, free of training noise: the correct drafter with the end "
+                  "of turn never drafted (its logit removed), held-out tau per seed: " + ", ".join(
+                      f"{p['tau_never_drafting_the_end_of_turn']:.4f} (drafting it "
+                      f"{p['tau']:.4f})" for p in pairs) + "."]
     previous = args.out.with_suffix(".md")
     notes = ""
     if previous.exists() and "## Findings" in (text := previous.read_text()):

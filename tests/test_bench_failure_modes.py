@@ -1,0 +1,68 @@
+"""The failure-mode benchmark's verifier: tau on the tiny target is counted against the target
+as it generated the rows. Its replies end only through its generation config's length penalty
+(a transformers logits processor); a verifier without it never reaches the end of a turn, and
+nothing a loss mask does there could show (mistakes d and e)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def ending_target(tiny_qwen2) -> Path:
+    return tiny_qwen2(tie_word_embeddings=False, exponential_decay_length_penalty=(8, 1.1))
+
+
+def _prompts(project_tok) -> list[list[int]]:
+    texts = ["What is 22 * 26?", "Write a haiku about the sea.", "Explain how a lock works."]
+    return [project_tok(project_tok.apply_chat_template(
+        [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_the_verifier_ends_each_reply_where_transformers_generate_does(ending_target,
+                                                                      project_tok):
+    torch = pytest.importorskip("torch")
+    from bench_failure_modes import as_generated
+    from transformers import AutoModelForCausalLM
+
+    from dflash_etl.models.acceptance import eos_token_ids, speculative_decode
+    from dflash_etl.models.target import Target, TargetSpec
+
+    model = AutoModelForCausalLM.from_pretrained(ending_target).eval()
+    target = Target(TargetSpec(model=str(ending_target), device="cpu"))
+    eos = eos_token_ids(target.model)
+    verifier = as_generated(target, ending_target)
+    for prompt in _prompts(project_tok):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=64)[0, len(prompt):].tolist()
+        assert generated[-1] in eos and len(generated) < 64  # the processor ended it
+
+        start = len(prompt)
+
+        def exact(context, seq, room, reply=generated, start=start):  # drafts 3 ahead
+            return reply[len(seq) - start:][:3]
+
+        def wrong(context, seq, room):
+            return [int(seq[-1])] * 3
+
+        for propose in (exact, wrong, lambda *_: []):
+            decoded = speculative_decode(verifier, propose, prompt, 64, eos)
+            assert decoded.tokens == generated
+        assert max(speculative_decode(verifier, exact, prompt, 64, eos).accepted) == 4
+        raw = speculative_decode(target, lambda *_: [], prompt, 64, eos).tokens
+        assert raw[:len(generated) - 1] == generated[:-1] and raw != generated
+
+
+def test_a_target_without_a_length_penalty_is_verified_as_it_is(tiny_target):
+    from bench_failure_modes import as_generated
+
+    sentinel = object()
+    assert as_generated(sentinel, tiny_target) is sentinel
