@@ -782,6 +782,55 @@ def caught_contamination(items: list[Any]) -> str:
             f"{doc['total']['rows_in']}" if filtered else "NOT caught")
 
 
+def chosen_mistakes(spec: str) -> list[str]:
+    """MISTAKES' names `--mistakes` picks by letter ("d,e"; empty: all), the correct run first.
+    The serving-side rows (g, h, j, k) come together: one drafter, served once for all four."""
+    letters = {s.strip().lower() for s in spec.split(",") if s.strip()}
+    if not letters:
+        return list(MISTAKES)
+    if letters & set("ghjk"):
+        letters |= set("ghjk")
+    unknown = letters - {name.split("_")[0] for name in MISTAKES}
+    if unknown:
+        raise SystemExit(f"--mistakes: no mistake {', '.join(sorted(unknown))}: give letters "
+                         "a to l")
+    return ["correct", *[n for n in MISTAKES if n != "correct" and n.split("_")[0] in letters]]
+
+
+def serving_side(run: Path, bench: Any, drafter: Any, seed: int, tau: float,
+                 rendered: dict[str, list[list[int]]], layers: list[int],
+                 results: dict[str, dict[str, Any]], new_tokens: int) -> None:
+    """What the correct drafter measures for the chosen rows that need no training of their
+    own: j, k, g and h offline, e's direct cost, and the serving-side rows served."""
+    if "j_other_layers" in results:
+        moved = [max(0, i - 1) for i in layers]
+        tau_j = other_layers_tau(bench, drafter, moved)
+        results["j_other_layers"]["seeds"][seed] = {"tau": tau_j, "layers": moved}
+        print(f"seed {seed} j_other_layers: tau {tau_j:.3f}", flush=True)
+    if "e_no_end_of_turn" in results:
+        never = never_drafting(bench, drafter, min(bench.base.eos))
+        results["e_no_end_of_turn"].setdefault("direct", {})[seed] = {
+            "tau": tau, "tau_never_drafting_the_end_of_turn": never}
+        print(f"seed {seed} the correct drafter never drafting the end of turn: tau "
+              f"{never:.4f} (drafting it {tau:.4f})", flush=True)
+    if {"g_thinking_on", "h_other_template"} <= results.keys():
+        own, other, opened = (prompts_tau(bench, drafter, rendered[k]) for k in ("own", "h", "g"))
+        results["h_other_template"]["seeds"][seed] = {"tau": other, "tau_own_template": own}
+        results["g_thinking_on"]["seeds"][seed] = {"tau": opened, "tau_own_template": own}
+        print(f"seed {seed} h_other_template: tau {other:.3f}, g_thinking_on: tau {opened:.3f} "
+              f"(the run's template on the same prompts {own:.3f})", flush=True)
+    if "k_causal_block" in results:
+        for pattern in ("causal_block", "sliding_window"):
+            tau_k = attention_tau(bench, drafter, pattern)
+            results[f"k_{pattern}"]["seeds"][seed] = {"tau": tau_k}
+            print(f"seed {seed} k_{pattern}: tau {tau_k:.3f}", flush=True)
+    if {"g_thinking_on", "h_other_template", "j_other_layers", "k_causal_block"
+        } <= results.keys():
+        for served_name, tau_s in served_mistakes(run, drafter, seed, new_tokens).items():
+            results[served_name]["seeds"][seed]["served_tau"] = tau_s
+            print(f"seed {seed} {served_name}: served {tau_s:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, default=REPO / "runs" / "default")
@@ -800,6 +849,9 @@ def main() -> None:
     parser.add_argument("--bench-items", type=int, default=6,
                         help="items of each benchmark file (first turn) tau is measured on, "
                              "and planted for l")
+    parser.add_argument("--mistakes", default="",
+                        help="the rows to measure, by letter (\"d,e\"; default: all), "
+                             "beside the correct run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--from-json", action="store_true",
                         help="only rewrite OUT.md from OUT.json (the recorded measurements)")
@@ -843,36 +895,47 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(
         manifest["stages"]["tokenize"]["settings"]["model"])
     ok = tokenizer.encode("OK.", add_special_tokens=False)
-    variants: dict[str, tuple[list[dict[str, Any]], bool]] = {  # rows, on the run's states
-        "correct": (rows, True),
-        "a_dummy_replies": ([rewrite_replies(r, lambda _r: list(ok)) for r in rows], False),
-        "b_off_policy": (off_policy_rows(run, {r["id"] for r in rows}), False),
-        "c_mask_everything": ([mask_everything(r) for r in rows], True),
-        "d_mask_shifted": ([mask_shifted(r) for r in rows], True),
-        "e_no_end_of_turn": ([no_end_of_turn(r) for r in rows], True),
-        "f_truncated_kept": ([rewrite_replies(r, cut_at_limit) for r in rows], False),
+    chosen = chosen_mistakes(args.mistakes)
+    train_ids = {r["id"] for r in rows}
+    other: dict[str, Any] = {}
+
+    def other_target() -> tuple[list[dict[str, Any]], Any]:
+        if not other:
+            other["rows"], other["record"] = other_target_rows(run, train_ids)
+        return other["rows"], other["record"]
+    makers: dict[str, Callable[[], tuple[list[dict[str, Any]], bool]]] = {  # rows, stored
+        "correct": lambda: (rows, True),
+        "a_dummy_replies": lambda: ([rewrite_replies(r, lambda _r: list(ok)) for r in rows],
+                                    False),
+        "b_off_policy": lambda: (off_policy_rows(run, train_ids), False),
+        "c_mask_everything": lambda: ([mask_everything(r) for r in rows], True),
+        "d_mask_shifted": lambda: ([mask_shifted(r) for r in rows], True),
+        "e_no_end_of_turn": lambda: ([no_end_of_turn(r) for r in rows], True),
+        "f_truncated_kept": lambda: ([rewrite_replies(r, cut_at_limit) for r in rows], False),
+        "i_other_target": lambda: (other_target()[0], False),
+        "l_benchmarks_in_mix": lambda: ([*rows, *planted_rows(run, items)], False),
     }
-    other_rows, other_record = other_target_rows(run, {r["id"] for r in rows})
-    variants["i_other_target"] = (other_rows, False)
-    variants["l_benchmarks_in_mix"] = ([*rows, *planted_rows(run, items)], False)
+    variants = {name: make() for name, make in makers.items() if name in chosen}
     print(f"rows and variants: {time.perf_counter() - clock:.0f} s", flush=True)
-    caught = {"a_dummy_replies": caught_dummy_replies(run),
-              "b_off_policy": caught_replies(variants["b_off_policy"][0], str(base.target)),
-              "c_mask_everything": caught_mask(run, mask_everything),
-              "d_mask_shifted": caught_mask(run, mask_shifted),
-              "e_no_end_of_turn": caught_mask(run, no_end_of_turn),
-              "f_truncated_kept": caught_truncated(run) + "; as data: " + caught_mask(
-                  run, lambda r: rewrite_replies(r, cut_at_limit)),
-              "i_other_target": caught_other_target(other_rows, other_record, str(base.target)),
-              "j_other_layers": caught_layers(run),
-              "g_thinking_on": caught_thinking(),
-              "h_other_template": caught_template(run),
-              "k_causal_block": caught_attention(run, {"is_causal": True}),
-              "k_sliding_window": caught_attention(run, {"use_sliding_window": True,
-                                                         "sliding_window": WINDOW}),
-              "l_benchmarks_in_mix": caught_contamination(items)}
+    catches: dict[str, Callable[[], str]] = {
+        "a_dummy_replies": lambda: caught_dummy_replies(run),
+        "b_off_policy": lambda: caught_replies(variants["b_off_policy"][0], str(base.target)),
+        "c_mask_everything": lambda: caught_mask(run, mask_everything),
+        "d_mask_shifted": lambda: caught_mask(run, mask_shifted),
+        "e_no_end_of_turn": lambda: caught_mask(run, no_end_of_turn),
+        "f_truncated_kept": lambda: caught_truncated(run) + "; as data: " + caught_mask(
+            run, lambda r: rewrite_replies(r, cut_at_limit)),
+        "i_other_target": lambda: caught_other_target(*other_target(), str(base.target)),
+        "j_other_layers": lambda: caught_layers(run),
+        "g_thinking_on": caught_thinking,
+        "h_other_template": lambda: caught_template(run),
+        "k_causal_block": lambda: caught_attention(run, {"is_causal": True}),
+        "k_sliding_window": lambda: caught_attention(run, {"use_sliding_window": True,
+                                                           "sliding_window": WINDOW}),
+        "l_benchmarks_in_mix": lambda: caught_contamination(items)}
+    caught = {name: catch() for name, catch in catches.items() if name in chosen}
     print(f"caught: {json.dumps(caught, indent=1)}", flush=True)
-    results: dict[str, dict[str, Any]] = {name: {"seeds": {}} for name in MISTAKES}
+    results: dict[str, dict[str, Any]] = {name: {"seeds": {}} for name in chosen}
     for seed in seeds:
         settings = replace(base, seed=seed)
         for name, (variant_rows, stored) in variants.items():
@@ -884,33 +947,8 @@ def main() -> None:
             print(f"seed {seed} {name}: tau {tau:.3f}, on benchmarks {bench_tau:.3f} "
                   f"({info['seconds']} s)", flush=True)
             if name == "correct":
-                layers = [max(0, i - 1) for i in extracted.layers]
-                tau_j = other_layers_tau(bench, drafter, layers)
-                results["j_other_layers"]["seeds"][seed] = {"tau": tau_j, "layers": layers}
-                print(f"seed {seed} j_other_layers: tau {tau_j:.3f}", flush=True)
-                eot = int(bench.base.eos and min(bench.base.eos))
-                never = never_drafting(bench, drafter, eot)
-                results["e_no_end_of_turn"].setdefault("direct", {})[seed] = {
-                    "tau": tau, "tau_never_drafting_the_end_of_turn": never}
-                print(f"seed {seed} the correct drafter never drafting the end of turn: tau "
-                      f"{never:.4f} (drafting it {tau:.4f})", flush=True)
-                own, other, opened = (prompts_tau(bench, drafter, rendered[k])
-                                      for k in ("own", "h", "g"))
-                results["h_other_template"]["seeds"][seed] = {
-                    "tau": other, "tau_own_template": own}
-                results["g_thinking_on"]["seeds"][seed] = {
-                    "tau": opened, "tau_own_template": own}
-                print(f"seed {seed} h_other_template: tau {other:.3f}, g_thinking_on: tau "
-                      f"{opened:.3f} (the run's template on the same prompts {own:.3f})",
-                      flush=True)
-                for pattern in ("causal_block", "sliding_window"):
-                    tau_k = attention_tau(bench, drafter, pattern)
-                    results[f"k_{pattern}"]["seeds"][seed] = {"tau": tau_k}
-                    print(f"seed {seed} k_{pattern}: tau {tau_k:.3f}", flush=True)
-                for served_name, tau_s in served_mistakes(run, drafter, seed,
-                                                          args.new_tokens).items():
-                    results[served_name]["seeds"][seed]["served_tau"] = tau_s
-                    print(f"seed {seed} {served_name}: served {tau_s:.3f}", flush=True)
+                serving_side(run, bench, drafter, seed, tau, rendered, extracted.layers,
+                             results, args.new_tokens)
     for name, said in caught.items():
         results[name]["caught_here"] = said
     write(args, run, base, seeds, results, len(rows), time.perf_counter() - clock,
@@ -918,10 +956,19 @@ def main() -> None:
 
 
 def _summary(taus: list[float], correct: list[float]) -> dict[str, Any]:
+    """Over the seeds, and paired with the correct run on the same seed: the difference's mean
+    and its standard error (what separates a cost from training noise)."""
+    diffs = [t - c for t, c in zip(taus, correct, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    spread = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5 \
+        if len(diffs) > 1 else 0.0
     return {"mean": round(sum(taus) / len(taus), 3), "min": min(taus), "max": max(taus),
             "relative": round(sum(taus) / sum(correct), 3),
-            "below_every_seed": all(t < c for t, c in zip(taus, correct, strict=True)),
-            "above_every_seed": all(t > c for t, c in zip(taus, correct, strict=True))}
+            "below_every_seed": all(d < 0 for d in diffs),
+            "above_every_seed": all(d > 0 for d in diffs),
+            "below_on_seeds": sum(d < 0 for d in diffs), "seeds": len(diffs),
+            "paired_difference": round(mean, 4),
+            "paired_standard_error": round(spread / len(diffs) ** 0.5, 4)}
 
 
 def _cells(name: str, key: str, summary: dict[str, Any] | None) -> str:
@@ -932,8 +979,10 @@ def _cells(name: str, key: str, summary: dict[str, Any] | None) -> str:
         versus = "-"
     elif name == "l_benchmarks_in_mix" and key == "bench_tau":  # it inflates that figure
         versus = "above (inflated)" if summary["above_every_seed"] else "**not above**"
+    elif summary["below_every_seed"]:
+        versus = "below"
     else:
-        versus = "below" if summary["below_every_seed"] else "**not below**"
+        versus = f"**below on {summary['below_on_seeds']} of {summary['seeds']}**"
     return (f"{summary['mean']:.3f} | {summary['min']:.3f}-{summary['max']:.3f} | "
             f"{summary['relative']:.2f} | {versus}")
 
@@ -945,17 +994,18 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
 
     date = date or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     keys = ("tau", "served_tau", "bench_tau")
-    correct = {key: [results["correct"]["seeds"][s][key] for s in seeds] for key in keys}
+    correct = {key: [results["correct"]["seeds"][s].get(key) for s in seeds] for key in keys}
     for name, doc in results.items():
         for key in keys:
             taus = [doc["seeds"][s].get(key) for s in seeds]
             versus = correct[key]
             if name in ("g_thinking_on", "h_other_template") and key == "tau":  # same prompts
                 versus = [doc["seeds"][s]["tau_own_template"] for s in seeds]
-            doc[key] = (_summary(taus, versus) if None not in taus else None)
+            doc[key] = (_summary(taus, versus) if None not in [*taus, *versus] else None)
         doc.update(what=MISTAKES[name][0], caught_by=MISTAKES[name][1])
     command = command or ("python benchmarks/bench_failure_modes.py"
                + (" --quick" if args.quick else f" --seeds {args.seeds}")
+               + (f" --mistakes {args.mistakes}" if args.mistakes else "")
                + f" --steps {settings.steps} --prompts {args.prompts} --new-tokens "
                f"{args.new_tokens} --bench-items {args.bench_items}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -992,7 +1042,14 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
                      f"{_cells(name, 'served_tau', doc['served_tau'])} | "
                      f"{_cells(name, 'bench_tau', doc['bench_tau'])} | {doc['caught_by']} | "
                      f"{doc.get('caught_here', '-')} |")
-    direct = results["e_no_end_of_turn"].get("direct")
+    paired = [f"{name.split('_')[0]}{' ' + name.split('_')[1] if name[0] == 'k' else ''} "
+              f"{doc['tau']['paired_difference']:+.3f} ± "
+              f"{doc['tau']['paired_standard_error']:.3f}" for name, doc in results.items()
+              if name != "correct" and doc["tau"]]
+    lines += ["", "Held-out tau paired with the correct run on the same seed (the mistake's "
+              "minus the correct run's, mean ± standard error over the seeds): "
+              + "; ".join(paired) + "."]
+    direct = results.get("e_no_end_of_turn", {}).get("direct")
     if direct:
         pairs = [direct.get(s, direct.get(str(s))) for s in seeds]
         lines += ["", "e's direct cost, free of training noise: the correct drafter with the end "
