@@ -512,12 +512,26 @@ def benchmark_items(per_file: int) -> list[Any]:
             for item in sample_items(read_benchmark(EVALSETS / name), per_file, 0)]
 
 
+def in_domain_items(measured: list[Any], per_file: int) -> list[Any]:
+    """`per_file` items of each benchmark file tau is not measured on, first turn: in-domain
+    text for the benchmark columns (the fixtures hold the test files only, so their other
+    items stand in for a train split; decontamination would rightly filter them)."""
+    from dflash_etl.evaluate import sample_items
+    from dflash_etl.io.benchmarks import read_benchmark
+
+    seen = {(i.benchmark, i.item) for i in measured}
+    return [item for name in BENCHMARKS for item in [
+        replace(i, turns=i.turns[:1]) for i in sample_items(
+            read_benchmark(EVALSETS / name), per_file + len(seen), 1)
+        if (i.benchmark, i.item) not in seen][:per_file]]
+
+
 def _planted_source(items: list[Any], path: Path) -> None:
     path.write_text("".join(json.dumps({"id": f"planted-{i.benchmark}-{i.item}", "messages": [
         {"role": "user", "content": i.turns[0]}]}) + "\n" for i in items))
 
 
-def planted_rows(run: Path, items: list[Any]) -> list[dict[str, Any]]:
+def planted_rows(run: Path, items: list[Any], name: str = "planted") -> list[dict[str, Any]]:
     """l: the benchmark items as prompt-only rows through ingest, regenerate (the run's target
     and settings: the target's replies) and tokenize (the run's settings)."""
     from dflash_etl.core.outputs import TokenizedOutput
@@ -525,7 +539,7 @@ def planted_rows(run: Path, items: list[Any]) -> list[dict[str, Any]]:
     from dflash_etl.stages import ingest, load_config, regenerate, tokenize
     from dflash_etl.stages.train import _load_rows
 
-    work = WORK / "planted"
+    work = WORK / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     _planted_source(items, work / "planted.jsonl")
@@ -852,6 +866,10 @@ def main() -> None:
     parser.add_argument("--mistakes", default="",
                         help="the rows to measure, by letter (\"d,e\"; default: all), "
                              "beside the correct run")
+    parser.add_argument("--in-domain", type=int, default=0,
+                        help="add N other items of each benchmark file (never the measured "
+                             "ones; the target's replies) to every row set: can the benchmark "
+                             "columns show c-f then (with --mistakes c,d,e,f)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--from-json", action="store_true",
                         help="only rewrite OUT.md from OUT.json (the recorded measurements)")
@@ -871,7 +889,7 @@ def main() -> None:
               recorded["command"])
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from bench_trainer_vs_speculators import TauBench, run_settings, split_rows
+    from bench_trainer_vs_speculators import TauBench, run_settings, split_rows, untrained
     from transformers import AutoTokenizer
 
     clock = time.perf_counter()
@@ -896,6 +914,12 @@ def main() -> None:
         manifest["stages"]["tokenize"]["settings"]["model"])
     ok = tokenizer.encode("OK.", add_special_tokens=False)
     chosen = chosen_mistakes(args.mistakes)
+    if args.in_domain:
+        if set(chosen) - {"correct", *(n for n in MISTAKES if n[0] in "cdef")}:
+            raise SystemExit("--in-domain measures the rows that transform the run's (c, d, "
+                             "e, f): add --mistakes c,d,e,f or fewer")
+        rows = [*rows, *planted_rows(run, in_domain_items(items, args.in_domain),
+                                     "in-domain")]
     train_ids = {r["id"] for r in rows}
     other: dict[str, Any] = {}
 
@@ -915,7 +939,8 @@ def main() -> None:
         "i_other_target": lambda: (other_target()[0], False),
         "l_benchmarks_in_mix": lambda: ([*rows, *planted_rows(run, items)], False),
     }
-    variants = {name: make() for name, make in makers.items() if name in chosen}
+    variants = {name: (made[0], made[1] and not args.in_domain)  # no stored states for them
+                for name, make in makers.items() if name in chosen for made in [make()]}
     print(f"rows and variants: {time.perf_counter() - clock:.0f} s", flush=True)
     catches: dict[str, Callable[[], str]] = {
         "a_dummy_replies": lambda: caught_dummy_replies(run),
@@ -947,6 +972,10 @@ def main() -> None:
             print(f"seed {seed} {name}: tau {tau:.3f}, on benchmarks {bench_tau:.3f} "
                   f"({info['seconds']} s)", flush=True)
             if name == "correct":
+                floor = untrained(run / "train" / "drafter", seed)
+                results[name]["seeds"][seed]["untrained"] = {
+                    "tau": bench.tau(bench.ours(floor)),
+                    "bench_tau": on_benchmarks.tau(on_benchmarks.ours(floor))}
                 serving_side(run, bench, drafter, seed, tau, rendered, extracted.layers,
                              results, args.new_tokens)
     for name, said in caught.items():
@@ -1006,6 +1035,7 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
     command = command or ("python benchmarks/bench_failure_modes.py"
                + (" --quick" if args.quick else f" --seeds {args.seeds}")
                + (f" --mistakes {args.mistakes}" if args.mistakes else "")
+               + (f" --in-domain {args.in_domain}" if args.in_domain else "")
                + f" --steps {settings.steps} --prompts {args.prompts} --new-tokens "
                f"{args.new_tokens} --bench-items {args.bench_items}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -1049,6 +1079,12 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
     lines += ["", "Held-out tau paired with the correct run on the same seed (the mistake's "
               "minus the correct run's, mean ± standard error over the seeds): "
               + "; ".join(paired) + "."]
+    floors = [results["correct"]["seeds"][s].get("untrained") for s in seeds]
+    if None not in floors:
+        lines += ["", "The floor: an untrained drafter (the trainer's initialisation, the same "
+                  "seeds) measures held-out tau " + ", ".join(f"{f['tau']:.3f}" for f in floors)
+                  + " and benchmark tau " + ", ".join(f"{f['bench_tau']:.3f}" for f in floors)
+                  + " per seed."]
     direct = results.get("e_no_end_of_turn", {}).get("direct")
     if direct:
         pairs = [direct.get(s, direct.get(str(s))) for s in seeds]
