@@ -860,6 +860,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64,
                         help="tokens decoded per prompt (default 64: past the end of every "
                              "reply of the tiny target, 20-45 tokens)")
+    parser.add_argument("--served-tokens", type=int, default=32,
+                        help="tokens the dev server decodes per prompt (default 32: within "
+                             "the tiny target's 20-45-token replies)")
     parser.add_argument("--bench-items", type=int, default=6,
                         help="items of each benchmark file (first turn) tau is measured on, "
                              "and planted for l")
@@ -909,7 +912,8 @@ def main() -> None:
     on_benchmarks.items = items
     for measured in (bench, on_benchmarks):
         measured.base.target = as_generated(measured.base.target, measured.target_dir)
-    args.counted = {"held_out": len(bench.prompts), "served": len(rendered["own"])}
+    args.counted = {"held_out": len(bench.prompts), "served": len(rendered["own"]),
+                    "new_tokens": args.new_tokens, "served_tokens": args.served_tokens}
     tokenizer = AutoTokenizer.from_pretrained(
         manifest["stages"]["tokenize"]["settings"]["model"])
     ok = tokenizer.encode("OK.", add_special_tokens=False)
@@ -977,7 +981,7 @@ def main() -> None:
                     "tau": bench.tau(bench.ours(floor)),
                     "bench_tau": on_benchmarks.tau(on_benchmarks.ours(floor))}
                 serving_side(run, bench, drafter, seed, tau, rendered, extracted.layers,
-                             results, args.new_tokens)
+                             results, args.served_tokens)
     for name, said in caught.items():
         results[name]["caught_here"] = said
     write(args, run, base, seeds, results, len(rows), time.perf_counter() - clock,
@@ -1037,7 +1041,8 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
                + (f" --mistakes {args.mistakes}" if args.mistakes else "")
                + (f" --in-domain {args.in_domain}" if args.in_domain else "")
                + f" --steps {settings.steps} --prompts {args.prompts} --new-tokens "
-               f"{args.new_tokens} --bench-items {args.bench_items}")
+               f"{args.new_tokens} --served-tokens {args.served_tokens} --bench-items "
+               f"{args.bench_items}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(
         {"date": date, "command": command, "seconds": round(seconds, 1), "run": str(run),
@@ -1053,12 +1058,16 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
              f"rows; tau on {args.counted['held_out']} held-out prompts and on {items} "
              "benchmark prompts "
              f"(GSM8K, MT-Bench, HumanEval, {args.bench_items} each, first turn), "
-             f"{args.new_tokens} tokens each. \"vs correct\": the mistake's tau against the "
+             f"{args.counted.get('new_tokens', args.new_tokens)} tokens each. \"vs correct\": "
+             "the mistake's tau against the "
              "correct run's on every seed (g, h: the correct drafter on the same conversations "
              "rendered with the run's own template). Served: tokens per step pooled from "
              "the dev server's own spec-decode counters (`eval --server`), the correct "
              "drafter served right and with each serving-side mistake, on h's "
-             f"{args.counted['served']} held-out conversations (their user turns). Offline, "
+             f"{args.counted['served']} held-out conversations (their user turns), "
+             f"{args.counted.get('served_tokens', args.new_tokens)} tokens each (the server "
+             "verifies with the raw logits, as vLLM does: past the replies' 20-45 tokens the "
+             "served target writes text no training reply holds). Offline, "
              "the target verifies as it generated the rows (its generation config's length "
              "penalty on the end of turn: `AsGenerated`), so every reply ends within the "
              "tokens decoded.", "",
