@@ -66,3 +66,25 @@ def test_a_target_without_a_length_penalty_is_verified_as_it_is(tiny_target):
 
     sentinel = object()
     assert as_generated(sentinel, tiny_target) is sentinel
+
+
+def test_rows_are_picked_by_letter_with_the_serving_side_four_together():
+    from bench_failure_modes import MISTAKES, chosen_mistakes
+
+    assert chosen_mistakes("") == list(MISTAKES)
+    assert chosen_mistakes("e, d") == ["correct", "d_mask_shifted", "e_no_end_of_turn"]
+    assert chosen_mistakes("h") == ["correct", "g_thinking_on", "h_other_template",
+                                    "j_other_layers", "k_causal_block", "k_sliding_window"]
+    with pytest.raises(SystemExit, match="no mistake m, z"):
+        chosen_mistakes("d,z,m")
+
+
+def test_a_row_is_paired_with_the_correct_run_seed_by_seed():
+    from bench_failure_modes import _summary
+
+    summary = _summary([5.0, 6.5, 6.0], [6.0, 6.0, 6.5])
+    assert (summary["below_on_seeds"], summary["seeds"]) == (2, 3)
+    assert not summary["below_every_seed"] and not summary["above_every_seed"]
+    assert summary["paired_difference"] == pytest.approx(-1 / 3, abs=1e-4)
+    # differences -1, +0.5, -0.5: their standard deviation over sqrt(3)
+    assert summary["paired_standard_error"] == pytest.approx(0.4410, abs=1e-4)
