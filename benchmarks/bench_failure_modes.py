@@ -43,7 +43,7 @@ the rows (`AsGenerated`: its length penalty, so every reply ends within `--new-t
 held-out prompts (every held-out conversation by default: those speculators' split does not
 train on), as bench_trainer_vs_speculators.py measures it, and on the benchmark prompts
 (`--bench-items` seeded items of each of ../shared/fixtures/evalsets' three files, first turn),
-as `dflash-etl eval` measures them. The serving-side mistakes (h, j, k) are also measured
+as `dflash-etl eval` measures them. The serving-side mistakes (g, h, j, k) are also measured
 served: the dev server (`DevServer --drafter`, real speculative decoding in-process) serving the
 correct drafter right and with each mistake, tau read from its own spec-decode counters by
 `eval --server`.
@@ -54,9 +54,9 @@ the test that shows it.
     python benchmarks/bench_failure_modes.py [--run runs/default] [--steps N]
         [--seeds 0,1,2] [--quick] [--bench-items 6] [--out benchmarks/results/failure_modes]
 
-Steps default to the run's own (300 on the embedded default: ~22 min on 2 cores for 3 seeds,
-~7 of them per seed); `--quick`: one seed (0) at QUICK_STEPS, ~5 min, a smoke run (the mask
-mistakes show from ~300 steps). Results: OUT.md and OUT.json (the md's
+Steps default to the run's own (300 on the embedded default: ~19 min on 2 cores for 3 seeds,
+~6 of them per seed); `--quick`: one seed (0) at QUICK_STEPS, ~5 min, a smoke run (a mask over
+everything shows from ~300 steps). Results: OUT.md and OUT.json (the md's
 hand-written `## Findings` kept). Needs a run complete through train (`make run`).
 """
 
@@ -487,9 +487,9 @@ def as_generated(target: Any, target_dir: Path) -> Any:
                        eos if isinstance(eos, list) else [eos])
 
 
-def never_drafting(bench: Any, drafter: Any, token: int) -> float:
-    """tau of `drafter` with `token` never drafted (its logit removed before the argmax):
-    e's direct cost, on the correct drafter, free of what training without it changes."""
+def never_drafting(bench: Any, drafter: Any, tokens: set[int]) -> float:
+    """tau of `drafter` with `tokens` never drafted (their logits removed before the argmax):
+    e's direct cost, on the correct drafter, free of what training without them changes."""
     from dflash_etl.models.acceptance import drafter_logits
 
     logits_of = drafter_logits(bench.base.target, drafter.eval())
@@ -497,7 +497,7 @@ def never_drafting(bench: Any, drafter: Any, token: int) -> float:
     def propose(context: Any, seq: list[int], room: int) -> list[int]:
         logits = logits_of(context, seq, room).clone()
         if len(logits):
-            logits[:, token] = -float("inf")
+            logits[:, sorted(tokens)] = -float("inf")
         return logits.argmax(-1).tolist()
     return bench.tau(propose)
 
@@ -813,7 +813,7 @@ def chosen_mistakes(spec: str) -> list[str]:
 
 def serving_side(run: Path, bench: Any, drafter: Any, seed: int, tau: float,
                  rendered: dict[str, list[list[int]]], layers: list[int],
-                 results: dict[str, dict[str, Any]], new_tokens: int) -> None:
+                 results: dict[str, dict[str, Any]], served_tokens: int) -> None:
     """What the correct drafter measures for the chosen rows that need no training of their
     own: j, k, g and h offline, e's direct cost, and the serving-side rows served."""
     if "j_other_layers" in results:
@@ -822,7 +822,7 @@ def serving_side(run: Path, bench: Any, drafter: Any, seed: int, tau: float,
         results["j_other_layers"]["seeds"][seed] = {"tau": tau_j, "layers": moved}
         print(f"seed {seed} j_other_layers: tau {tau_j:.3f}", flush=True)
     if "e_no_end_of_turn" in results:
-        never = never_drafting(bench, drafter, min(bench.base.eos))
+        never = never_drafting(bench, drafter, bench.base.eos)
         results["e_no_end_of_turn"].setdefault("direct", {})[seed] = {
             "tau": tau, "tau_never_drafting_the_end_of_turn": never}
         print(f"seed {seed} the correct drafter never drafting the end of turn: tau "
@@ -840,7 +840,7 @@ def serving_side(run: Path, bench: Any, drafter: Any, seed: int, tau: float,
             print(f"seed {seed} k_{pattern}: tau {tau_k:.3f}", flush=True)
     if {"g_thinking_on", "h_other_template", "j_other_layers", "k_causal_block"
         } <= results.keys():
-        for served_name, tau_s in served_mistakes(run, drafter, seed, new_tokens).items():
+        for served_name, tau_s in served_mistakes(run, drafter, seed, served_tokens).items():
             results[served_name]["seeds"][seed]["served_tau"] = tau_s
             print(f"seed {seed} {served_name}: served {tau_s:.3f}", flush=True)
 
@@ -850,7 +850,8 @@ def main() -> None:
     parser.add_argument("--run", type=Path, default=REPO / "runs" / "default")
     parser.add_argument("--steps", type=int, default=0,
                         help="optimizer steps per drafter (default 0: the run's own, 300 on "
-                             "the embedded default; at 100 the mask mistakes do not show yet)")
+                             "the embedded default; at 100 a mask over everything does not "
+                             "show yet)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true",
                         help=f"one seed (0) at {QUICK_STEPS} steps unless --steps: a smoke "
