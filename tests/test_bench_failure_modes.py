@@ -38,6 +38,7 @@ def test_the_verifier_ends_each_reply_where_transformers_generate_does(ending_ta
     target = Target(TargetSpec(model=str(ending_target), device="cpu"))
     eos = eos_token_ids(target.model)
     verifier = as_generated(target, ending_target)
+    undrafted: list[int] = []
     for prompt in _prompts(project_tok):
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -53,12 +54,21 @@ def test_the_verifier_ends_each_reply_where_transformers_generate_does(ending_ta
         def wrong(context, seq, room):
             return [int(seq[-1])] * 3
 
-        for propose in (exact, wrong, lambda *_: []):
+        def never_the_end(context, seq, room, undrafted=undrafted, exact=exact):  # e's, at best
+            draft = exact(context, seq, room)
+            undrafted.extend(t for t in draft if t in eos)
+            return [t + 1 if t in eos else t for t in draft]
+
+        for propose in (exact, wrong, lambda *_: [], never_the_end):
             decoded = speculative_decode(verifier, propose, prompt, 64, eos)
             assert decoded.tokens == generated
-        assert max(speculative_decode(verifier, exact, prompt, 64, eos).accepted) == 4
+        steps = speculative_decode(verifier, exact, prompt, 64, eos).accepted
+        assert max(steps) == 4
+        # the end of turn undrafted costs nothing: the verifier's own next token is it
+        assert speculative_decode(verifier, never_the_end, prompt, 64, eos).accepted == steps
         raw = speculative_decode(target, lambda *_: [], prompt, 64, eos).tokens
         assert raw[:len(generated) - 1] == generated[:-1] and raw != generated
+    assert undrafted  # some exact draft held the end of turn, never_the_end's never did
 
 
 def test_a_target_without_a_length_penalty_is_verified_as_it_is(tiny_target):
