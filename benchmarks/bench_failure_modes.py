@@ -520,10 +520,12 @@ def in_domain_items(measured: list[Any], per_file: int) -> list[Any]:
     from dflash_etl.io.benchmarks import read_benchmark
 
     seen = {(i.benchmark, i.item) for i in measured}
-    return [item for name in BENCHMARKS for item in [
-        replace(i, turns=i.turns[:1]) for i in sample_items(
-            read_benchmark(EVALSETS / name), per_file + len(seen), 1)
-        if (i.benchmark, i.item) not in seen][:per_file]]
+    picked: list[Any] = []
+    for name in BENCHMARKS:
+        drawn = sample_items(read_benchmark(EVALSETS / name), per_file + len(seen), 1)
+        unseen = [i for i in drawn if (i.benchmark, i.item) not in seen]
+        picked += [replace(i, turns=i.turns[:1]) for i in unseen[:per_file]]
+    return picked
 
 
 def _planted_source(items: list[Any], path: Path) -> None:
@@ -1102,11 +1104,9 @@ def write(args: argparse.Namespace, run: Path, settings: Any, seeds: list[int],
                   "of turn never drafted (its logit removed), held-out tau per seed: " + ", ".join(
                       f"{p['tau_never_drafting_the_end_of_turn']:.4f} (drafting it "
                       f"{p['tau']:.4f})" for p in pairs) + "."]
-    previous = args.out.with_suffix(".md")
-    notes = ""
-    if previous.exists() and "## Findings" in (text := previous.read_text()):
-        notes = text[text.index("## Findings"):]
-    previous.write_text("\n".join([*lines, ""]) + ("\n" + notes if notes else ""))
+    from results_page import write_keeping_findings
+
+    write_keeping_findings(args.out.with_suffix(".md"), lines)
     print("\n".join(lines))
 
 

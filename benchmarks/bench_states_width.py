@@ -263,10 +263,9 @@ def main() -> None:
         f"plain copy's own: {r['copy_cpu_s_per_gb']}). "
         f"`--plan` projected {r['plan_projected_bytes']} bytes against {stored} written: "
         f"**{100 * r['plan_error']:+.2f}%** (goal within 10%)."]
-    md = out / f"{stem}.md"  # its hand-written `## Findings` are kept
-    text = md.read_text() if md.exists() else ""
-    notes = text[text.index("## Findings"):] if "## Findings" in text else ""
-    md.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+    from results_page import write_keeping_findings
+
+    write_keeping_findings(out / f"{stem}.md", lines)
     print("\n".join(lines))
 
 

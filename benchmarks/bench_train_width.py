@@ -211,10 +211,9 @@ def record(args: argparse.Namespace, run: Path, layers: list[int], result: dict[
         f"(2 CPU cores); states into the trainer {doc['states_mb_per_s_into_trainer']} MB/s "
         f"({per_token} bytes a token); the server: {doc['states_server']}, "
         f"{doc['server_cpu_s']} CPU s. Losses: {result['losses']}."]
-    md = out / "train_width.md"
-    text = md.read_text() if md.exists() else ""
-    notes = text[text.index("## Findings"):] if "## Findings" in text else ""
-    md.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+    from results_page import write_keeping_findings
+
+    write_keeping_findings(out / "train_width.md", lines)
     print("\n".join(lines))
 
 

@@ -883,13 +883,9 @@ def write_results(args: argparse.Namespace, run: Path, settings: Any, doc: dict[
                   "draft_vocab": doc["draft_vocab_size"], "clip": settings.grad_clip,
                   "ratio": TRAIN_RATIO, "train_rows": len(rows)}), "",
               *arch_table(results, settings)]
-    previous = args.out.with_suffix(".md")
-    notes = ""
-    if previous.exists():
-        text = previous.read_text()
-        marker = "## Findings"
-        notes = text[text.index(marker):] if marker in text else ""
-    previous.write_text("\n".join(lines) + ("\n" + notes if notes else ""))
+    from results_page import write_keeping_findings
+
+    write_keeping_findings(args.out.with_suffix(".md"), lines)
     print("\n".join(lines))
 
 
